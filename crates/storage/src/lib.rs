@@ -1,0 +1,146 @@
+//! What every stateful service needs to reach its own tables: opening SQLite (WAL, busy timeout, one
+//! file per service) or PostgreSQL (one schema per service in the shared database), and a clock that
+//! tests can drive. Services embed and run their own migrations; this crate never touches a table.
+
+pub mod clock;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr as _;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+pub use clock::{Clock, ManualClock, SystemClock};
+
+/// Where a service keeps its state.
+#[derive(Clone, PartialEq, Eq)]
+pub enum DatabaseConfig {
+    /// The embedded default: one SQLite file per service in this folder.
+    Sqlite { data_dir: PathBuf },
+    /// Production: one PostgreSQL database shared by all services, one schema each.
+    Postgres { url: String },
+}
+
+impl std::fmt::Debug for DatabaseConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Sqlite { data_dir } => f
+                .debug_struct("Sqlite")
+                .field("data_dir", data_dir)
+                .finish(),
+            // The URL may carry a password.
+            Self::Postgres { .. } => f.write_str("Postgres { url: <redacted> }"),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot create the data folder {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot open the database: {0}")]
+    Connect(#[source] sqlx::Error),
+    #[error("cannot migrate the database: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// An open connection pool of either kind.
+#[derive(Clone, Debug)]
+pub enum Pool {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+impl Pool {
+    /// A cheap round trip, for readiness.
+    pub async fn ping(&self) -> Result<(), sqlx::Error> {
+        match self {
+            Self::Sqlite(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
+            Self::Postgres(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
+        }
+    }
+
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Self::Sqlite(_) => "sqlite",
+            Self::Postgres(_) => "postgresql",
+        }
+    }
+}
+
+/// How one service names its storage: its SQLite file name and its PostgreSQL schema.
+#[derive(Debug, Clone, Copy)]
+pub struct ServiceStorage {
+    /// e.g. `auth.sqlite`.
+    pub sqlite_file: &'static str,
+    /// e.g. `push_auth`; the service's tables and migration history live in it.
+    pub postgres_schema: &'static str,
+    /// `CREATE SCHEMA IF NOT EXISTS <schema>`, spelled out so no SQL is ever formatted.
+    pub create_schema_sql: &'static str,
+    /// Upper bound on pooled connections per process.
+    pub max_connections: u32,
+}
+
+/// Opens (creating if needed) the service's database.
+pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<Pool, OpenError> {
+    match config {
+        DatabaseConfig::Sqlite { data_dir } => {
+            open_sqlite(&data_dir.join(service.sqlite_file), service.max_connections)
+                .await
+                .map(Pool::Sqlite)
+        }
+        DatabaseConfig::Postgres { url } => open_postgres(url, service).await.map(Pool::Postgres),
+    }
+}
+
+pub async fn open_sqlite(path: &Path, max_connections: u32) -> Result<SqlitePool, OpenError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| OpenError::DataDir {
+            path: dir.to_owned(),
+            source,
+        })?;
+    }
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        // WAL with NORMAL is durable across process crashes; only a power loss can lose the last
+        // transactions. The embedded default trades that for commit latency.
+        .synchronous(SqliteSynchronous::Normal)
+        .busy_timeout(Duration::from_secs(10))
+        .foreign_keys(true);
+    SqlitePoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(options)
+        .await
+        .map_err(OpenError::Connect)
+}
+
+async fn open_postgres(url: &str, service: &ServiceStorage) -> Result<PgPool, OpenError> {
+    let options = PgConnectOptions::from_str(url)
+        .map_err(OpenError::Connect)?
+        .options([("search_path", service.postgres_schema)]);
+    let pool = PgPoolOptions::new()
+        .max_connections(service.max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+        .map_err(OpenError::Connect)?;
+    // Replicas starting together may race to create the schema; the loser sees it exists.
+    if let Err(first) = sqlx::query(service.create_schema_sql).execute(&pool).await {
+        tracing::debug!(error = %first, "schema creation raced; retrying once");
+        sqlx::query(service.create_schema_sql)
+            .execute(&pool)
+            .await
+            .map_err(OpenError::Connect)?;
+    }
+    Ok(pool)
+}

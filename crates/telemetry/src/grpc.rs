@@ -1,0 +1,161 @@
+//! Tower layers that give every gRPC call a client or server span and carry W3C trace context in
+//! the call's metadata. Span fields follow the OpenTelemetry RPC conventions.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tracing::Instrument as _;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+use crate::{extract_context, inject_current_context};
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// `/orca.push.auth.v1.AuthService/IssueChallenge` -> (`orca.push.auth.v1.AuthService`, `IssueChallenge`).
+fn rpc_names(path: &str) -> (&str, &str) {
+    path.trim_start_matches('/')
+        .split_once('/')
+        .unwrap_or(("unknown", "unknown"))
+}
+
+/// The gRPC status a response carries in its headers (trailers-only answers: errors), else OK.
+fn status_code<B>(response: &http::Response<B>) -> i64 {
+    response
+        .headers()
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Server side: continue the caller's trace and open a `server` span per call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrpcServerLayer;
+
+impl GrpcServerLayer {
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+impl<S> tower::Layer<S> for GrpcServerLayer {
+    type Service = GrpcServerService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GrpcServerService { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GrpcServerService<S> {
+    inner: S,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for GrpcServerService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let (service, method) = rpc_names(request.uri().path());
+        let span = tracing::info_span!(
+            "grpc.server",
+            otel.name = format!("{service}/{method}"),
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.service = service,
+            rpc.method = method,
+            rpc.grpc.status_code = tracing::field::Empty,
+        );
+        let _ = span.set_parent(extract_context(request.headers()));
+        let future = {
+            let _entered = span.enter();
+            self.inner.call(request)
+        };
+        Box::pin(
+            async move {
+                let result = future.await;
+                if let Ok(response) = &result {
+                    tracing::Span::current().record("rpc.grpc.status_code", status_code(response));
+                }
+                result
+            }
+            .instrument(span),
+        )
+    }
+}
+
+/// Client side: open a `client` span per call and inject its context into the metadata.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrpcClientLayer;
+
+impl<S> tower::Layer<S> for GrpcClientLayer {
+    type Service = GrpcClientService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GrpcClientService { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GrpcClientService<S> {
+    inner: S,
+}
+
+/// A tonic channel whose every call is traced and carries the caller's trace context.
+pub type TracedChannel = GrpcClientService<tonic::transport::Channel>;
+
+pub fn traced_channel(channel: tonic::transport::Channel) -> TracedChannel {
+    GrpcClientService { inner: channel }
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for GrpcClientService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let (service, method) = rpc_names(request.uri().path());
+        let span = tracing::info_span!(
+            "grpc.client",
+            otel.name = format!("{service}/{method}"),
+            otel.kind = "client",
+            rpc.system = "grpc",
+            rpc.service = service,
+            rpc.method = method,
+            rpc.grpc.status_code = tracing::field::Empty,
+        );
+        let future = {
+            let _entered = span.enter();
+            inject_current_context(request.headers_mut());
+            self.inner.call(request)
+        };
+        Box::pin(
+            async move {
+                let result = future.await;
+                if let Ok(response) = &result {
+                    tracing::Span::current().record("rpc.grpc.status_code", status_code(response));
+                }
+                result
+            }
+            .instrument(span),
+        )
+    }
+}

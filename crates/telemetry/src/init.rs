@@ -1,0 +1,61 @@
+//! Process-wide subscriber and tracer provider.
+
+use opentelemetry::KeyValue;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+
+/// Flushes and shuts the tracer provider down when dropped, so no span is lost at exit.
+#[must_use = "dropping the guard flushes and stops tracing"]
+pub struct TelemetryGuard {
+    provider: SdkTracerProvider,
+}
+
+impl TelemetryGuard {
+    pub fn provider(&self) -> &SdkTracerProvider {
+        &self.provider
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Err(error) = self.provider.force_flush() {
+            eprintln!("telemetry: flush at shutdown failed: {error}");
+        }
+        let _ = self.provider.shutdown();
+    }
+}
+
+/// W3C trace context (`traceparent`, `tracestate`) is the one propagation format.
+pub fn install_propagator() {
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+}
+
+/// A resource naming the service and this instance.
+pub fn resource(service_name: &str, instance_id: &str) -> Resource {
+    Resource::builder()
+        .with_service_name(service_name.to_owned())
+        .with_attribute(KeyValue::new("service.instance.id", instance_id.to_owned()))
+        .build()
+}
+
+/// Installs the process's subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`) and
+/// spans to `provider`. Fails if a subscriber is already installed.
+pub fn init(
+    provider: SdkTracerProvider,
+) -> Result<TelemetryGuard, tracing_subscriber::util::TryInitError> {
+    install_propagator();
+    let tracer = provider.tracer("orca-push");
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(tracing_opentelemetry::layer().with_tracer(tracer))
+        .try_init()?;
+    Ok(TelemetryGuard { provider })
+}

@@ -1,0 +1,55 @@
+//! Tracing set-up and W3C trace-context propagation for every orca-push process.
+//!
+//! One subscriber per process: a fmt layer for logs and a tracing-opentelemetry layer for spans. The
+//! gRPC server layer continues the caller's trace from request metadata; the gRPC client layer
+//! injects the current span's context into every outgoing call. Nothing here records request or
+//! response bodies: spans carry only method names, routes and status codes.
+
+mod grpc;
+mod init;
+
+pub use grpc::{GrpcClientLayer, GrpcServerLayer, TracedChannel, traced_channel};
+pub use init::{TelemetryGuard, init, install_propagator, resource};
+
+use opentelemetry::propagation::{Extractor, Injector};
+
+/// Reads W3C headers out of an `http::HeaderMap` (HTTP requests and gRPC metadata alike).
+pub struct HeaderExtractor<'a>(pub &'a http::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(http::HeaderName::as_str).collect()
+    }
+}
+
+/// Writes W3C headers into an `http::HeaderMap`.
+pub struct HeaderInjector<'a>(pub &'a mut http::HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(key.as_bytes()),
+            http::HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
+
+/// The OpenTelemetry context of the given span's parent, extracted from headers.
+pub fn extract_context(headers: &http::HeaderMap) -> opentelemetry::Context {
+    opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)))
+}
+
+/// Injects the current span's context into headers.
+pub fn inject_current_context(headers: &mut http::HeaderMap) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let context = tracing::Span::current().context();
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&context, &mut HeaderInjector(headers))
+    });
+}

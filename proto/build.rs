@@ -1,0 +1,18 @@
+//! Compiles the .proto files with protox (pure Rust), so a build needs no system `protoc`.
+
+use std::path::PathBuf;
+
+const PROTOS: &[&str] = &["orca/push/auth/v1/auth.proto"];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={}", root.join(proto).display());
+    }
+    let descriptors = protox::compile(PROTOS, [&root])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(descriptors)?;
+    Ok(())
+}

@@ -1,0 +1,44 @@
+use orca_push_proto::status_with_code;
+use tonic::Code;
+
+/// Everything that can go wrong in the auth service.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("invalid request: {0}")]
+    InvalidRequest(&'static str),
+    #[error("unknown challenge")]
+    InvalidChallenge,
+    #[error("invalid proof: {0}")]
+    InvalidProof(&'static str),
+    #[error("unknown or malformed session token")]
+    InvalidToken,
+    #[error("session expired")]
+    SessionExpired,
+    #[error("storage: {0}")]
+    Storage(#[from] sqlx::Error),
+}
+
+impl From<AuthError> for tonic::Status {
+    fn from(error: AuthError) -> Self {
+        match error {
+            AuthError::InvalidRequest(reason) => {
+                tracing::debug!(reason, "auth: invalid request");
+                status_with_code(Code::InvalidArgument, "invalid_request")
+            }
+            AuthError::InvalidChallenge => {
+                status_with_code(Code::Unauthenticated, "invalid_challenge")
+            }
+            AuthError::InvalidProof(reason) => {
+                tracing::debug!(reason, "auth: proof refused");
+                status_with_code(Code::Unauthenticated, "invalid_proof")
+            }
+            AuthError::InvalidToken => status_with_code(Code::Unauthenticated, "invalid_token"),
+            AuthError::SessionExpired => status_with_code(Code::Unauthenticated, "session_expired"),
+            AuthError::Storage(error) => {
+                // The detail stays in our logs; callers get no internals.
+                tracing::error!(%error, "auth: storage failure");
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
+        }
+    }
+}

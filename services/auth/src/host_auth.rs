@@ -1,0 +1,278 @@
+//! Challenge, proof and session, as the contract's "Host authentication" describes them.
+
+use std::sync::Arc;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use orca_push_host_proof as proof;
+use orca_push_storage::Clock;
+use rand::RngCore as _;
+use rand::rngs::OsRng;
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq as _;
+
+use crate::error::AuthError;
+use crate::store::{AuthStore, NewChallenge, NewSession};
+
+/// A session lives 24 hours.
+pub const SESSION_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+/// Expired challenges are kept this long, so a slow proof reads as expired, not unknown.
+pub const CHALLENGE_PRUNE_GRACE_MS: u64 = 30_000;
+/// Expired sessions are kept a day, so a stale bearer still reads as `session_expired`.
+pub const SESSION_PRUNE_GRACE_MS: u64 = 24 * 60 * 60 * 1000;
+/// An authenticated call refreshes `last_seen_at` at most this often per host.
+pub const LAST_SEEN_INTERVAL_MS: u64 = 60_000;
+/// Session tokens: 32 random bytes, unpadded base64url.
+pub const SESSION_TOKEN_LEN: usize = 43;
+const CHALLENGE_ID_MAX: usize = 128;
+
+/// The at-most-4-character prefix of a fingerprint that logs and spans may carry.
+pub fn fingerprint_prefix(fingerprint: &str) -> &str {
+    fingerprint.get(..4).unwrap_or("")
+}
+
+/// The `POST /v1/host/challenge` answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IssuedChallenge {
+    pub challenge_id: String,
+    pub gateway_ephemeral_public_key: [u8; proof::PUBLIC_KEY_LEN],
+    pub nonce: [u8; proof::NONCE_LEN],
+    pub ciphertext: Vec<u8>,
+    pub expires_at_ms: u64,
+}
+
+/// A freshly minted session; the token leaves the service once, here.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Session {
+    pub token: String,
+    pub expires_at_ms: u64,
+    pub host_fingerprint: String,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("expires_at_ms", &self.expires_at_ms)
+            .field("host", &fingerprint_prefix(&self.host_fingerprint))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Who a valid bearer belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Authenticated {
+    pub host_fingerprint: String,
+    pub expires_at_ms: u64,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+fn random<const N: usize>() -> [u8; N] {
+    let mut out = [0u8; N];
+    OsRng.fill_bytes(&mut out);
+    out
+}
+
+/// Host authentication over a store.
+pub struct HostAuth<S> {
+    store: S,
+    gateway_origin: String,
+    clock: Arc<dyn Clock>,
+}
+
+impl<S: AuthStore> HostAuth<S> {
+    pub fn new(store: S, gateway_origin: String, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            store,
+            gateway_origin,
+            clock,
+        }
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Seals a fresh secret and transcript to the host's key. Stores the sha256 of the proof the
+    /// host must return, never the secret; writes no `push_hosts` row.
+    pub async fn issue_challenge(
+        &self,
+        host_public_key: &[u8],
+    ) -> Result<IssuedChallenge, AuthError> {
+        let host_public_key: [u8; proof::PUBLIC_KEY_LEN] = host_public_key
+            .try_into()
+            .map_err(|_| AuthError::InvalidRequest("host public key must be 32 bytes"))?;
+        let ephemeral_secret = random::<{ proof::SECRET_LEN }>();
+        let nonce = random::<{ proof::NONCE_LEN }>();
+        let secret = random::<{ proof::SECRET_LEN }>();
+        let issued_at_ms = self.clock.now_ms();
+        let transcript = proof::Transcript {
+            gateway_origin: self.gateway_origin.clone(),
+            gateway_ephemeral_public_key: proof::public_key(&ephemeral_secret),
+            challenge_nonce: nonce,
+            challenge_id: uuid::Uuid::new_v4().to_string(),
+            issued_at_ms,
+            expires_at_ms: issued_at_ms + proof::CHALLENGE_TTL_MS,
+            host_fingerprint: proof::host_fingerprint(&host_public_key),
+            host_public_key,
+        };
+        let encoded = transcript.encode();
+        let ciphertext = proof::seal(
+            &proof::challenge_plaintext(&encoded, &secret),
+            &nonce,
+            &host_public_key,
+            &ephemeral_secret,
+        );
+        let expected_proof = proof::proof(&secret, &encoded);
+        self.store
+            .insert_challenge(&NewChallenge {
+                challenge_id: &transcript.challenge_id,
+                host_fingerprint: &transcript.host_fingerprint,
+                host_public_key: &host_public_key,
+                secret_hash: &sha256_hex(&expected_proof),
+                transcript: &encoded,
+                issued_at_ms,
+                expires_at_ms: transcript.expires_at_ms,
+            })
+            .await?;
+        tracing::debug!(
+            host = fingerprint_prefix(&transcript.host_fingerprint),
+            "challenge issued"
+        );
+        Ok(IssuedChallenge {
+            challenge_id: transcript.challenge_id,
+            gateway_ephemeral_public_key: transcript.gateway_ephemeral_public_key,
+            nonce,
+            ciphertext,
+            expires_at_ms: transcript.expires_at_ms,
+        })
+    }
+
+    /// Verifies the proof and consumes the challenge, exactly once even under racing proofs. A wrong
+    /// proof leaves the challenge usable. Upserts the host and replaces its one session.
+    pub async fn create_session(
+        &self,
+        challenge_id: &str,
+        presented: &[u8],
+    ) -> Result<Session, AuthError> {
+        if challenge_id.is_empty() || challenge_id.len() > CHALLENGE_ID_MAX {
+            return Err(AuthError::InvalidRequest(
+                "challenge id must be 1 to 128 characters",
+            ));
+        }
+        if presented.len() != proof::PROOF_LEN {
+            return Err(AuthError::InvalidRequest("proof must be 32 bytes"));
+        }
+        let now = self.clock.now_ms();
+        let challenge = self
+            .store
+            .find_challenge(challenge_id)
+            .await?
+            .ok_or(AuthError::InvalidChallenge)?;
+        if challenge.consumed_at_ms.is_some() {
+            return Err(AuthError::InvalidProof("challenge already used"));
+        }
+        // The TTL is the whole window: not a millisecond of skew on the gateway's side.
+        if now >= challenge.expires_at_ms {
+            return Err(AuthError::InvalidProof("challenge expired"));
+        }
+        let presented_hash = sha256_hex(presented);
+        if !bool::from(
+            presented_hash
+                .as_bytes()
+                .ct_eq(challenge.secret_hash.as_bytes()),
+        ) {
+            return Err(AuthError::InvalidProof("proof does not match"));
+        }
+        let token = URL_SAFE_NO_PAD.encode(random::<32>());
+        let expires_at_ms = now + SESSION_TTL_MS;
+        let redeemed = self
+            .store
+            .redeem_challenge(&NewSession {
+                challenge_id,
+                host_fingerprint: &challenge.host_fingerprint,
+                host_public_key: &challenge.host_public_key,
+                token_hash: &sha256_hex(token.as_bytes()),
+                now_ms: now,
+                expires_at_ms,
+            })
+            .await?;
+        if !redeemed {
+            return Err(AuthError::InvalidProof(
+                "challenge consumed by a concurrent proof",
+            ));
+        }
+        tracing::info!(
+            host = fingerprint_prefix(&challenge.host_fingerprint),
+            "session created"
+        );
+        Ok(Session {
+            token,
+            expires_at_ms,
+            host_fingerprint: challenge.host_fingerprint,
+        })
+    }
+
+    /// Resolves a bearer token. Refreshes the host's `last_seen_at` at most once a minute.
+    pub async fn authenticate(&self, token: &str) -> Result<Authenticated, AuthError> {
+        if token.len() != SESSION_TOKEN_LEN
+            || !token
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(AuthError::InvalidToken);
+        }
+        let now = self.clock.now_ms();
+        let session = self
+            .store
+            .find_session(&sha256_hex(token.as_bytes()))
+            .await?
+            .ok_or(AuthError::InvalidToken)?;
+        if now >= session.expires_at_ms {
+            return Err(AuthError::SessionExpired);
+        }
+        let stale = session
+            .last_seen_at_ms
+            .is_none_or(|seen| now.saturating_sub(seen) >= LAST_SEEN_INTERVAL_MS);
+        if stale {
+            // Best effort: a failed refresh must not fail the caller's request.
+            if let Err(error) = self
+                .store
+                .touch_host(
+                    &session.host_fingerprint,
+                    now,
+                    now.saturating_sub(LAST_SEEN_INTERVAL_MS),
+                )
+                .await
+            {
+                tracing::warn!(%error, "could not refresh host last_seen_at");
+            }
+        }
+        Ok(Authenticated {
+            host_fingerprint: session.host_fingerprint,
+            expires_at_ms: session.expires_at_ms,
+        })
+    }
+
+    /// Deletes challenges expired more than 30 s ago and sessions expired more than a day ago.
+    pub async fn prune(&self) -> Result<(), AuthError> {
+        let now = self.clock.now_ms();
+        let pruned = self
+            .store
+            .prune(
+                now.saturating_sub(CHALLENGE_PRUNE_GRACE_MS),
+                now.saturating_sub(SESSION_PRUNE_GRACE_MS),
+            )
+            .await?;
+        if pruned.challenges + pruned.sessions > 0 {
+            tracing::debug!(
+                challenges = pruned.challenges,
+                sessions = pruned.sessions,
+                "pruned auth rows"
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,109 @@
+//! The auth service: host challenge, proof and session, and the bearer check behind every other
+//! route. It owns `push_hosts`, `push_challenges` and `push_sessions` and nothing else.
+//!
+//! It must never store a challenge secret or a session token (only their sha256), never log one, and
+//! never log more than the first 4 characters of a host fingerprint.
+
+mod error;
+mod grpc;
+mod host_auth;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use orca_push_proto::auth::v1::auth_service_server::AuthServiceServer;
+use orca_push_storage::{Clock, DatabaseConfig, Pool, ServiceStorage};
+use tokio_util::sync::CancellationToken;
+
+pub use error::AuthError;
+pub use grpc::AuthGrpc;
+pub use host_auth::{
+    Authenticated, HostAuth, IssuedChallenge, SESSION_TTL_MS, Session, fingerprint_prefix,
+};
+pub use store::{AnyAuthStore, AuthStore, PgAuthStore, SqliteAuthStore};
+
+pub const STORAGE: ServiceStorage = ServiceStorage {
+    sqlite_file: "auth.sqlite",
+    postgres_schema: "push_auth",
+    create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_auth",
+    max_connections: 16,
+};
+
+/// How often expired challenges and long-dead sessions are pruned.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
+
+/// What the auth service needs to run.
+#[derive(Debug, Clone)]
+pub struct AuthConfig {
+    /// The gateway's public origin, bound into every challenge transcript.
+    pub gateway_origin: String,
+    pub database: DatabaseConfig,
+}
+
+/// Opens the database and applies this service's migrations.
+pub async fn open_and_migrate(
+    database: &DatabaseConfig,
+) -> Result<Pool, orca_push_storage::OpenError> {
+    let pool = orca_push_storage::open(database, &STORAGE).await?;
+    store::migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// Runs the auth gRPC server (with health checking) on `listener` until `shutdown` fires.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    pool: Pool,
+    gateway_origin: String,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let auth = Arc::new(HostAuth::new(
+        AnyAuthStore::new(pool),
+        gateway_origin,
+        clock,
+    ));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<AuthServiceServer<AuthGrpc<AnyAuthStore>>>()
+        .await;
+    tokio::spawn(maintain(auth.clone(), health.clone(), shutdown.clone()));
+
+    tonic::transport::Server::builder()
+        .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .add_service(health_service)
+        .add_service(AuthServiceServer::new(AuthGrpc::new(auth)))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.cancelled_owned(),
+        )
+        .await
+}
+
+/// Prunes on a timer and keeps the health status in step with the database.
+async fn maintain(
+    auth: Arc<HostAuth<AnyAuthStore>>,
+    health: tonic_health::server::HealthReporter,
+    shutdown: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval(PRUNE_EVERY);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        match auth.prune().await {
+            Ok(()) => {
+                health
+                    .set_serving::<AuthServiceServer<AuthGrpc<AnyAuthStore>>>()
+                    .await
+            }
+            Err(error) => {
+                tracing::warn!(%error, "auth prune failed; reporting not serving");
+                health
+                    .set_not_serving::<AuthServiceServer<AuthGrpc<AnyAuthStore>>>()
+                    .await;
+            }
+        }
+    }
+}
