@@ -2,7 +2,10 @@
 
 use std::path::PathBuf;
 
-const PROTOS: &[&str] = &["orca/push/auth/v1/auth.proto"];
+const PROTOS: &[&str] = &[
+    "orca/push/auth/v1/auth.proto",
+    "orca/push/registry/v1/registry.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);

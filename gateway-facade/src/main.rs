@@ -1,1 +1,5 @@
-fn main() {}
+//! The `orca-push` binary.
+
+fn main() -> std::process::ExitCode {
+    orca_push::cli::main()
+}

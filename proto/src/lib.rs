@@ -7,6 +7,12 @@ pub mod auth {
     }
 }
 
+pub mod registry {
+    pub mod v1 {
+        tonic::include_proto!("orca.push.registry.v1");
+    }
+}
+
 /// Metadata key carrying the contract's error code (`invalid_proof`, `session_expired`, ...) on a
 /// failed call, so the facade can answer the exact public `{"error": ...}` without parsing messages.
 pub const ERROR_CODE_METADATA: &str = "x-orca-error";

@@ -6,9 +6,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use tracing::Instrument as _;
-use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::{extract_context, inject_current_context};
+use crate::{inject_current_context, set_parent_from_headers};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
@@ -76,7 +75,7 @@ where
             rpc.method = method,
             rpc.grpc.status_code = tracing::field::Empty,
         );
-        let _ = span.set_parent(extract_context(request.headers()));
+        set_parent_from_headers(&span, request.headers());
         let future = {
             let _entered = span.enter();
             self.inner.call(request)

@@ -53,3 +53,9 @@ pub fn inject_current_context(headers: &mut http::HeaderMap) {
         p.inject_context(&context, &mut HeaderInjector(headers))
     });
 }
+
+/// Makes `span` a child of the trace context carried in `headers`, if any.
+pub fn set_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let _ = span.set_parent(extract_context(headers));
+}

@@ -15,6 +15,7 @@ use std::time::Duration;
 use orca_push_proto::auth::v1::auth_service_server::AuthServiceServer;
 use orca_push_storage::{Clock, DatabaseConfig, Pool, ServiceStorage};
 use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
 
 pub use error::AuthError;
 pub use grpc::AuthGrpc;
@@ -22,6 +23,9 @@ pub use host_auth::{
     Authenticated, HostAuth, IssuedChallenge, SESSION_TTL_MS, Session, fingerprint_prefix,
 };
 pub use store::{AnyAuthStore, AuthStore, PgAuthStore, SqliteAuthStore};
+
+/// The name the auth service reports its health under.
+pub const HEALTH_NAME: &str = "orca.push.auth.v1.AuthService";
 
 pub const STORAGE: ServiceStorage = ServiceStorage {
     sqlite_file: "auth.sqlite",
@@ -32,6 +36,8 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
 
 /// How often expired challenges and long-dead sessions are pruned.
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
+/// How often the database is pinged for the health status.
+const HEALTH_EVERY: Duration = Duration::from_secs(5);
 
 /// What the auth service needs to run.
 #[derive(Debug, Clone)]
@@ -58,6 +64,7 @@ pub async fn serve(
     clock: Arc<dyn Clock>,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let pool_for_health = pool.clone();
     let auth = Arc::new(HostAuth::new(
         AnyAuthStore::new(pool),
         gateway_origin,
@@ -65,9 +72,14 @@ pub async fn serve(
     ));
     let (health, health_service) = tonic_health::server::health_reporter();
     health
-        .set_serving::<AuthServiceServer<AuthGrpc<AnyAuthStore>>>()
+        .set_service_status(HEALTH_NAME, ServingStatus::Serving)
         .await;
-    tokio::spawn(maintain(auth.clone(), health.clone(), shutdown.clone()));
+    tokio::spawn(maintain(
+        auth.clone(),
+        pool_for_health,
+        health.clone(),
+        shutdown.clone(),
+    ));
 
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
@@ -80,29 +92,32 @@ pub async fn serve(
         .await
 }
 
-/// Prunes on a timer and keeps the health status in step with the database.
+/// Keeps the health status in step with the database, and prunes on a slower beat.
 async fn maintain(
     auth: Arc<HostAuth<AnyAuthStore>>,
+    pool: Pool,
     health: tonic_health::server::HealthReporter,
     shutdown: CancellationToken,
 ) {
-    let mut ticker = tokio::time::interval(PRUNE_EVERY);
+    let mut ticker = tokio::time::interval(HEALTH_EVERY);
+    let mut last_prune = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        match auth.prune().await {
-            Ok(()) => {
-                health
-                    .set_serving::<AuthServiceServer<AuthGrpc<AnyAuthStore>>>()
-                    .await
-            }
+        let status = match pool.ping().await {
+            Ok(()) => ServingStatus::Serving,
             Err(error) => {
-                tracing::warn!(%error, "auth prune failed; reporting not serving");
-                health
-                    .set_not_serving::<AuthServiceServer<AuthGrpc<AnyAuthStore>>>()
-                    .await;
+                tracing::warn!(%error, "auth database unreachable; reporting not serving");
+                ServingStatus::NotServing
+            }
+        };
+        health.set_service_status(HEALTH_NAME, status).await;
+        if status == ServingStatus::Serving && last_prune.elapsed() >= PRUNE_EVERY {
+            last_prune = tokio::time::Instant::now();
+            if let Err(error) = auth.prune().await {
+                tracing::warn!(%error, "auth prune failed");
             }
         }
     }

@@ -1,1 +1,92 @@
+//! The registry service: device registrations. It owns `push_devices` and nothing else.
+//!
+//! Only the owning host may see or delete a registration; another host's id answers exactly like an
+//! unknown one. It must never log a push token or more than 4 characters of a host fingerprint.
 
+pub mod device;
+mod error;
+mod grpc;
+mod registry;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use orca_push_proto::registry::v1::registry_service_server::RegistryServiceServer;
+use orca_push_storage::{Clock, DatabaseConfig, Pool, ServiceStorage};
+use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
+
+pub use error::RegistryError;
+pub use grpc::RegistryGrpc;
+pub use registry::DeviceRegistry;
+pub use store::{AnyRegistryStore, RegistryStore};
+
+/// The name the registry reports its health under.
+pub const HEALTH_NAME: &str = "orca.push.registry.v1.RegistryService";
+
+pub const STORAGE: ServiceStorage = ServiceStorage {
+    sqlite_file: "registry.sqlite",
+    postgres_schema: "push_registry",
+    create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_registry",
+    max_connections: 16,
+};
+
+const HEALTH_EVERY: Duration = Duration::from_secs(5);
+
+pub async fn open_and_migrate(
+    database: &DatabaseConfig,
+) -> Result<Pool, orca_push_storage::OpenError> {
+    let pool = orca_push_storage::open(database, &STORAGE).await?;
+    store::migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// Runs the registry gRPC server (with health checking) on `listener` until `shutdown` fires.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    pool: Pool,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let registry = Arc::new(DeviceRegistry::new(
+        AnyRegistryStore::new(pool.clone()),
+        clock,
+    ));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_service_status(HEALTH_NAME, ServingStatus::Serving)
+        .await;
+    tokio::spawn(report_health(pool, health, shutdown.clone()));
+    tonic::transport::Server::builder()
+        .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .add_service(health_service)
+        .add_service(RegistryServiceServer::new(RegistryGrpc::new(registry)))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.cancelled_owned(),
+        )
+        .await
+}
+
+async fn report_health(
+    pool: Pool,
+    health: tonic_health::server::HealthReporter,
+    shutdown: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval(HEALTH_EVERY);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let status = match pool.ping().await {
+            Ok(()) => ServingStatus::Serving,
+            Err(error) => {
+                tracing::warn!(%error, "registry database unreachable; reporting not serving");
+                ServingStatus::NotServing
+            }
+        };
+        health.set_service_status(HEALTH_NAME, status).await;
+    }
+}

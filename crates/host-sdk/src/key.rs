@@ -1,0 +1,118 @@
+//! The host's X25519 keypair, kept in a file only its owner can read.
+
+use std::io::Write as _;
+use std::path::Path;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use orca_push_host_proof as hp;
+use rand::RngCore as _;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("cannot read or write the key file {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{0} already exists; refusing to overwrite a host key")]
+    Exists(String),
+    #[error("the key file {0} is not a host key")]
+    Malformed(String),
+}
+
+/// A host's X25519 keypair. Debug shows only the fingerprint.
+#[derive(Clone)]
+pub struct HostKey {
+    secret: [u8; 32],
+    public: [u8; 32],
+}
+
+impl std::fmt::Debug for HostKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostKey")
+            .field("fingerprint", &self.fingerprint())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct KeyFile {
+    secret_key_b64: String,
+    public_key_b64: String,
+}
+
+impl HostKey {
+    pub fn generate() -> Self {
+        let mut secret = [0u8; 32];
+        rand::rngs::OsRng.fill_bytes(&mut secret);
+        Self::from_secret(secret)
+    }
+
+    pub fn from_secret(secret: [u8; 32]) -> Self {
+        Self {
+            secret,
+            public: hp::public_key(&secret),
+        }
+    }
+
+    pub fn public_key(&self) -> &[u8; 32] {
+        &self.public
+    }
+
+    pub(crate) fn secret_key(&self) -> &[u8; 32] {
+        &self.secret
+    }
+
+    /// base64url(sha256(public key)), first 16 characters.
+    pub fn fingerprint(&self) -> String {
+        hp::host_fingerprint(&self.public)
+    }
+
+    /// Writes a new key file with mode 0600. Never overwrites an existing one.
+    pub fn save_new(&self, path: &Path) -> Result<(), KeyError> {
+        let io = |source| KeyError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        let mut file = options.open(path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                KeyError::Exists(path.display().to_string())
+            } else {
+                io(e)
+            }
+        })?;
+        let body = serde_json::to_vec_pretty(&KeyFile {
+            secret_key_b64: STANDARD.encode(self.secret),
+            public_key_b64: STANDARD.encode(self.public),
+        })
+        .map_err(|e| io(std::io::Error::other(e)))?;
+        file.write_all(&body).map_err(io)?;
+        file.sync_all().map_err(io)
+    }
+
+    pub fn load(path: &Path) -> Result<Self, KeyError> {
+        let text = std::fs::read(path).map_err(|source| KeyError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let malformed = || KeyError::Malformed(path.display().to_string());
+        let file: KeyFile = serde_json::from_slice(&text).map_err(|_| malformed())?;
+        let secret: [u8; 32] = STANDARD
+            .decode(&file.secret_key_b64)
+            .ok()
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(malformed)?;
+        let key = Self::from_secret(secret);
+        if STANDARD.encode(key.public) != file.public_key_b64 {
+            return Err(malformed());
+        }
+        Ok(key)
+    }
+}

@@ -1,0 +1,127 @@
+//! The router, its shared state, and the middleware stack in the order requests meet it.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use orca_push_telemetry::set_parent_from_headers;
+use tracing::Instrument as _;
+
+use crate::backends::Backends;
+use crate::config::Mode;
+use crate::error::ApiError;
+use crate::routes;
+
+/// Every POST body is capped at 16 KiB, counted as it streams in.
+pub const BODY_LIMIT_BYTES: usize = 16 * 1024;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub mode: Mode,
+    pub backends: Option<Backends>,
+    pub ready_cache: Arc<Mutex<Option<(Instant, bool)>>>,
+}
+
+impl AppState {
+    pub fn serving(backends: Backends) -> Self {
+        Self {
+            mode: Mode::Serve,
+            backends: Some(backends),
+            ready_cache: Arc::default(),
+        }
+    }
+
+    pub fn validation() -> Self {
+        Self {
+            mode: Mode::Validation,
+            backends: None,
+            ready_cache: Arc::default(),
+        }
+    }
+
+    pub fn backends(&self) -> Result<&Backends, ApiError> {
+        self.backends.as_ref().ok_or(ApiError::ValidationOnly)
+    }
+
+    pub fn backends_for_ready(&self) -> Option<&Backends> {
+        self.backends.as_ref()
+    }
+}
+
+/// The public HTTP API.
+pub fn router(state: AppState) -> Router {
+    let common = Router::new()
+        .route("/health", get(routes::health::health))
+        .route("/healthz", get(routes::health::health))
+        .route("/ready", get(routes::health::ready));
+    let api = match state.mode {
+        Mode::Serve => Router::new()
+            .route("/v1/host/challenge", post(routes::host::challenge))
+            .route("/v1/host/session", post(routes::host::session)),
+        Mode::Validation => Router::new().route("/v1/{*rest}", axum::routing::any(validation_only)),
+    };
+    common
+        .merge(api)
+        .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
+        .with_state(state)
+        // Outermost first, as a request meets them: panics become a bare 500 `internal`; every
+        // request gets an HTTP server span; bodies are cut off at the cap while streaming.
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(tower_http::catch_panic::CatchPanicLayer::custom(on_panic))
+                .layer(middleware::from_fn(trace_http))
+                .layer(DefaultBodyLimit::max(BODY_LIMIT_BYTES)),
+        )
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound
+}
+
+async fn validation_only() -> ApiError {
+    ApiError::ValidationOnly
+}
+
+fn on_panic(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    tracing::error!("a request handler panicked");
+    ApiError::Internal.into_response()
+}
+
+/// One server span per request, continuing an incoming `traceparent`, with the OpenTelemetry HTTP
+/// semantic-convention fields. The route template is recorded, never the raw path (it can carry
+/// registration ids).
+async fn trace_http(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let method = request.method().as_str().to_owned();
+    let span = tracing::info_span!(
+        "http.server",
+        otel.name = format!("{method} {route}"),
+        otel.kind = "server",
+        http.request.method = %method,
+        http.route = %route,
+        http.response.status_code = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    );
+    set_parent_from_headers(&span, request.headers());
+    async move {
+        let response = next.run(request).await;
+        let status = response.status();
+        let span = tracing::Span::current();
+        span.record("http.response.status_code", status.as_u16());
+        if status.is_server_error() {
+            span.record("otel.status_code", "ERROR");
+        }
+        response
+    }
+    .instrument(span)
+    .await
+}

@@ -1,0 +1,95 @@
+//! The gRPC clients the facade calls, one per service, each on a traced channel.
+
+use std::time::Duration;
+
+use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
+use orca_push_telemetry::{TracedChannel, traced_channel};
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// How long one gRPC call from the facade may take before the caller gets a 503.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One service as the facade sees it: its client channel and the name its health is reported under.
+#[derive(Clone)]
+pub struct ServiceEndpoint {
+    pub name: &'static str,
+    /// The gRPC health service name to check ("" for the server as a whole).
+    pub health_name: &'static str,
+    pub channel: TracedChannel,
+}
+
+impl ServiceEndpoint {
+    /// A lazily connecting channel, so services may start in any order.
+    pub fn connect(
+        name: &'static str,
+        health_name: &'static str,
+        url: &str,
+    ) -> Result<Self, tonic::transport::Error> {
+        let channel: Channel = Endpoint::from_shared(url.to_owned())?
+            .connect_timeout(Duration::from_secs(3))
+            .timeout(CALL_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        Ok(Self {
+            name,
+            health_name,
+            channel: traced_channel(channel),
+        })
+    }
+
+    /// True when the service answers its health check with SERVING.
+    pub async fn is_serving(&self) -> bool {
+        let mut client = HealthClient::new(self.channel.clone());
+        let request = tonic::Request::new(HealthCheckRequest {
+            service: self.health_name.to_owned(),
+        });
+        match tokio::time::timeout(Duration::from_secs(2), client.check(request)).await {
+            Ok(Ok(response)) => response.into_inner().status == ServingStatus::Serving as i32,
+            Ok(Err(status)) => {
+                tracing::warn!(service = self.name, code = ?status.code(), "health check failed");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(service = self.name, "health check timed out");
+                false
+            }
+        }
+    }
+}
+
+/// The facade's view of the four services.
+#[derive(Clone)]
+pub struct Backends {
+    pub auth: AuthServiceClient<TracedChannel>,
+    /// Every service `/ready` checks.
+    pub endpoints: Vec<ServiceEndpoint>,
+}
+
+/// Where each service lives.
+#[derive(Debug, Clone)]
+pub struct BackendUrls {
+    pub auth: String,
+    pub registry: String,
+    pub queue: String,
+    pub sender: String,
+}
+
+impl Backends {
+    pub fn connect(urls: &BackendUrls) -> Result<Self, tonic::transport::Error> {
+        let auth = ServiceEndpoint::connect("auth", orca_push_auth::HEALTH_NAME, &urls.auth)?;
+        let registry =
+            ServiceEndpoint::connect("registry", orca_push_registry::HEALTH_NAME, &urls.registry)?;
+        let queue = ServiceEndpoint::connect("queue", orca_push_queue::HEALTH_NAME, &urls.queue)?;
+        let sender =
+            ServiceEndpoint::connect("sender", orca_push_sender::HEALTH_NAME, &urls.sender)?;
+        Ok(Self {
+            auth: AuthServiceClient::new(auth.channel.clone()),
+            endpoints: vec![auth, registry, queue, sender],
+        })
+    }
+}

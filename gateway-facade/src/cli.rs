@@ -1,0 +1,193 @@
+//! The `orca-push` command line: the gateway (all in one, or one service), its migrations, and the
+//! host CLI. `main.rs` only calls [`main`]; the end-to-end tests build the same entry point.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use crate::config::{Config, ServiceName};
+use crate::topology;
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use orca_push_host::{GatewayClient, HostKey};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "orca-push",
+    version,
+    about = "The orca-push gateway: desktop hosts to their phones through APNs and FCM"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway. Without --service: the facade and all four services in this process.
+    Serve {
+        /// Run only this service (split mode).
+        #[arg(long, value_enum)]
+        service: Option<ServiceName>,
+    },
+    /// Apply every service's database migrations, then exit.
+    Migrate,
+    /// The desktop host's side: keys, login, and (as they land) devices and sends.
+    Host {
+        #[command(subcommand)]
+        command: HostCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostCommand {
+    /// Create a new host keypair file (mode 0600). Never overwrites one.
+    Keygen {
+        #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = default_key_path())]
+        key: PathBuf,
+    },
+    /// Prove the key to the gateway and cache a session beside the key file.
+    Login {
+        #[arg(
+            long,
+            env = "ORCA_PUSH_GATEWAY_URL",
+            default_value = "https://push.onorca.dev"
+        )]
+        gateway: String,
+        #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = default_key_path())]
+        key: PathBuf,
+    },
+}
+
+fn default_key_path() -> PathBuf {
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join(".orca-push")
+        .join("host.key")
+}
+
+/// Parses the command line and runs it; errors print as one line.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("orca-push: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // One line: the chain of causes, never a panic trace.
+            eprintln!("orca-push: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve { service } => {
+            let config = Arc::new(Config::from_env()?);
+            let name = service.map_or("orca-push", |s| match s {
+                ServiceName::Facade => "orca-push-facade",
+                ServiceName::Auth => "orca-push-auth",
+                ServiceName::Registry => "orca-push-registry",
+                ServiceName::Queue => "orca-push-queue",
+                ServiceName::Sender => "orca-push-sender",
+            });
+            let _telemetry = init_telemetry(name)?;
+            let shutdown = CancellationToken::new();
+            tokio::spawn(cancel_on_signal(shutdown.clone()));
+            match service {
+                None => {
+                    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], config.port));
+                    let listener = tokio::net::TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("PORT: cannot listen on {addr}"))?;
+                    topology::serve_all_in_one(config, listener, shutdown).await
+                }
+                Some(service) => topology::serve_split(config, service, shutdown).await,
+            }
+        }
+        Command::Migrate => {
+            let config = Config::from_env()?;
+            let _telemetry = init_telemetry("orca-push-migrate")?;
+            topology::migrate(&config).await?;
+            tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::Host { command } => host(command).await,
+    }
+}
+
+fn init_telemetry(service_name: &str) -> anyhow::Result<orca_push_telemetry::TelemetryGuard> {
+    let instance = format!("{}-{}", hostname(), std::process::id());
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_resource(orca_push_telemetry::resource(service_name, &instance))
+        .build();
+    orca_push_telemetry::init(provider).context("telemetry")
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "localhost".to_owned())
+}
+
+/// SIGTERM (the platform's stop) or Ctrl-C starts a graceful shutdown.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(error) => {
+                    tracing::error!(%error, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+    tracing::info!("shutdown requested");
+    shutdown.cancel();
+}
+
+async fn host(command: HostCommand) -> anyhow::Result<()> {
+    match command {
+        HostCommand::Keygen { key } => {
+            if let Some(dir) = key.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+            }
+            let host_key = HostKey::generate();
+            host_key.save_new(&key)?;
+            println!("hostFingerprint {}", host_key.fingerprint());
+            println!("key written to {}", key.display());
+            Ok(())
+        }
+        HostCommand::Login { gateway, key } => {
+            let client = client(&gateway, &key)?;
+            let session = client.login().await?;
+            println!("hostFingerprint {}", session.host_fingerprint);
+            println!("session expires at {} (Unix ms)", session.expires_at);
+            Ok(())
+        }
+    }
+}
+
+fn client(gateway: &str, key: &std::path::Path) -> anyhow::Result<GatewayClient> {
+    let host_key = HostKey::load(key)?;
+    Ok(GatewayClient::new(gateway, host_key)?.with_session_file(key.with_extension("session")))
+}

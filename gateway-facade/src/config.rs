@@ -1,0 +1,356 @@
+//! The environment, read once into a typed, validated config. A bad setting is an error naming its
+//! variable; nothing else in the gateway reads the environment.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use orca_push_storage::DatabaseConfig;
+
+/// A misconfiguration, reported as one line naming the variable.
+#[derive(Debug, thiserror::Error)]
+#[error("{variable}: {reason}")]
+pub struct ConfigError {
+    pub variable: &'static str,
+    pub reason: String,
+}
+
+fn invalid(variable: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        variable,
+        reason: reason.into(),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Serve,
+    /// Inert: migrates nothing, writes nothing, answers health and 503 `validation_only` on `/v1`.
+    Validation,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Serve => "serve",
+            Self::Validation => "validation",
+        }
+    }
+}
+
+/// The services a process can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServiceName {
+    Facade,
+    Auth,
+    Registry,
+    Queue,
+    Sender,
+}
+
+impl ServiceName {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Facade => "facade",
+            Self::Auth => "auth",
+            Self::Registry => "registry",
+            Self::Queue => "queue",
+            Self::Sender => "sender",
+        }
+    }
+
+    /// The port a split-mode service listens on when `ORCA_PUSH_GRPC_ADDR` is absent.
+    pub fn default_grpc_port(self) -> u16 {
+        match self {
+            Self::Facade => 0,
+            Self::Auth => 50051,
+            Self::Registry => 50052,
+            Self::Queue => 50053,
+            Self::Sender => 50054,
+        }
+    }
+
+    fn url_variable(self) -> &'static str {
+        match self {
+            Self::Facade => "ORCA_PUSH_FACADE_URL",
+            Self::Auth => "ORCA_PUSH_AUTH_URL",
+            Self::Registry => "ORCA_PUSH_REGISTRY_URL",
+            Self::Queue => "ORCA_PUSH_QUEUE_URL",
+            Self::Sender => "ORCA_PUSH_SENDER_URL",
+        }
+    }
+}
+
+/// Where split-mode callers reach each service; `None` means in this process.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceUrls {
+    pub auth: Option<String>,
+    pub registry: Option<String>,
+    pub queue: Option<String>,
+    pub sender: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub port: u16,
+    /// The bare origin bound into challenge transcripts; `None` means `http://127.0.0.1:<port>` of
+    /// the port actually bound (so `PORT=0` works).
+    pub public_url: Option<String>,
+    pub database: DatabaseConfig,
+    pub mode: Mode,
+    pub trusted_proxy_hops: usize,
+    pub coalesce_ms: u64,
+    pub service_urls: ServiceUrls,
+    /// Listen address of a split-mode gRPC service, if set.
+    pub grpc_addr: Option<SocketAddr>,
+}
+
+impl Config {
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads every setting through `lookup`, so tests never touch the process environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let get = |name: &str| lookup(name).filter(|v| !v.is_empty());
+        let port = match get("PORT") {
+            Some(v) => v
+                .parse::<u16>()
+                .map_err(|_| invalid("PORT", "must be a port number 0-65535"))?,
+            None => 8080,
+        };
+        let public_url = match get("ORCA_PUSH_PUBLIC_URL") {
+            Some(v) => Some(validate_origin(&v).map_err(|r| invalid("ORCA_PUSH_PUBLIC_URL", r))?),
+            None => None,
+        };
+        let database = match get("ORCA_PUSH_DATABASE_URL") {
+            Some(url) => {
+                if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+                    return Err(invalid(
+                        "ORCA_PUSH_DATABASE_URL",
+                        "must be a postgres:// URL (leave it unset for SQLite)",
+                    ));
+                }
+                DatabaseConfig::Postgres { url }
+            }
+            None => DatabaseConfig::Sqlite {
+                data_dir: PathBuf::from(
+                    get("ORCA_PUSH_DATA_DIR").unwrap_or_else(|| "./data".into()),
+                ),
+            },
+        };
+        let mode = match get("ORCA_PUSH_MODE").as_deref() {
+            None | Some("serve") => Mode::Serve,
+            Some("validation") => Mode::Validation,
+            Some(_) => return Err(invalid("ORCA_PUSH_MODE", "must be `serve` or `validation`")),
+        };
+        let trusted_proxy_hops = match get("ORCA_PUSH_TRUSTED_PROXY_HOPS") {
+            Some(v) => v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n <= 16)
+                .ok_or_else(|| {
+                    invalid(
+                        "ORCA_PUSH_TRUSTED_PROXY_HOPS",
+                        "must be a whole number 0-16",
+                    )
+                })?,
+            None => 0,
+        };
+        let coalesce_ms = match get("ORCA_PUSH_COALESCE_MS") {
+            Some(v) => v
+                .parse::<u64>()
+                .ok()
+                .filter(|n| *n <= 60_000)
+                .ok_or_else(|| invalid("ORCA_PUSH_COALESCE_MS", "must be milliseconds 0-60000"))?,
+            None => 3000,
+        };
+        let service_url = |service: ServiceName| -> Result<Option<String>, ConfigError> {
+            let variable = service.url_variable();
+            get(variable)
+                .map(|v| {
+                    if v.starts_with("http://") || v.starts_with("https://") {
+                        Ok(v.trim_end_matches('/').to_owned())
+                    } else {
+                        Err(invalid(variable, "must be an http:// or https:// URL"))
+                    }
+                })
+                .transpose()
+        };
+        let service_urls = ServiceUrls {
+            auth: service_url(ServiceName::Auth)?,
+            registry: service_url(ServiceName::Registry)?,
+            queue: service_url(ServiceName::Queue)?,
+            sender: service_url(ServiceName::Sender)?,
+        };
+        let grpc_addr = get("ORCA_PUSH_GRPC_ADDR")
+            .map(|v| {
+                v.parse::<SocketAddr>().map_err(|_| {
+                    invalid(
+                        "ORCA_PUSH_GRPC_ADDR",
+                        "must be an address like 0.0.0.0:50051",
+                    )
+                })
+            })
+            .transpose()?;
+        Ok(Self {
+            port,
+            public_url,
+            database,
+            mode,
+            trusted_proxy_hops,
+            coalesce_ms,
+            service_urls,
+            grpc_addr,
+        })
+    }
+
+    /// The origin challenges are bound to, given the facade's bound port.
+    pub fn gateway_origin(&self, bound_port: u16) -> String {
+        self.public_url
+            .clone()
+            .unwrap_or_else(|| format!("http://127.0.0.1:{bound_port}"))
+    }
+
+    /// The URL a split-mode caller uses for `service`, or an error naming the variable to set.
+    pub fn require_url(&self, service: ServiceName) -> Result<String, ConfigError> {
+        let url = match service {
+            ServiceName::Auth => &self.service_urls.auth,
+            ServiceName::Registry => &self.service_urls.registry,
+            ServiceName::Queue => &self.service_urls.queue,
+            ServiceName::Sender => &self.service_urls.sender,
+            ServiceName::Facade => &None,
+        };
+        url.clone().ok_or_else(|| {
+            invalid(
+                service.url_variable(),
+                "required in split mode: where this process reaches the service",
+            )
+        })
+    }
+}
+
+/// A bare origin: scheme, host, optional port; no path, query or trailing slash; https unless the
+/// host is loopback.
+fn validate_origin(value: &str) -> Result<String, String> {
+    let (scheme, rest) = value
+        .split_once("://")
+        .ok_or("must be an origin like https://push.example.com")?;
+    if scheme != "https" && scheme != "http" {
+        return Err("scheme must be https (or http on loopback)".into());
+    }
+    if rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+        return Err("must be a bare origin: no path, query, credentials or trailing slash".into());
+    }
+    let host = match rest.strip_prefix('[') {
+        Some(v6) => v6
+            .split_once(']')
+            .map(|(h, _)| h)
+            .ok_or("unterminated IPv6 host")?,
+        None => rest.split(':').next().unwrap_or(""),
+    };
+    if host.is_empty() {
+        return Err("has no host".into());
+    }
+    let port = rest
+        .rsplit_once(':')
+        .filter(|_| !rest.ends_with(']'))
+        .map(|(_, p)| p);
+    if let Some(p) = port.filter(|p| !p.contains(']')) {
+        p.parse::<u16>().map_err(|_| "has an invalid port")?;
+    }
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if scheme == "http" && !loopback {
+        return Err("must use https unless the host is loopback".into());
+    }
+    Ok(value.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(move |name| {
+            vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+        })
+    }
+
+    #[test]
+    fn defaults_are_the_embedded_sqlite_gateway() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.port, 8080);
+        assert_eq!(c.public_url, None);
+        assert_eq!(c.gateway_origin(8080), "http://127.0.0.1:8080");
+        assert_eq!(
+            c.database,
+            DatabaseConfig::Sqlite {
+                data_dir: "./data".into()
+            }
+        );
+        assert_eq!(c.mode, Mode::Serve);
+        assert_eq!(c.trusted_proxy_hops, 0);
+        assert_eq!(c.coalesce_ms, 3000);
+        assert_eq!(c.service_urls, ServiceUrls::default());
+    }
+
+    #[test]
+    fn every_bad_setting_names_its_variable() {
+        for (var, value) in [
+            ("PORT", "http"),
+            ("ORCA_PUSH_PUBLIC_URL", "https://push.example.com/"),
+            ("ORCA_PUSH_PUBLIC_URL", "https://push.example.com/v1"),
+            ("ORCA_PUSH_PUBLIC_URL", "http://push.example.com"),
+            ("ORCA_PUSH_PUBLIC_URL", "push.example.com"),
+            ("ORCA_PUSH_PUBLIC_URL", "https://push.example.com:99999"),
+            ("ORCA_PUSH_DATABASE_URL", "mysql://x"),
+            ("ORCA_PUSH_MODE", "staging"),
+            ("ORCA_PUSH_TRUSTED_PROXY_HOPS", "-1"),
+            ("ORCA_PUSH_COALESCE_MS", "soon"),
+            ("ORCA_PUSH_AUTH_URL", "auth:50051"),
+            ("ORCA_PUSH_GRPC_ADDR", "everywhere"),
+        ] {
+            let err = config(&[(var, value)]).expect_err(value);
+            assert_eq!(err.variable, var, "{value}");
+            assert!(err.to_string().starts_with(var));
+        }
+    }
+
+    #[test]
+    fn origins_on_loopback_may_be_http() {
+        for ok in [
+            "https://push.onorca.dev",
+            "https://push.onorca.dev:8443",
+            "http://127.0.0.1:8080",
+            "http://localhost:3000",
+            "http://[::1]:8080",
+        ] {
+            assert_eq!(
+                config(&[("ORCA_PUSH_PUBLIC_URL", ok)])
+                    .unwrap()
+                    .gateway_origin(1),
+                ok
+            );
+        }
+    }
+
+    #[test]
+    fn split_mode_names_the_missing_service_url() {
+        let c = config(&[]).unwrap();
+        assert_eq!(
+            c.require_url(ServiceName::Auth).unwrap_err().variable,
+            "ORCA_PUSH_AUTH_URL"
+        );
+        let c = config(&[("ORCA_PUSH_AUTH_URL", "http://auth:50051/")]).unwrap();
+        assert_eq!(
+            c.require_url(ServiceName::Auth).unwrap(),
+            "http://auth:50051"
+        );
+    }
+}

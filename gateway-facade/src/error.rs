@@ -1,0 +1,139 @@
+//! The one table from failures to the contract's HTTP statuses and `{"error": "<code>"}` bodies.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+/// Every error the public API can answer. The code strings are the contract's; never add detail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    #[error("invalid_request")]
+    InvalidRequest,
+    #[error("invalid_token")]
+    InvalidToken,
+    #[error("session_expired")]
+    SessionExpired,
+    #[error("invalid_challenge")]
+    InvalidChallenge,
+    #[error("invalid_proof")]
+    InvalidProof,
+    #[error("not_found")]
+    NotFound,
+    #[error("too_many_devices")]
+    TooManyDevices,
+    #[error("request_too_large")]
+    RequestTooLarge,
+    #[error("rate_limited")]
+    RateLimited,
+    #[error("busy")]
+    Busy,
+    #[error("shutting_down")]
+    ShuttingDown,
+    #[error("dependency_unavailable")]
+    DependencyUnavailable,
+    #[error("validation_only")]
+    ValidationOnly,
+    #[error("internal")]
+    Internal,
+}
+
+impl ApiError {
+    pub const ALL: [ApiError; 14] = [
+        Self::InvalidRequest,
+        Self::InvalidToken,
+        Self::SessionExpired,
+        Self::InvalidChallenge,
+        Self::InvalidProof,
+        Self::NotFound,
+        Self::TooManyDevices,
+        Self::RequestTooLarge,
+        Self::RateLimited,
+        Self::Busy,
+        Self::ShuttingDown,
+        Self::DependencyUnavailable,
+        Self::ValidationOnly,
+        Self::Internal,
+    ];
+
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::InvalidRequest => "invalid_request",
+            Self::InvalidToken => "invalid_token",
+            Self::SessionExpired => "session_expired",
+            Self::InvalidChallenge => "invalid_challenge",
+            Self::InvalidProof => "invalid_proof",
+            Self::NotFound => "not_found",
+            Self::TooManyDevices => "too_many_devices",
+            Self::RequestTooLarge => "request_too_large",
+            Self::RateLimited => "rate_limited",
+            Self::Busy => "busy",
+            Self::ShuttingDown => "shutting_down",
+            Self::DependencyUnavailable => "dependency_unavailable",
+            Self::ValidationOnly => "validation_only",
+            Self::Internal => "internal",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::InvalidRequest => StatusCode::BAD_REQUEST,
+            Self::InvalidToken
+            | Self::SessionExpired
+            | Self::InvalidChallenge
+            | Self::InvalidProof => StatusCode::UNAUTHORIZED,
+            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::TooManyDevices => StatusCode::CONFLICT,
+            Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Self::Busy
+            | Self::ShuttingDown
+            | Self::DependencyUnavailable
+            | Self::ValidationOnly => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn from_code(code: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|e| e.code() == code)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = format!(r#"{{"error":"{}"}}"#, self.code());
+        let mut response = (
+            self.status(),
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            body,
+        )
+            .into_response();
+        if self == Self::Busy {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+impl From<tonic::Status> for ApiError {
+    /// A service names the contract code in metadata; otherwise the gRPC code decides.
+    fn from(status: tonic::Status) -> Self {
+        if let Some(error) = orca_push_proto::error_code(&status).and_then(Self::from_code) {
+            return error;
+        }
+        match status.code() {
+            tonic::Code::InvalidArgument => Self::InvalidRequest,
+            tonic::Code::Unauthenticated => Self::InvalidToken,
+            tonic::Code::NotFound => Self::NotFound,
+            tonic::Code::ResourceExhausted => Self::RateLimited,
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => Self::DependencyUnavailable,
+            code => {
+                tracing::error!(?code, "unexpected gRPC status from a service");
+                Self::Internal
+            }
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! Liveness (`/health`, `/healthz`: the process) and readiness (`/ready`: the services behind it).
+
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::extract::State;
+use serde_json::{Value, json};
+
+use crate::app::AppState;
+use crate::error::ApiError;
+
+/// Readiness is cached this long: probes poll it, and each check is a round trip to every service.
+const READY_CACHE: Duration = Duration::from_secs(1);
+
+pub async fn health(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "ok": true,
+        "pushProtocol": 1,
+        "deliveryProtocol": 2,
+        "mode": state.mode.as_str(),
+    }))
+}
+
+pub async fn ready(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let Some(backends) = state.backends_for_ready() else {
+        // Validation mode runs no services: the process itself is all there is to be ready.
+        return Ok(Json(json!({ "ok": true })));
+    };
+    {
+        let cached = state.ready_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, ok)) = *cached
+            && at.elapsed() < READY_CACHE
+        {
+            return if ok {
+                Ok(Json(json!({ "ok": true })))
+            } else {
+                Err(ApiError::DependencyUnavailable)
+            };
+        }
+    }
+    let checks = backends.endpoints.iter().map(|e| e.is_serving());
+    let ok = futures::future::join_all(checks)
+        .await
+        .into_iter()
+        .all(|serving| serving);
+    *state.ready_cache.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), ok));
+    if ok {
+        Ok(Json(json!({ "ok": true })))
+    } else {
+        Err(ApiError::DependencyUnavailable)
+    }
+}

@@ -1,0 +1,162 @@
+//! Starting the gateway: all services in one process (the embedded default), or one service per
+//! process (split mode). In both, the facade reaches the services over the same gRPC.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use orca_push_storage::{Clock, SystemClock};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::app::{AppState, router};
+use crate::backends::{BackendUrls, Backends};
+use crate::config::{Config, Mode, ServiceName};
+
+/// Applies every service's migrations (auth for now; each service adds its own here).
+pub async fn migrate(config: &Config) -> anyhow::Result<()> {
+    orca_push_auth::open_and_migrate(&config.database)
+        .await
+        .context("auth migrations")?;
+    Ok(())
+}
+
+/// `orca-push serve`: the facade and all four services in this process, on `listener`.
+pub async fn serve_all_in_one(
+    config: Arc<Config>,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    if config.mode == Mode::Validation {
+        return serve_facade(listener, AppState::validation(), shutdown).await;
+    }
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let mut tasks = tokio::task::JoinSet::new();
+
+    let auth_pool = orca_push_auth::open_and_migrate(&config.database)
+        .await
+        .context("auth database")?;
+    let (auth_listener, auth_url) = loopback_listener().await?;
+    let origin = config.gateway_origin(listener.local_addr()?.port());
+    tasks.spawn(orca_push_auth::serve(
+        auth_listener,
+        auth_pool,
+        origin,
+        clock.clone(),
+        shutdown.clone(),
+    ));
+    let (registry_listener, registry_url) = loopback_listener().await?;
+    tasks.spawn(orca_push_registry::serve(
+        registry_listener,
+        shutdown.clone(),
+    ));
+    let (queue_listener, queue_url) = loopback_listener().await?;
+    tasks.spawn(orca_push_queue::serve(queue_listener, shutdown.clone()));
+    let (sender_listener, sender_url) = loopback_listener().await?;
+    tasks.spawn(orca_push_sender::serve(sender_listener, shutdown.clone()));
+
+    let backends = Backends::connect(&BackendUrls {
+        auth: auth_url,
+        registry: registry_url,
+        queue: queue_url,
+        sender: sender_url,
+    })
+    .context("service channels")?;
+    let facade = serve_facade(listener, AppState::serving(backends), shutdown.clone());
+    let result = tokio::select! {
+        result = facade => result,
+        Some(joined) = tasks.join_next() => {
+            // A service stopping on its own is fatal for the whole process.
+            match joined {
+                Ok(Ok(())) => Err(anyhow::anyhow!("a service stopped unexpectedly")),
+                Ok(Err(error)) => Err(anyhow::Error::new(error).context("a service failed")),
+                Err(error) => Err(anyhow::Error::new(error).context("a service panicked")),
+            }
+        }
+    };
+    shutdown.cancel();
+    while tasks.join_next().await.is_some() {}
+    result
+}
+
+/// `orca-push serve --service NAME`: one service in this process.
+pub async fn serve_split(
+    config: Arc<Config>,
+    service: ServiceName,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    if service == ServiceName::Facade {
+        let listener = bind(SocketAddr::from(([0, 0, 0, 0], config.port))).await?;
+        let state = match config.mode {
+            Mode::Validation => AppState::validation(),
+            Mode::Serve => AppState::serving(
+                Backends::connect(&BackendUrls {
+                    auth: config.require_url(ServiceName::Auth)?,
+                    registry: config.require_url(ServiceName::Registry)?,
+                    queue: config.require_url(ServiceName::Queue)?,
+                    sender: config.require_url(ServiceName::Sender)?,
+                })
+                .context("service channels")?,
+            ),
+        };
+        return serve_facade(listener, state, shutdown).await;
+    }
+    if config.mode == Mode::Validation {
+        anyhow::bail!("ORCA_PUSH_MODE: validation runs the facade only (use --service facade)");
+    }
+    let addr = config
+        .grpc_addr
+        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], service.default_grpc_port())));
+    let listener = bind(addr).await?;
+    tracing::info!(service = service.as_str(), %addr, "gRPC service listening");
+    match service {
+        ServiceName::Auth => {
+            let pool = orca_push_auth::open_and_migrate(&config.database)
+                .await
+                .context("auth database")?;
+            orca_push_auth::serve(
+                listener,
+                pool,
+                config.gateway_origin(config.port),
+                Arc::new(SystemClock),
+                shutdown,
+            )
+            .await?
+        }
+        ServiceName::Registry => orca_push_registry::serve(listener, shutdown).await?,
+        ServiceName::Queue => orca_push_queue::serve(listener, shutdown).await?,
+        ServiceName::Sender => orca_push_sender::serve(listener, shutdown).await?,
+        ServiceName::Facade => unreachable!("handled above"),
+    }
+    Ok(())
+}
+
+/// Serves the public HTTP API until `shutdown`, then drains in-flight requests.
+pub async fn serve_facade(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
+    axum::serve(
+        listener,
+        router(state).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown.cancelled_owned())
+    .await
+    .context("facade HTTP server")
+}
+
+async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+/// An in-process service's listener on a kernel-chosen loopback port, and the URL to reach it.
+async fn loopback_listener() -> anyhow::Result<(TcpListener, String)> {
+    let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    Ok((listener, url))
+}

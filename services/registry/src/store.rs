@@ -1,0 +1,416 @@
+//! `push_devices`, behind one trait. The SQL is written once (`$N` parameters work in both SQLite
+//! and PostgreSQL) and instantiated for each backend; only how a write transaction takes its lock
+//! differs.
+
+use std::future::Future;
+
+use orca_push_storage::Pool;
+use sqlx::Row as _;
+
+use crate::device::{
+    ApnsEnvironment, DeviceFilter, LIST_LIMIT, MAX_DEVICES_PER_HOST, Platform, Registration,
+};
+use crate::error::RegistryError;
+
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator =
+    sqlx::migrate!("../../migrations/registry/sqlite");
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator =
+    sqlx::migrate!("../../migrations/registry/postgres");
+
+pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {
+    match pool {
+        Pool::Sqlite(p) => SQLITE_MIGRATIONS.run(p).await,
+        Pool::Postgres(p) => POSTGRES_MIGRATIONS.run(p).await,
+    }
+}
+
+/// A registration as the host sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceRow {
+    pub registration_id: String,
+    pub device_id: String,
+    pub platform: Platform,
+    pub dead: bool,
+    pub filter: Option<DeviceFilter>,
+}
+
+/// A registration as a delivery needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryRow {
+    pub registration_id: String,
+    pub host_fingerprint: String,
+    pub platform: Platform,
+    pub token: String,
+    pub apns_environment: Option<ApnsEnvironment>,
+    pub dead: bool,
+}
+
+/// What send needs to know of one id the host owns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedRow {
+    pub registration_id: String,
+    pub platform: Platform,
+    pub dead: bool,
+}
+
+pub trait RegistryStore: Send + Sync + 'static {
+    /// Upserts by (host, device id) under the host's lock; `new_id` is used only for a new row.
+    fn register(
+        &self,
+        registration: &Registration,
+        new_id: &str,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<String, RegistryError>> + Send;
+    fn list(
+        &self,
+        host: &str,
+    ) -> impl Future<Output = Result<Vec<DeviceRow>, RegistryError>> + Send;
+    fn delete(
+        &self,
+        host: &str,
+        registration_id: &str,
+    ) -> impl Future<Output = Result<bool, RegistryError>> + Send;
+    fn resolve(
+        &self,
+        host: &str,
+        ids: &[String],
+    ) -> impl Future<Output = Result<Vec<ResolvedRow>, RegistryError>> + Send;
+    fn for_delivery(
+        &self,
+        ids: &[String],
+    ) -> impl Future<Output = Result<Vec<DeliveryRow>, RegistryError>> + Send;
+    fn mark_dead(
+        &self,
+        registration_id: &str,
+        token: &str,
+        platform: Platform,
+        apns_environment: Option<ApnsEnvironment>,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<bool, RegistryError>> + Send;
+    fn hosts_with_devices(
+        &self,
+        hosts: &[String],
+    ) -> impl Future<Output = Result<Vec<String>, RegistryError>> + Send;
+}
+
+fn platform_of(value: &str) -> Result<Platform, sqlx::Error> {
+    Platform::parse(value)
+        .ok_or_else(|| sqlx::Error::Decode(format!("unknown platform {value:?}").into()))
+}
+
+fn environment_of(value: Option<String>) -> Result<Option<ApnsEnvironment>, sqlx::Error> {
+    value
+        .map(|v| {
+            ApnsEnvironment::parse(&v).ok_or_else(|| {
+                sqlx::Error::Decode(format!("unknown apns environment {v:?}").into())
+            })
+        })
+        .transpose()
+}
+
+/// SQL shared by both backends; each expands it over its own pool and row types.
+macro_rules! registry_store {
+    ($store:ident) => {
+        impl RegistryStore for $store {
+            async fn register(
+                &self,
+                r: &Registration,
+                new_id: &str,
+                now_ms: i64,
+            ) -> Result<String, RegistryError> {
+                let mut tx = self.begin_host_write(&r.host_fingerprint).await?;
+                let environment = r.apns_environment.map(ApnsEnvironment::as_str);
+                let filter = r.filter.as_ref().map(DeviceFilter::to_json);
+                let existing: Option<String> = sqlx::query_scalar(
+                    "SELECT registration_id FROM push_devices WHERE host_fingerprint = $1 AND device_id = $2",
+                )
+                .bind(&r.host_fingerprint)
+                .bind(&r.device_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let id = match existing {
+                    Some(id) => {
+                        // A new token (or platform or environment) revives a dead registration; the
+                        // same token stays dead, since the provider already refused it.
+                        sqlx::query(
+                            "UPDATE push_devices SET \
+                             dead_at = CASE WHEN token = $2 AND platform = $3 \
+                               AND COALESCE(apns_environment, '') = COALESCE($4, '') THEN dead_at ELSE NULL END, \
+                             platform = $3, token = $2, apns_environment = $4, filter_json = $5, updated_at = $6 \
+                             WHERE registration_id = $1",
+                        )
+                        .bind(&id)
+                        .bind(&r.token)
+                        .bind(r.platform.as_str())
+                        .bind(environment)
+                        .bind(&filter)
+                        .bind(now_ms)
+                        .execute(&mut *tx)
+                        .await?;
+                        id
+                    }
+                    None => {
+                        let count: i64 = sqlx::query_scalar(
+                            "SELECT COUNT(*) FROM push_devices WHERE host_fingerprint = $1",
+                        )
+                        .bind(&r.host_fingerprint)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                        if count >= MAX_DEVICES_PER_HOST {
+                            return Err(RegistryError::TooManyDevices);
+                        }
+                        sqlx::query(
+                            "INSERT INTO push_devices (registration_id, host_fingerprint, device_id, platform, \
+                             token, apns_environment, filter_json, dead_at, created_at, updated_at) \
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, $8, $8)",
+                        )
+                        .bind(new_id)
+                        .bind(&r.host_fingerprint)
+                        .bind(&r.device_id)
+                        .bind(r.platform.as_str())
+                        .bind(&r.token)
+                        .bind(environment)
+                        .bind(&filter)
+                        .bind(now_ms)
+                        .execute(&mut *tx)
+                        .await?;
+                        new_id.to_owned()
+                    }
+                };
+                tx.commit().await?;
+                Ok(id)
+            }
+
+            async fn list(&self, host: &str) -> Result<Vec<DeviceRow>, RegistryError> {
+                let rows = sqlx::query(
+                    "SELECT registration_id, device_id, platform, dead_at, filter_json FROM push_devices \
+                     WHERE host_fingerprint = $1 ORDER BY created_at, registration_id LIMIT $2",
+                )
+                .bind(host)
+                .bind(LIST_LIMIT)
+                .fetch_all(&self.pool)
+                .await?;
+                rows.iter()
+                    .map(|row| {
+                        Ok(DeviceRow {
+                            registration_id: row.try_get("registration_id")?,
+                            device_id: row.try_get("device_id")?,
+                            platform: platform_of(row.try_get("platform")?)?,
+                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
+                            filter: row
+                                .try_get::<Option<String>, _>("filter_json")?
+                                .and_then(|json| DeviceFilter::from_json(&json)),
+                        })
+                    })
+                    .collect::<Result<_, sqlx::Error>>()
+                    .map_err(Into::into)
+            }
+
+            async fn delete(&self, host: &str, registration_id: &str) -> Result<bool, RegistryError> {
+                let deleted = sqlx::query(
+                    "DELETE FROM push_devices WHERE registration_id = $1 AND host_fingerprint = $2",
+                )
+                .bind(registration_id)
+                .bind(host)
+                .execute(&self.pool)
+                .await?;
+                Ok(deleted.rows_affected() == 1)
+            }
+
+            async fn resolve(&self, host: &str, ids: &[String]) -> Result<Vec<ResolvedRow>, RegistryError> {
+                let mut out = Vec::with_capacity(ids.len());
+                // At most 20 ids per send: one indexed point read each keeps the SQL static.
+                for id in ids {
+                    let row = sqlx::query(
+                        "SELECT platform, dead_at FROM push_devices \
+                         WHERE registration_id = $1 AND host_fingerprint = $2",
+                    )
+                    .bind(id)
+                    .bind(host)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                    if let Some(row) = row {
+                        out.push(ResolvedRow {
+                            registration_id: id.clone(),
+                            platform: platform_of(row.try_get("platform")?)?,
+                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
+                        });
+                    }
+                }
+                Ok(out)
+            }
+
+            async fn for_delivery(&self, ids: &[String]) -> Result<Vec<DeliveryRow>, RegistryError> {
+                let mut out = Vec::with_capacity(ids.len());
+                for id in ids {
+                    let row = sqlx::query(
+                        "SELECT host_fingerprint, platform, token, apns_environment, dead_at \
+                         FROM push_devices WHERE registration_id = $1",
+                    )
+                    .bind(id)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                    if let Some(row) = row {
+                        out.push(DeliveryRow {
+                            registration_id: id.clone(),
+                            host_fingerprint: row.try_get("host_fingerprint")?,
+                            platform: platform_of(row.try_get("platform")?)?,
+                            token: row.try_get("token")?,
+                            apns_environment: environment_of(row.try_get("apns_environment")?)?,
+                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
+                        });
+                    }
+                }
+                Ok(out)
+            }
+
+            async fn mark_dead(
+                &self,
+                registration_id: &str,
+                token: &str,
+                platform: Platform,
+                apns_environment: Option<ApnsEnvironment>,
+                now_ms: i64,
+            ) -> Result<bool, RegistryError> {
+                let marked = sqlx::query(
+                    "UPDATE push_devices SET dead_at = $5 \
+                     WHERE registration_id = $1 AND token = $2 AND platform = $3 \
+                     AND COALESCE(apns_environment, '') = COALESCE($4, '') AND dead_at IS NULL",
+                )
+                .bind(registration_id)
+                .bind(token)
+                .bind(platform.as_str())
+                .bind(apns_environment.map(ApnsEnvironment::as_str))
+                .bind(now_ms)
+                .execute(&self.pool)
+                .await?;
+                Ok(marked.rows_affected() == 1)
+            }
+
+            async fn hosts_with_devices(&self, hosts: &[String]) -> Result<Vec<String>, RegistryError> {
+                let mut out = Vec::new();
+                for host in hosts {
+                    let has: Option<i64> = sqlx::query_scalar(
+                        "SELECT CAST(1 AS BIGINT) FROM push_devices WHERE host_fingerprint = $1 LIMIT 1",
+                    )
+                    .bind(host)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                    if has.is_some() {
+                        out.push(host.clone());
+                    }
+                }
+                Ok(out)
+            }
+        }
+    };
+}
+
+/// SQLite: one writer at a time; `BEGIN IMMEDIATE` takes the write lock before the first read, so a
+/// read-then-write transaction cannot fail to upgrade.
+#[derive(Debug, Clone)]
+pub struct SqliteRegistryStore {
+    pool: sqlx::SqlitePool,
+}
+
+impl SqliteRegistryStore {
+    pub fn new(pool: sqlx::SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    async fn begin_host_write(
+        &self,
+        _host: &str,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
+    }
+}
+
+/// PostgreSQL (READ COMMITTED): a transaction-scoped advisory lock per host serialises the
+/// count-then-insert of the device cap across every replica.
+#[derive(Debug, Clone)]
+pub struct PgRegistryStore {
+    pool: sqlx::PgPool,
+}
+
+impl PgRegistryStore {
+    pub fn new(pool: sqlx::PgPool) -> Self {
+        Self { pool }
+    }
+
+    async fn begin_host_write(
+        &self,
+        host: &str,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('push_devices:' || $1, 0))")
+            .bind(host)
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    }
+}
+
+registry_store!(SqliteRegistryStore);
+registry_store!(PgRegistryStore);
+
+/// Either backend, chosen at start-up.
+#[derive(Debug, Clone)]
+pub enum AnyRegistryStore {
+    Sqlite(SqliteRegistryStore),
+    Postgres(PgRegistryStore),
+}
+
+impl AnyRegistryStore {
+    pub fn new(pool: Pool) -> Self {
+        match pool {
+            Pool::Sqlite(p) => Self::Sqlite(SqliteRegistryStore::new(p)),
+            Pool::Postgres(p) => Self::Postgres(PgRegistryStore::new(p)),
+        }
+    }
+}
+
+macro_rules! delegate {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            AnyRegistryStore::Sqlite($s) => $call.await,
+            AnyRegistryStore::Postgres($s) => $call.await,
+        }
+    };
+}
+
+impl RegistryStore for AnyRegistryStore {
+    async fn register(
+        &self,
+        r: &Registration,
+        new_id: &str,
+        now_ms: i64,
+    ) -> Result<String, RegistryError> {
+        delegate!(self, s => s.register(r, new_id, now_ms))
+    }
+    async fn list(&self, host: &str) -> Result<Vec<DeviceRow>, RegistryError> {
+        delegate!(self, s => s.list(host))
+    }
+    async fn delete(&self, host: &str, id: &str) -> Result<bool, RegistryError> {
+        delegate!(self, s => s.delete(host, id))
+    }
+    async fn resolve(&self, host: &str, ids: &[String]) -> Result<Vec<ResolvedRow>, RegistryError> {
+        delegate!(self, s => s.resolve(host, ids))
+    }
+    async fn for_delivery(&self, ids: &[String]) -> Result<Vec<DeliveryRow>, RegistryError> {
+        delegate!(self, s => s.for_delivery(ids))
+    }
+    async fn mark_dead(
+        &self,
+        id: &str,
+        token: &str,
+        platform: Platform,
+        env: Option<ApnsEnvironment>,
+        now_ms: i64,
+    ) -> Result<bool, RegistryError> {
+        delegate!(self, s => s.mark_dead(id, token, platform, env, now_ms))
+    }
+    async fn hosts_with_devices(&self, hosts: &[String]) -> Result<Vec<String>, RegistryError> {
+        delegate!(self, s => s.hosts_with_devices(hosts))
+    }
+}

@@ -1,0 +1,312 @@
+//! The registry's behaviour, run unchanged against SQLite and PostgreSQL.
+
+use std::sync::Arc;
+
+use orca_push_registry::device::{ApnsEnvironment, DeviceFilter, Platform, Registration};
+use orca_push_registry::{AnyRegistryStore, DeviceRegistry, RegistryError, open_and_migrate};
+use orca_push_storage::ManualClock;
+use orca_push_storage::testing::{Backend, TestDbGuard, fresh};
+
+struct Harness {
+    registry: Arc<DeviceRegistry<AnyRegistryStore>>,
+    _db: TestDbGuard,
+}
+
+async fn harness(backend: Backend) -> Harness {
+    let (config, guard) = fresh(backend).await;
+    let pool = open_and_migrate(&config).await.expect("open and migrate");
+    let clock = ManualClock::new(1_800_000_000_000);
+    Harness {
+        registry: Arc::new(DeviceRegistry::new(
+            AnyRegistryStore::new(pool),
+            Arc::new(clock),
+        )),
+        _db: guard,
+    }
+}
+
+fn ios(host: &str, device: &str, token: &str) -> Registration {
+    Registration {
+        host_fingerprint: host.into(),
+        device_id: device.into(),
+        platform: Platform::Ios,
+        token: token.into(),
+        apns_environment: Some(ApnsEnvironment::Production),
+        filter: None,
+    }
+}
+
+fn android(host: &str, device: &str, token: &str) -> Registration {
+    Registration {
+        host_fingerprint: host.into(),
+        device_id: device.into(),
+        platform: Platform::Android,
+        token: token.into(),
+        apns_environment: None,
+        filter: None,
+    }
+}
+
+const HOST: &str = "hostAAAAAAAAAAAA";
+const OTHER: &str = "hostBBBBBBBBBBBB";
+
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                super::$name(orca_push_storage::testing::Backend::Sqlite).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                super::$name(orca_push_storage::testing::Backend::Postgres).await;
+            }
+        }
+    )*};
+}
+
+on_both_backends!(
+    registering_again_keeps_the_id_and_replaces_the_token,
+    cap_is_64_devices_and_a_delete_frees_a_slot,
+    cap_holds_under_200_parallel_registrations,
+    only_the_owner_sees_or_deletes_a_registration,
+    mark_dead_only_while_the_sent_token_still_stands,
+    a_new_token_revives_a_dead_registration,
+    filter_is_stored_and_returned,
+    hosts_with_devices_names_only_hosts_that_have_some,
+);
+
+async fn registering_again_keeps_the_id_and_replaces_the_token(backend: Backend) {
+    let h = harness(backend).await;
+    let first = h
+        .registry
+        .register(&ios(HOST, "phone", "aa"))
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 24);
+    let again = h
+        .registry
+        .register(&ios(HOST, "phone", "bb"))
+        .await
+        .unwrap();
+    assert_eq!(first, again);
+    let delivery = h.registry.for_delivery(&[first.clone()]).await.unwrap();
+    assert_eq!(delivery[0].token, "bb");
+    // A second device gets a different, unguessable id.
+    let second = h
+        .registry
+        .register(&ios(HOST, "tablet", "cc"))
+        .await
+        .unwrap();
+    assert_ne!(second, first);
+    assert_eq!(h.registry.list(HOST).await.unwrap().len(), 2);
+}
+
+async fn cap_is_64_devices_and_a_delete_frees_a_slot(backend: Backend) {
+    let h = harness(backend).await;
+    let mut ids = Vec::new();
+    for i in 0..64 {
+        ids.push(
+            h.registry
+                .register(&ios(HOST, &format!("d{i}"), "aa"))
+                .await
+                .unwrap(),
+        );
+    }
+    let err = h
+        .registry
+        .register(&ios(HOST, "d64", "aa"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RegistryError::TooManyDevices), "{err:?}");
+    // Re-registering an owned device always succeeds at the cap.
+    h.registry.register(&ios(HOST, "d3", "bb")).await.unwrap();
+    // Another host is unaffected.
+    h.registry.register(&ios(OTHER, "d64", "aa")).await.unwrap();
+    h.registry.delete(HOST, &ids[0]).await.unwrap();
+    h.registry.register(&ios(HOST, "d64", "aa")).await.unwrap();
+    assert_eq!(h.registry.list(HOST).await.unwrap().len(), 64);
+}
+
+async fn cap_holds_under_200_parallel_registrations(backend: Backend) {
+    let h = harness(backend).await;
+    let attempts = (0..200).map(|i| {
+        let registry = h.registry.clone();
+        tokio::spawn(async move {
+            registry
+                .register(&ios(HOST, &format!("p{i}"), "abcd"))
+                .await
+        })
+    });
+    let results = futures::future::join_all(attempts).await;
+    let mut ok = 0;
+    for result in results {
+        match result.unwrap() {
+            Ok(_) => ok += 1,
+            Err(RegistryError::TooManyDevices) => {}
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(ok, 64);
+    assert_eq!(h.registry.list(HOST).await.unwrap().len(), 64);
+}
+
+async fn only_the_owner_sees_or_deletes_a_registration(backend: Backend) {
+    let h = harness(backend).await;
+    let id = h
+        .registry
+        .register(&ios(HOST, "phone", "aa"))
+        .await
+        .unwrap();
+    assert!(h.registry.list(OTHER).await.unwrap().is_empty());
+    assert!(matches!(
+        h.registry.delete(OTHER, &id).await,
+        Err(RegistryError::NotFound)
+    ));
+    assert!(matches!(
+        h.registry.delete(OTHER, "no-such-id").await,
+        Err(RegistryError::NotFound)
+    ));
+    assert!(
+        h.registry
+            .resolve(OTHER, &[id.clone()])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let resolved = h
+        .registry
+        .resolve(HOST, &[id.clone(), "nope".into()])
+        .await
+        .unwrap();
+    assert_eq!(resolved.len(), 1);
+    assert_eq!(resolved[0].platform, Platform::Ios);
+    h.registry.delete(HOST, &id).await.unwrap();
+    assert!(matches!(
+        h.registry.delete(HOST, &id).await,
+        Err(RegistryError::NotFound)
+    ));
+    assert!(h.registry.for_delivery(&[id]).await.unwrap().is_empty());
+}
+
+async fn mark_dead_only_while_the_sent_token_still_stands(backend: Backend) {
+    let h = harness(backend).await;
+    let id = h
+        .registry
+        .register(&ios(HOST, "phone", "aa"))
+        .await
+        .unwrap();
+    // The token was replaced after the send: the new one stays alive.
+    h.registry
+        .register(&ios(HOST, "phone", "bb"))
+        .await
+        .unwrap();
+    let env = Some(ApnsEnvironment::Production);
+    assert!(
+        !h.registry
+            .mark_dead(&id, "aa", Platform::Ios, env)
+            .await
+            .unwrap()
+    );
+    // Same token but another environment or platform: not what was sent.
+    assert!(
+        !h.registry
+            .mark_dead(&id, "bb", Platform::Ios, Some(ApnsEnvironment::Sandbox))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !h.registry
+            .mark_dead(&id, "bb", Platform::Android, None)
+            .await
+            .unwrap()
+    );
+    assert!(!h.registry.resolve(HOST, &[id.clone()]).await.unwrap()[0].dead);
+    assert!(
+        h.registry
+            .mark_dead(&id, "bb", Platform::Ios, env)
+            .await
+            .unwrap()
+    );
+    assert!(h.registry.resolve(HOST, &[id.clone()]).await.unwrap()[0].dead);
+    assert!(h.registry.list(HOST).await.unwrap()[0].dead);
+    let fcm = "f".repeat(40);
+    let aid = h
+        .registry
+        .register(&android(HOST, "pixel", &fcm))
+        .await
+        .unwrap();
+    assert!(
+        h.registry
+            .mark_dead(&aid, &fcm, Platform::Android, None)
+            .await
+            .unwrap()
+    );
+}
+
+async fn a_new_token_revives_a_dead_registration(backend: Backend) {
+    let h = harness(backend).await;
+    let env = Some(ApnsEnvironment::Production);
+    let id = h
+        .registry
+        .register(&ios(HOST, "phone", "aa"))
+        .await
+        .unwrap();
+    assert!(
+        h.registry
+            .mark_dead(&id, "aa", Platform::Ios, env)
+            .await
+            .unwrap()
+    );
+    // The same token registered again stays dead: the provider already refused it.
+    h.registry
+        .register(&ios(HOST, "phone", "aa"))
+        .await
+        .unwrap();
+    assert!(h.registry.resolve(HOST, &[id.clone()]).await.unwrap()[0].dead);
+    h.registry
+        .register(&ios(HOST, "phone", "cc"))
+        .await
+        .unwrap();
+    assert!(!h.registry.resolve(HOST, &[id]).await.unwrap()[0].dead);
+}
+
+async fn filter_is_stored_and_returned(backend: Backend) {
+    let h = harness(backend).await;
+    let filter = DeviceFilter {
+        sources: vec!["plugin".into()],
+        agent_states: vec!["needs-input".into(), "finished".into()],
+    };
+    let mut r = ios(HOST, "phone", "aa");
+    r.filter = Some(filter.clone());
+    h.registry.register(&r).await.unwrap();
+    h.registry
+        .register(&ios(HOST, "tablet", "aa"))
+        .await
+        .unwrap();
+    let devices = h.registry.list(HOST).await.unwrap();
+    let by_id = |id: &str| {
+        devices
+            .iter()
+            .find(|d| d.device_id == id)
+            .unwrap()
+            .filter
+            .clone()
+    };
+    assert_eq!(by_id("phone"), Some(filter));
+    assert_eq!(by_id("tablet"), None);
+}
+
+async fn hosts_with_devices_names_only_hosts_that_have_some(backend: Backend) {
+    let h = harness(backend).await;
+    h.registry
+        .register(&ios(HOST, "phone", "aa"))
+        .await
+        .unwrap();
+    let with = h
+        .registry
+        .hosts_with_devices(&[HOST.into(), OTHER.into()])
+        .await
+        .unwrap();
+    assert_eq!(with, vec![HOST.to_owned()]);
+}
