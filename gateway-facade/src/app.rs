@@ -4,16 +4,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::Router;
+use axum::extract::State;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use orca_push_telemetry::set_parent_from_headers;
 use tracing::Instrument as _;
 
 use crate::backends::Backends;
 use crate::config::Mode;
 use crate::error::ApiError;
+use crate::limits::Limits;
 use crate::routes;
 
 /// Every POST body is capped at 16 KiB, counted as it streams in.
@@ -23,14 +25,16 @@ pub const BODY_LIMIT_BYTES: usize = 16 * 1024;
 pub struct AppState {
     pub mode: Mode,
     pub backends: Option<Backends>,
+    pub limits: Arc<Limits>,
     pub ready_cache: Arc<Mutex<Option<(Instant, bool)>>>,
 }
 
 impl AppState {
-    pub fn serving(backends: Backends) -> Self {
+    pub fn serving(backends: Backends, limits: Arc<Limits>) -> Self {
         Self {
             mode: Mode::Serve,
             backends: Some(backends),
+            limits,
             ready_cache: Arc::default(),
         }
     }
@@ -39,6 +43,7 @@ impl AppState {
         Self {
             mode: Mode::Validation,
             backends: None,
+            limits: Limits::new(0),
             ready_cache: Arc::default(),
         }
     }
@@ -61,7 +66,20 @@ pub fn router(state: AppState) -> Router {
     let api = match state.mode {
         Mode::Serve => Router::new()
             .route("/v1/host/challenge", post(routes::host::challenge))
-            .route("/v1/host/session", post(routes::host::session)),
+            .route("/v1/host/session", post(routes::host::session))
+            // Runs before the body is read: a refused client costs no parsing.
+            .route_layer(middleware::from_fn_with_state(
+                state.clone(),
+                unauthenticated_bucket,
+            ))
+            .route(
+                "/v1/devices",
+                post(routes::devices::register).get(routes::devices::list),
+            )
+            .route(
+                "/v1/devices/{registration_id}",
+                delete(routes::devices::delete),
+            ),
         Mode::Validation => Router::new().route("/v1/{*rest}", axum::routing::any(validation_only)),
     };
     common
@@ -77,6 +95,19 @@ pub fn router(state: AppState) -> Router {
                 .layer(middleware::from_fn(trace_http))
                 .layer(DefaultBodyLimit::max(BODY_LIMIT_BYTES)),
         )
+}
+
+/// Challenge and session share one token bucket per client IP.
+async fn unauthenticated_bucket(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let client = state.limits.client(request.headers());
+    match state.limits.admit_unauthenticated(&client) {
+        Ok(()) => next.run(request).await,
+        Err(error) => error.into_response(),
+    }
 }
 
 async fn not_found() -> ApiError {

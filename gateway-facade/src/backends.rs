@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
+use orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient;
 use orca_push_telemetry::{TracedChannel, traced_channel};
 use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
@@ -66,6 +67,7 @@ impl ServiceEndpoint {
 #[derive(Clone)]
 pub struct Backends {
     pub auth: AuthServiceClient<TracedChannel>,
+    pub registry: RegistryServiceClient<TracedChannel>,
     /// Every service `/ready` checks.
     pub endpoints: Vec<ServiceEndpoint>,
 }
@@ -89,6 +91,7 @@ impl Backends {
             ServiceEndpoint::connect("sender", orca_push_sender::HEALTH_NAME, &urls.sender)?;
         Ok(Self {
             auth: AuthServiceClient::new(auth.channel.clone()),
+            registry: RegistryServiceClient::new(registry.channel.clone()),
             endpoints: vec![auth, registry, queue, sender],
         })
     }

@@ -5,11 +5,13 @@
 //! first 4 characters of a host fingerprint, and never answer an error with internal detail.
 
 pub mod app;
+pub mod auth;
 pub mod backends;
 pub mod cli;
 pub mod config;
 pub mod error;
 pub mod json;
+pub mod limits;
 pub mod routes;
 pub mod topology;
 

@@ -1,4 +1,5 @@
 //! Handlers of the public routes, one module per part of the contract.
 
+pub mod devices;
 pub mod health;
 pub mod host;

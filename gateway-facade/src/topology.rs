@@ -12,12 +12,16 @@ use tokio_util::sync::CancellationToken;
 use crate::app::{AppState, router};
 use crate::backends::{BackendUrls, Backends};
 use crate::config::{Config, Mode, ServiceName};
+use crate::limits::Limits;
 
-/// Applies every service's migrations (auth for now; each service adds its own here).
+/// Applies every service's migrations.
 pub async fn migrate(config: &Config) -> anyhow::Result<()> {
     orca_push_auth::open_and_migrate(&config.database)
         .await
         .context("auth migrations")?;
+    orca_push_registry::open_and_migrate(&config.database)
+        .await
+        .context("registry migrations")?;
     Ok(())
 }
 
@@ -36,18 +40,24 @@ pub async fn serve_all_in_one(
     let auth_pool = orca_push_auth::open_and_migrate(&config.database)
         .await
         .context("auth database")?;
+    let registry_pool = orca_push_registry::open_and_migrate(&config.database)
+        .await
+        .context("registry database")?;
     let (auth_listener, auth_url) = loopback_listener().await?;
+    let (registry_listener, registry_url) = loopback_listener().await?;
+    tasks.spawn(orca_push_registry::serve(
+        registry_listener,
+        registry_pool,
+        clock.clone(),
+        shutdown.clone(),
+    ));
     let origin = config.gateway_origin(listener.local_addr()?.port());
     tasks.spawn(orca_push_auth::serve(
         auth_listener,
         auth_pool,
         origin,
         clock.clone(),
-        shutdown.clone(),
-    ));
-    let (registry_listener, registry_url) = loopback_listener().await?;
-    tasks.spawn(orca_push_registry::serve(
-        registry_listener,
+        orca_push_auth::registry_client(&registry_url).context("registry channel")?,
         shutdown.clone(),
     ));
     let (queue_listener, queue_url) = loopback_listener().await?;
@@ -62,7 +72,8 @@ pub async fn serve_all_in_one(
         sender: sender_url,
     })
     .context("service channels")?;
-    let facade = serve_facade(listener, AppState::serving(backends), shutdown.clone());
+    let state = AppState::serving(backends, Limits::new(config.trusted_proxy_hops));
+    let facade = serve_facade(listener, state, shutdown.clone());
     let result = tokio::select! {
         result = facade => result,
         Some(joined) = tasks.join_next() => {
@@ -97,6 +108,7 @@ pub async fn serve_split(
                     sender: config.require_url(ServiceName::Sender)?,
                 })
                 .context("service channels")?,
+                Limits::new(config.trusted_proxy_hops),
             ),
         };
         return serve_facade(listener, state, shutdown).await;
@@ -119,11 +131,18 @@ pub async fn serve_split(
                 pool,
                 config.gateway_origin(config.port),
                 Arc::new(SystemClock),
+                orca_push_auth::registry_client(&config.require_url(ServiceName::Registry)?)
+                    .context("registry channel")?,
                 shutdown,
             )
             .await?
         }
-        ServiceName::Registry => orca_push_registry::serve(listener, shutdown).await?,
+        ServiceName::Registry => {
+            let pool = orca_push_registry::open_and_migrate(&config.database)
+                .await
+                .context("registry database")?;
+            orca_push_registry::serve(listener, pool, Arc::new(SystemClock), shutdown).await?
+        }
         ServiceName::Queue => orca_push_queue::serve(listener, shutdown).await?,
         ServiceName::Sender => orca_push_sender::serve(listener, shutdown).await?,
         ServiceName::Facade => unreachable!("handled above"),

@@ -14,6 +14,8 @@ pub enum AuthError {
     InvalidToken,
     #[error("session expired")]
     SessionExpired,
+    #[error("the registry could not be asked")]
+    DirectoryUnavailable,
     #[error("storage: {0}")]
     Storage(#[from] sqlx::Error),
 }
@@ -34,6 +36,9 @@ impl From<AuthError> for tonic::Status {
             }
             AuthError::InvalidToken => status_with_code(Code::Unauthenticated, "invalid_token"),
             AuthError::SessionExpired => status_with_code(Code::Unauthenticated, "session_expired"),
+            AuthError::DirectoryUnavailable => {
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
             AuthError::Storage(error) => {
                 // The detail stays in our logs; callers get no internals.
                 tracing::error!(%error, "auth: storage failure");

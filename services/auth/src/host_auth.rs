@@ -14,6 +14,33 @@ use subtle::ConstantTimeEq as _;
 use crate::error::AuthError;
 use crate::store::{AuthStore, NewChallenge, NewSession};
 
+/// Who still has registrations: the registry, asked over gRPC.
+pub trait DeviceDirectory: Send + Sync {
+    fn hosts_still_registered(
+        &self,
+        hosts: Vec<String>,
+    ) -> impl std::future::Future<Output = Result<Vec<String>, tonic::Status>> + Send;
+}
+
+impl DeviceDirectory
+    for orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient<
+        orca_push_telemetry::TracedChannel,
+    >
+{
+    async fn hosts_still_registered(
+        &self,
+        hosts: Vec<String>,
+    ) -> Result<Vec<String>, tonic::Status> {
+        let response = self
+            .clone()
+            .hosts_with_devices(orca_push_proto::registry::v1::HostsWithDevicesRequest {
+                host_fingerprints: hosts,
+            })
+            .await?;
+        Ok(response.into_inner().host_fingerprints)
+    }
+}
+
 /// A session lives 24 hours.
 pub const SESSION_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 /// Expired challenges are kept this long, so a slow proof reads as expired, not unknown.
@@ -22,6 +49,9 @@ pub const CHALLENGE_PRUNE_GRACE_MS: u64 = 30_000;
 pub const SESSION_PRUNE_GRACE_MS: u64 = 24 * 60 * 60 * 1000;
 /// An authenticated call refreshes `last_seen_at` at most this often per host.
 pub const LAST_SEEN_INTERVAL_MS: u64 = 60_000;
+/// A host with no contact for an hour and no registrations is pruned.
+pub const HOST_IDLE_MS: u64 = 60 * 60 * 1000;
+const HOST_PRUNE_BATCH: i64 = 500;
 /// Session tokens: 32 random bytes, unpadded base64url.
 pub const SESSION_TOKEN_LEN: usize = 43;
 const CHALLENGE_ID_MAX: usize = 128;
@@ -254,6 +284,36 @@ impl<S: AuthStore> HostAuth<S> {
             host_fingerprint: session.host_fingerprint,
             expires_at_ms: session.expires_at_ms,
         })
+    }
+
+    /// Deletes hosts idle for an hour that no registration names. The registry owns
+    /// `push_devices`, so it is asked over gRPC; this service never reads that table.
+    pub async fn prune_hosts(&self, directory: &impl DeviceDirectory) -> Result<u64, AuthError> {
+        let cutoff = self.clock.now_ms().saturating_sub(HOST_IDLE_MS);
+        let mut pruned = 0;
+        loop {
+            let stale = self.store.stale_hosts(cutoff, HOST_PRUNE_BATCH).await?;
+            if stale.is_empty() {
+                break;
+            }
+            let keep = directory
+                .hosts_still_registered(stale.clone())
+                .await
+                .map_err(|_| AuthError::DirectoryUnavailable)?;
+            let doomed: Vec<String> = stale
+                .iter()
+                .filter(|h| !keep.contains(h))
+                .cloned()
+                .collect();
+            pruned += self.store.delete_stale_hosts(&doomed, cutoff).await?;
+            if (stale.len() as i64) < HOST_PRUNE_BATCH || doomed.is_empty() {
+                break;
+            }
+        }
+        if pruned > 0 {
+            tracing::info!(pruned, "pruned idle hosts without devices");
+        }
+        Ok(pruned)
     }
 
     /// Deletes challenges expired more than 30 s ago and sessions expired more than a day ago.

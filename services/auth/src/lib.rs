@@ -20,7 +20,8 @@ use tonic_health::ServingStatus;
 pub use error::AuthError;
 pub use grpc::AuthGrpc;
 pub use host_auth::{
-    Authenticated, HostAuth, IssuedChallenge, SESSION_TTL_MS, Session, fingerprint_prefix,
+    Authenticated, DeviceDirectory, HOST_IDLE_MS, HostAuth, IssuedChallenge, SESSION_TTL_MS,
+    Session, fingerprint_prefix,
 };
 pub use store::{AnyAuthStore, AuthStore, PgAuthStore, SqliteAuthStore};
 
@@ -47,6 +48,23 @@ pub struct AuthConfig {
     pub database: DatabaseConfig,
 }
 
+/// The auth service's client of the registry (for host pruning).
+pub type RegistryClient =
+    orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient<
+        orca_push_telemetry::TracedChannel,
+    >;
+
+/// A lazily connecting, traced registry client.
+pub fn registry_client(url: &str) -> Result<RegistryClient, tonic::transport::Error> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(10))
+        .connect_lazy();
+    Ok(RegistryClient::new(orca_push_telemetry::traced_channel(
+        channel,
+    )))
+}
+
 /// Opens the database and applies this service's migrations.
 pub async fn open_and_migrate(
     database: &DatabaseConfig,
@@ -62,6 +80,7 @@ pub async fn serve(
     pool: Pool,
     gateway_origin: String,
     clock: Arc<dyn Clock>,
+    registry: RegistryClient,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let pool_for_health = pool.clone();
@@ -76,6 +95,7 @@ pub async fn serve(
         .await;
     tokio::spawn(maintain(
         auth.clone(),
+        registry,
         pool_for_health,
         health.clone(),
         shutdown.clone(),
@@ -95,6 +115,7 @@ pub async fn serve(
 /// Keeps the health status in step with the database, and prunes on a slower beat.
 async fn maintain(
     auth: Arc<HostAuth<AnyAuthStore>>,
+    registry: RegistryClient,
     pool: Pool,
     health: tonic_health::server::HealthReporter,
     shutdown: CancellationToken,
@@ -118,6 +139,9 @@ async fn maintain(
             last_prune = tokio::time::Instant::now();
             if let Err(error) = auth.prune().await {
                 tracing::warn!(%error, "auth prune failed");
+            }
+            if let Err(error) = auth.prune_hosts(&registry).await {
+                tracing::warn!(%error, "host prune failed");
             }
         }
     }

@@ -102,6 +102,21 @@ pub trait AuthStore: Send + Sync + 'static {
         stale_before_ms: u64,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
+    /// Hosts whose last contact is at or before `before_ms`, at most `limit`.
+    fn stale_hosts(
+        &self,
+        before_ms: u64,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
+
+    /// Deletes these hosts if their last contact is still at or before `before_ms` (a host seen
+    /// since the registry was asked is kept).
+    fn delete_stale_hosts(
+        &self,
+        hosts: &[String],
+        before_ms: u64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     /// Deletes challenges that expired before `challenges_before_ms` and sessions that expired
     /// before `sessions_before_ms`.
     fn prune(
@@ -159,6 +174,16 @@ impl AuthStore for AnyAuthStore {
         stale_before_ms: u64,
     ) -> Result<(), sqlx::Error> {
         delegate!(self, s => s.touch_host(fp, now_ms, stale_before_ms))
+    }
+    async fn stale_hosts(&self, before_ms: u64, limit: i64) -> Result<Vec<String>, sqlx::Error> {
+        delegate!(self, s => s.stale_hosts(before_ms, limit))
+    }
+    async fn delete_stale_hosts(
+        &self,
+        hosts: &[String],
+        before_ms: u64,
+    ) -> Result<u64, sqlx::Error> {
+        delegate!(self, s => s.delete_stale_hosts(hosts, before_ms))
     }
     async fn prune(
         &self,

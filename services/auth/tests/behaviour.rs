@@ -93,6 +93,7 @@ on_both_backends!(
     expired_session_answers_session_expired,
     last_seen_is_refreshed_at_most_once_a_minute,
     malformed_inputs_are_invalid_requests,
+    idle_hosts_without_devices_are_pruned_after_an_hour,
 );
 
 async fn challenge_transcript_binds_every_field(backend: Backend) {
@@ -432,4 +433,44 @@ impl LastSeen for AnyAuthStore {
         use orca_push_auth::AuthStore as _;
         self.host_last_seen(fp).await.expect("read host")
     }
+}
+
+/// The registry as auth sees it: these hosts still have registrations.
+struct Directory(Vec<String>);
+
+impl orca_push_auth::DeviceDirectory for Directory {
+    async fn hosts_still_registered(
+        &self,
+        hosts: Vec<String>,
+    ) -> Result<Vec<String>, tonic::Status> {
+        Ok(hosts.into_iter().filter(|h| self.0.contains(h)).collect())
+    }
+}
+
+async fn idle_hosts_without_devices_are_pruned_after_an_hour(backend: Backend) {
+    let h = harness(backend).await;
+    let idle = Host::new(1);
+    let with_devices = Host::new(2);
+    let recent = Host::new(3);
+    login(&h, &idle).await;
+    login(&h, &with_devices).await;
+    h.clock.advance(orca_push_auth::HOST_IDLE_MS - 1);
+    let recent_session = login(&h, &recent).await;
+    let directory = Directory(vec![with_devices.fingerprint()]);
+    // Not yet an hour for anyone.
+    assert_eq!(h.auth.prune_hosts(&directory).await.unwrap(), 0);
+    h.clock.advance(1);
+    assert_eq!(h.auth.prune_hosts(&directory).await.unwrap(), 1);
+    let seen = |fp: String| {
+        let auth = h.auth.clone();
+        async move { auth.store().host_last_seen_for_test(&fp).await }
+    };
+    assert_eq!(seen(idle.fingerprint()).await, None);
+    assert!(seen(with_devices.fingerprint()).await.is_some());
+    assert!(seen(recent.fingerprint()).await.is_some());
+    // A recent host stays while it keeps in touch.
+    h.clock.advance(orca_push_auth::HOST_IDLE_MS - 2);
+    h.auth.authenticate(&recent_session.token).await.unwrap();
+    h.clock.advance(2);
+    assert_eq!(h.auth.prune_hosts(&directory).await.unwrap(), 0);
 }

@@ -153,6 +153,36 @@ impl AuthStore for SqliteAuthStore {
         Ok(())
     }
 
+    async fn stale_hosts(&self, before_ms: u64, limit: i64) -> Result<Vec<String>, sqlx::Error> {
+        sqlx::query_scalar(
+            "SELECT host_fingerprint FROM push_hosts WHERE last_seen_at <= ? \
+             ORDER BY last_seen_at LIMIT ?",
+        )
+        .bind(db_time(before_ms))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+    }
+
+    async fn delete_stale_hosts(
+        &self,
+        hosts: &[String],
+        before_ms: u64,
+    ) -> Result<u64, sqlx::Error> {
+        let mut deleted = 0;
+        for host in hosts {
+            deleted += sqlx::query(
+                "DELETE FROM push_hosts WHERE host_fingerprint = ? AND last_seen_at <= ?",
+            )
+            .bind(host)
+            .bind(db_time(before_ms))
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        }
+        Ok(deleted)
+    }
+
     async fn prune(
         &self,
         challenges_before_ms: u64,

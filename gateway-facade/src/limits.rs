@@ -1,0 +1,360 @@
+//! The facade's defences against the open internet, per instance and in memory: who a client is,
+//! token buckets per client IP and per host (governor), the forged-bearer budget, and bounded
+//! admission to session look-ups. Every map here has a hard cap, so a flood of distinct keys cannot
+//! grow memory without bound.
+
+use std::hash::Hash;
+use std::net::IpAddr;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, Quota, RateLimiter};
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+use crate::error::ApiError;
+
+/// Challenge and session share one bucket per client IP.
+pub const UNAUTHENTICATED_PER_MINUTE: u32 = 30;
+/// Each host's authenticated requests.
+pub const HOST_PER_MINUTE: u32 = 600;
+/// Requests with a missing, malformed, unknown or expired bearer, per client IP.
+pub const INVALID_BEARER_PER_MINUTE: u32 = 30;
+/// Most keys one bucket map holds; past it, idle keys are swept and, if it is still full, new keys
+/// share one overflow bucket.
+pub const MAX_KEYS_PER_MAP: usize = 100_000;
+/// Concurrent session look-ups, and how many more may wait for one.
+pub const LOOKUP_CONCURRENCY: usize = 64;
+pub const LOOKUP_QUEUE: usize = 256;
+/// How long a request waits in that queue before it is told `busy`.
+pub const LOOKUP_WAIT: Duration = Duration::from_secs(2);
+
+/// Who a request is, for the per-IP buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientKey {
+    Ip(IpAddr),
+    /// No trustworthy address: every such request shares one bucket.
+    Shared,
+}
+
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    let hop = hop.trim();
+    hop.parse::<IpAddr>()
+        .ok()
+        .or_else(|| hop.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
+}
+
+/// The client address: the last `x-forwarded-for` hop after skipping `trusted_hops` appenders (a
+/// shorter header is not trusted at all), then `x-real-ip`, then the shared bucket. Everything left
+/// of the chosen hop is caller-supplied and never earns a bucket of its own.
+pub fn client_key(headers: &HeaderMap, trusted_hops: usize) -> ClientKey {
+    let hops: Vec<&str> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+        .collect();
+    if !hops.is_empty() {
+        if hops.len() > trusted_hops {
+            if let Some(ip) = parse_hop(hops[hops.len() - 1 - trusted_hops]) {
+                return ClientKey::Ip(ip);
+            }
+        }
+        // Present but too short (or unparsable at the trusted depth): not trusted at all.
+    } else if let Some(ip) = headers
+        .get("x-real-ip")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_hop)
+    {
+        return ClientKey::Ip(ip);
+    }
+    ClientKey::Shared
+}
+
+/// A keyed token bucket with a hard cap on its keys. governor keeps one small state per key; a key
+/// whose bucket has refilled carries no information and is swept. If the map is still full of
+/// active keys after a sweep (a flood of distinct keys within seconds), every request shares one
+/// overflow bucket until the flood subsides: memory stays bounded and the flood stays blunted.
+pub struct BoundedBuckets<K: Hash + Eq + Clone> {
+    keyed: DefaultKeyedRateLimiter<K>,
+    overflow: DefaultDirectRateLimiter,
+    max_keys: usize,
+    /// A sweep walks the whole map: at most one per `SWEEP_SPACING`, or a flood at the cap would
+    /// turn every request into a full scan.
+    last_sweep: std::sync::Mutex<Option<Instant>>,
+}
+
+const SWEEP_SPACING: Duration = Duration::from_millis(500);
+
+impl<K: Hash + Eq + Clone> BoundedBuckets<K> {
+    pub fn per_minute(per_minute: u32, max_keys: usize) -> Self {
+        let quota = Quota::per_minute(NonZeroU32::new(per_minute).unwrap_or(NonZeroU32::MIN));
+        Self {
+            keyed: RateLimiter::keyed(quota),
+            overflow: RateLimiter::direct(quota),
+            max_keys,
+            last_sweep: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Takes one token for `key`; false when its bucket is empty.
+    pub fn try_take(&self, key: &K) -> bool {
+        if self.keyed.len() >= self.max_keys {
+            let due = {
+                let mut last = self.last_sweep.lock().unwrap_or_else(|p| p.into_inner());
+                let due = last.is_none_or(|at| at.elapsed() >= SWEEP_SPACING);
+                if due {
+                    *last = Some(Instant::now());
+                }
+                due
+            };
+            if due {
+                self.sweep();
+            }
+            if self.keyed.len() >= self.max_keys {
+                return self.overflow.check().is_ok();
+            }
+        }
+        self.keyed.check_key(key).is_ok()
+    }
+
+    /// Drops buckets that have refilled completely.
+    pub fn sweep(&self) {
+        self.keyed.retain_recent();
+        self.keyed.shrink_to_fit();
+    }
+
+    pub fn len(&self) -> usize {
+        self.keyed.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keyed.is_empty()
+    }
+}
+
+/// IPs whose forged-bearer budget ran out, refused before any session look-up until the budget
+/// has a token again (one token refills every 2 s at 30 per minute).
+struct Penalties {
+    until: dashmap::DashMap<ClientKey, Instant>,
+}
+
+const PENALTY: Duration = Duration::from_secs(2);
+
+impl Penalties {
+    fn is_penalised(&self, key: &ClientKey) -> bool {
+        self.until
+            .get(key)
+            .is_some_and(|until| *until > Instant::now())
+    }
+
+    fn penalise(&self, key: ClientKey) {
+        if self.until.len() >= MAX_KEYS_PER_MAP {
+            self.sweep();
+            if self.until.len() >= MAX_KEYS_PER_MAP {
+                // Full of live penalties: the oldest-expiring are not worth tracking more than new
+                // ones; the invalid-bearer bucket still charges every look-up from this key.
+                return;
+            }
+        }
+        self.until.insert(key, Instant::now() + PENALTY);
+    }
+
+    fn sweep(&self) {
+        let now = Instant::now();
+        self.until.retain(|_, until| *until > now);
+        self.until.shrink_to_fit();
+    }
+}
+
+/// Every limit the facade applies, shared by all requests of this instance.
+pub struct Limits {
+    pub trusted_proxy_hops: usize,
+    unauthenticated: BoundedBuckets<ClientKey>,
+    hosts: BoundedBuckets<String>,
+    invalid_bearers: BoundedBuckets<ClientKey>,
+    penalties: Penalties,
+    lookups: Semaphore,
+    waiting: AtomicUsize,
+}
+
+impl Limits {
+    pub fn new(trusted_proxy_hops: usize) -> Arc<Self> {
+        Arc::new(Self {
+            trusted_proxy_hops,
+            unauthenticated: BoundedBuckets::per_minute(
+                UNAUTHENTICATED_PER_MINUTE,
+                MAX_KEYS_PER_MAP,
+            ),
+            hosts: BoundedBuckets::per_minute(HOST_PER_MINUTE, MAX_KEYS_PER_MAP),
+            invalid_bearers: BoundedBuckets::per_minute(
+                INVALID_BEARER_PER_MINUTE,
+                MAX_KEYS_PER_MAP,
+            ),
+            penalties: Penalties {
+                until: dashmap::DashMap::new(),
+            },
+            lookups: Semaphore::new(LOOKUP_CONCURRENCY),
+            waiting: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn client(&self, headers: &HeaderMap) -> ClientKey {
+        client_key(headers, self.trusted_proxy_hops)
+    }
+
+    /// Challenge and session: one bucket per client IP.
+    pub fn admit_unauthenticated(&self, client: &ClientKey) -> Result<(), ApiError> {
+        if self.unauthenticated.try_take(client) {
+            Ok(())
+        } else {
+            Err(ApiError::RateLimited)
+        }
+    }
+
+    /// Before a session look-up: an IP that spent its forged-bearer budget waits it out.
+    pub fn check_bearer_penalty(&self, client: &ClientKey) -> Result<(), ApiError> {
+        if self.penalties.is_penalised(client) {
+            Err(ApiError::RateLimited)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// After a bearer was refused: charge the IP's budget. `Err(RateLimited)` once it is spent.
+    pub fn charge_invalid_bearer(&self, client: ClientKey) -> Result<(), ApiError> {
+        if self.invalid_bearers.try_take(&client) {
+            Ok(())
+        } else {
+            self.penalties.penalise(client);
+            Err(ApiError::RateLimited)
+        }
+    }
+
+    /// After a bearer resolved: the host's own bucket.
+    pub fn admit_host(&self, host_fingerprint: &str) -> Result<(), ApiError> {
+        if self.hosts.try_take(&host_fingerprint.to_owned()) {
+            Ok(())
+        } else {
+            Err(ApiError::RateLimited)
+        }
+    }
+
+    /// Bounded admission to session look-ups: a permit now, a short bounded wait, or `busy`.
+    pub async fn admit_lookup(&self) -> Result<SemaphorePermit<'_>, ApiError> {
+        if let Ok(permit) = self.lookups.try_acquire() {
+            return Ok(permit);
+        }
+        if self.waiting.fetch_add(1, Ordering::AcqRel) >= LOOKUP_QUEUE {
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+            return Err(ApiError::Busy);
+        }
+        let permit = tokio::time::timeout(LOOKUP_WAIT, self.lookups.acquire()).await;
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        match permit {
+            Ok(Ok(permit)) => Ok(permit),
+            _ => Err(ApiError::Busy),
+        }
+    }
+
+    /// Drops idle state; run on a timer so memory follows the live client set.
+    pub fn sweep(&self) {
+        self.unauthenticated.sweep();
+        self.hosts.sweep();
+        self.invalid_bearers.sweep();
+        self.penalties.sweep();
+    }
+
+    /// Keys held across all maps, for tests and metrics.
+    pub fn tracked_keys(&self) -> usize {
+        self.unauthenticated.len()
+            + self.hosts.len()
+            + self.invalid_bearers.len()
+            + self.penalties.until.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    fn ip(s: &str) -> ClientKey {
+        ClientKey::Ip(s.parse().unwrap())
+    }
+
+    #[test]
+    fn the_last_hop_is_the_client_with_no_trusted_proxies() {
+        let h = headers(&[("x-forwarded-for", "6.6.6.6, 1.2.3.4")]);
+        assert_eq!(client_key(&h, 0), ip("1.2.3.4"));
+        // Forged left-hand hops change nothing.
+        let h = headers(&[("x-forwarded-for", "7.7.7.7, 8.8.8.8, 1.2.3.4")]);
+        assert_eq!(client_key(&h, 0), ip("1.2.3.4"));
+    }
+
+    #[test]
+    fn trusted_hops_skip_that_many_appenders() {
+        let h = headers(&[("x-forwarded-for", "6.6.6.6, 1.2.3.4, 10.0.0.1")]);
+        assert_eq!(client_key(&h, 1), ip("1.2.3.4"));
+        let h = headers(&[
+            ("x-forwarded-for", "1.2.3.4"),
+            ("x-forwarded-for", "10.0.0.1"),
+        ]);
+        assert_eq!(client_key(&h, 1), ip("1.2.3.4"));
+    }
+
+    #[test]
+    fn a_header_shorter_than_the_trusted_depth_is_not_trusted() {
+        let h = headers(&[("x-forwarded-for", "1.2.3.4"), ("x-real-ip", "5.5.5.5")]);
+        assert_eq!(client_key(&h, 1), ClientKey::Shared);
+    }
+
+    #[test]
+    fn x_real_ip_then_shared() {
+        assert_eq!(
+            client_key(&headers(&[("x-real-ip", "5.5.5.5")]), 0),
+            ip("5.5.5.5")
+        );
+        assert_eq!(
+            client_key(&headers(&[("x-real-ip", "junk")]), 0),
+            ClientKey::Shared
+        );
+        assert_eq!(client_key(&headers(&[]), 0), ClientKey::Shared);
+        assert_eq!(
+            client_key(&headers(&[("x-forwarded-for", "[::1]:443")]), 0),
+            ip("::1")
+        );
+    }
+
+    #[test]
+    fn thirty_per_minute_per_ip() {
+        let limits = Limits::new(0);
+        let a = ip("1.1.1.1");
+        for _ in 0..30 {
+            limits.admit_unauthenticated(&a).unwrap();
+        }
+        assert_eq!(limits.admit_unauthenticated(&a), Err(ApiError::RateLimited));
+        limits.admit_unauthenticated(&ip("2.2.2.2")).unwrap();
+    }
+
+    #[test]
+    fn a_million_distinct_ips_keep_the_maps_bounded() {
+        let buckets = BoundedBuckets::<ClientKey>::per_minute(30, 10_000);
+        for i in 0..1_000_000u32 {
+            buckets.try_take(&ClientKey::Ip(IpAddr::from(i.to_be_bytes())));
+            assert!(buckets.len() <= 10_000);
+        }
+    }
+}
