@@ -1,1 +1,302 @@
+//! Test support: a real `orca-push serve` process on an isolated database, driven over HTTP.
 
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use orca_push_host::{ChallengeEnvelope, HostKey, answer_challenge};
+use orca_push_storage::DatabaseConfig;
+pub use orca_push_storage::testing::Backend;
+use serde_json::{Value, json};
+use tokio::io::AsyncBufReadExt as _;
+
+/// Path of the gateway binary under test: Cargo builds this package's `orca-push-e2e` beside the
+/// `deps/` folder that holds the running test binary, fresh for every test run.
+pub fn binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let target_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    target_dir.join(format!("orca-push-e2e{}", std::env::consts::EXE_SUFFIX))
+}
+
+/// A running gateway. Killed when dropped.
+pub struct Gateway {
+    child: tokio::process::Child,
+    pub base: String,
+    pub database: DatabaseConfig,
+    logs: Arc<Mutex<Vec<String>>>,
+    _data_dir: tempfile::TempDir,
+}
+
+impl Gateway {
+    pub async fn start(backend: Backend) -> Self {
+        Self::start_with(backend, &[]).await
+    }
+
+    /// Starts `orca-push serve` on a kernel-chosen port with a fresh database of `backend`.
+    pub async fn start_with(backend: Backend, env: &[(&str, &str)]) -> Self {
+        let data_dir = tempfile::tempdir().expect("temp dir");
+        let database = match backend {
+            Backend::Sqlite => DatabaseConfig::Sqlite {
+                data_dir: data_dir.path().to_owned(),
+            },
+            Backend::Postgres => DatabaseConfig::Postgres {
+                url: orca_push_storage::testing::fresh_postgres_url().await,
+            },
+        };
+        let mut command = tokio::process::Command::new(binary());
+        command
+            .arg("serve")
+            .env("PORT", "0")
+            .env("ORCA_PUSH_DATA_DIR", data_dir.path())
+            .env("RUST_LOG", "info")
+            .env_remove("ORCA_PUSH_DATABASE_URL")
+            .env_remove("ORCA_PUSH_PUBLIC_URL")
+            .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if let DatabaseConfig::Postgres { url } = &database {
+            command.env("ORCA_PUSH_DATABASE_URL", url);
+        }
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("spawn orca-push");
+        let stderr = child.stderr.take().expect("stderr");
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (port_tx, port_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(collect_logs(stderr, logs.clone(), port_tx));
+        let port = match tokio::time::timeout(Duration::from_secs(60), port_rx).await {
+            Ok(Ok(port)) => port,
+            _ => panic!(
+                "orca-push did not start listening; its log:\n{}",
+                logs.lock().unwrap().join("\n")
+            ),
+        };
+        let gateway = Self {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            database,
+            logs,
+            _data_dir: data_dir,
+        };
+        gateway.wait_ready().await;
+        gateway
+    }
+
+    async fn wait_ready(&self) {
+        let http = reqwest::Client::new();
+        for _ in 0..200 {
+            if let Ok(r) = http.get(self.url("/ready")).send().await
+                && r.status() == 200
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("gateway never became ready; log:\n{}", self.logs());
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    pub fn logs(&self) -> String {
+        self.logs.lock().unwrap().join("\n")
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// A direct connection to the auth service's own tables, for tests that move its clock.
+    pub async fn auth_pool(&self) -> orca_push_storage::Pool {
+        orca_push_storage::open(&self.database, &orca_push_auth::STORAGE)
+            .await
+            .expect("open auth database")
+    }
+}
+
+async fn collect_logs(
+    stderr: tokio::process::ChildStderr,
+    logs: Arc<Mutex<Vec<String>>>,
+    port_tx: tokio::sync::oneshot::Sender<u16>,
+) {
+    let mut port_tx = Some(port_tx);
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if line.contains("facade listening")
+            && let Some(port) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse().ok())
+            && let Some(tx) = port_tx.take()
+        {
+            let _ = tx.send(port);
+        }
+        logs.lock().unwrap().push(line);
+    }
+}
+
+/// A raw HTTP answer: status and parsed JSON body (Null when empty).
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub body: Value,
+    pub headers: reqwest::header::HeaderMap,
+}
+
+impl Answer {
+    pub fn error(&self) -> Option<&str> {
+        self.body.get("error").and_then(Value::as_str)
+    }
+}
+
+pub async fn answer(response: reqwest::Response) -> Answer {
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let bytes = response.bytes().await.expect("body");
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+    };
+    Answer {
+        status,
+        body,
+        headers,
+    }
+}
+
+/// Plain HTTP calls, with no SDK in between, for failure paths.
+#[derive(Clone)]
+pub struct Raw {
+    pub http: reqwest::Client,
+    pub base: String,
+}
+
+impl Raw {
+    pub fn new(gateway: &Gateway) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            base: gateway.base.clone(),
+        }
+    }
+
+    pub async fn post(&self, path: &str, body: &Value, headers: &[(&str, &str)]) -> Answer {
+        let mut request = self.http.post(format!("{}{}", self.base, path)).json(body);
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        answer(request.send().await.expect("send")).await
+    }
+
+    pub async fn post_raw(&self, path: &str, body: &'static str) -> Answer {
+        let request = self
+            .http
+            .post(format!("{}{}", self.base, path))
+            .header("content-type", "application/json")
+            .body(body);
+        answer(request.send().await.expect("send")).await
+    }
+
+    pub async fn get(&self, path: &str, headers: &[(&str, &str)]) -> Answer {
+        let mut request = self.http.get(format!("{}{}", self.base, path));
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        answer(request.send().await.expect("send")).await
+    }
+
+    pub async fn delete(&self, path: &str, headers: &[(&str, &str)]) -> Answer {
+        let mut request = self.http.delete(format!("{}{}", self.base, path));
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        answer(request.send().await.expect("send")).await
+    }
+
+    /// POST /v1/host/challenge for `key`, returning the envelope as the SDK reads it.
+    pub async fn challenge(
+        &self,
+        key: &HostKey,
+        headers: &[(&str, &str)],
+    ) -> (Answer, Option<ChallengeEnvelope>) {
+        let reply = self
+            .post(
+                "/v1/host/challenge",
+                &json!({ "v": 1, "hostPublicKeyB64": STANDARD.encode(key.public_key()) }),
+                headers,
+            )
+            .await;
+        let envelope = (reply.status == 200).then(|| envelope_of(&reply.body));
+        (reply, envelope)
+    }
+
+    /// A full handshake without the SDK's client, returning the session token.
+    pub async fn login(&self, key: &HostKey, headers: &[(&str, &str)]) -> String {
+        let (reply, envelope) = self.challenge(key, headers).await;
+        let envelope = envelope.unwrap_or_else(|| panic!("challenge refused: {reply:?}"));
+        let proof = answer_challenge(key, &origin(&self.base), &envelope, now_ms()).expect("proof");
+        let session = self
+            .post(
+                "/v1/host/session",
+                &json!({ "v": 1, "challengeId": envelope.challenge_id, "proofB64": STANDARD.encode(proof) }),
+                headers,
+            )
+            .await;
+        assert_eq!(session.status, 200, "{session:?}");
+        session.body["sessionToken"].as_str().unwrap().to_owned()
+    }
+}
+
+pub fn envelope_of(body: &Value) -> ChallengeEnvelope {
+    let b = |k: &str| STANDARD.decode(body[k].as_str().unwrap()).unwrap();
+    ChallengeEnvelope {
+        challenge_id: body["challengeId"].as_str().unwrap().to_owned(),
+        gateway_ephemeral_public_key: b("gatewayEphemeralPublicKeyB64").try_into().unwrap(),
+        nonce: b("nonceB64").try_into().unwrap(),
+        ciphertext: b("ciphertextB64"),
+        expires_at_ms: body["expiresAt"].as_u64().unwrap(),
+    }
+}
+
+pub fn origin(base: &str) -> String {
+    orca_push_host::origin_of(base).unwrap()
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+pub fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+/// Runs a test body once on SQLite and once on PostgreSQL.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                super::$name($crate::Backend::Sqlite).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$name($crate::Backend::Postgres).await;
+            }
+        }
+    )*};
+}
