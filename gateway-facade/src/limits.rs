@@ -122,7 +122,8 @@ impl<K: Hash + Eq + Clone> BoundedBuckets<K> {
         self.keyed.check_key(key).is_ok()
     }
 
-    /// Drops buckets that have refilled completely.
+    /// Drops buckets whose state is indistinguishable from a fresh one (governor: unused for two
+    /// emission intervals, 4 s at 30 per minute).
     pub fn sweep(&self) {
         self.keyed.retain_recent();
         self.keyed.shrink_to_fit();

@@ -158,6 +158,7 @@ pub async fn serve_facade(
 ) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
+    tokio::spawn(sweep_limits(state.limits.clone(), shutdown.clone()));
     axum::serve(
         listener,
         router(state).into_make_service_with_connect_info::<SocketAddr>(),
@@ -178,4 +179,15 @@ async fn loopback_listener() -> anyhow::Result<(TcpListener, String)> {
     let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
     let url = format!("http://{}", listener.local_addr()?);
     Ok((listener, url))
+}
+
+/// Drops limiter state for clients that went quiet, so memory follows the live client set.
+async fn sweep_limits(limits: Arc<Limits>, shutdown: CancellationToken) {
+    let mut ticker = tokio::time::interval(std::time::Duration::from_secs(10));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => limits.sweep(),
+        }
+    }
 }
