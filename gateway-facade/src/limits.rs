@@ -59,10 +59,10 @@ pub fn client_key(headers: &HeaderMap, trusted_hops: usize) -> ClientKey {
         .filter(|h| !h.is_empty())
         .collect();
     if !hops.is_empty() {
-        if hops.len() > trusted_hops {
-            if let Some(ip) = parse_hop(hops[hops.len() - 1 - trusted_hops]) {
-                return ClientKey::Ip(ip);
-            }
+        if hops.len() > trusted_hops
+            && let Some(ip) = parse_hop(hops[hops.len() - 1 - trusted_hops])
+        {
+            return ClientKey::Ip(ip);
         }
         // Present but too short (or unparsable at the trusted depth): not trusted at all.
     } else if let Some(ip) = headers

@@ -119,7 +119,8 @@ fn sdk_checks_every_transcript_field() {
     let key = HostKey::from_secret([7u8; 32]);
     let (ok, now) = sealed(&key, |_| {});
     assert!(answer_challenge(&key, ORIGIN, &ok, now).is_ok());
-    let cases: Vec<(ChallengeRefusal, Box<dyn FnOnce(&mut hp::Transcript)>)> = vec![
+    type Mutation = Box<dyn FnOnce(&mut hp::Transcript)>;
+    let cases: Vec<(ChallengeRefusal, Mutation)> = vec![
         (
             ChallengeRefusal::GatewayKey,
             Box::new(|t| t.gateway_ephemeral_public_key[0] ^= 1),
@@ -188,7 +189,11 @@ fn key_file_is_owner_only_and_never_overwritten() {
         HostKey::generate().save_new(&path),
         Err(orca_push_host::KeyError::Exists(_))
     ));
-    assert_eq!(format!("{key:?}").contains(&key.fingerprint()), true);
+    let debug = format!("{key:?}");
+    assert!(debug.contains(&key.fingerprint()), "{debug}");
+    let secret_b64 = std::fs::read_to_string(&path).unwrap();
+    let secret_b64: serde_json::Value = serde_json::from_str(&secret_b64).unwrap();
+    assert!(!debug.contains(secret_b64["secretKeyB64"].as_str().unwrap()));
 }
 
 #[test]

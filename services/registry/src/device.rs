@@ -136,7 +136,7 @@ impl Registration {
                 let t = self.token.as_bytes();
                 if t.is_empty()
                     || t.len() > 4096
-                    || t.len() % 2 != 0
+                    || !t.len().is_multiple_of(2)
                     || !t.iter().all(u8::is_ascii_hexdigit)
                 {
                     return Err(RegistryError::InvalidRequest("ios token must be hex pairs"));

@@ -90,7 +90,7 @@ async fn registering_again_keeps_the_id_and_replaces_the_token(backend: Backend)
         .await
         .unwrap();
     assert_eq!(first, again);
-    let delivery = h.registry.for_delivery(&[first.clone()]).await.unwrap();
+    let delivery = h.registry.for_delivery(std::slice::from_ref(&first)).await.unwrap();
     assert_eq!(delivery[0].token, "bb");
     // A second device gets a different, unguessable id.
     let second = h
@@ -169,7 +169,7 @@ async fn only_the_owner_sees_or_deletes_a_registration(backend: Backend) {
     ));
     assert!(
         h.registry
-            .resolve(OTHER, &[id.clone()])
+            .resolve(OTHER, std::slice::from_ref(&id))
             .await
             .unwrap()
             .is_empty()
@@ -221,14 +221,14 @@ async fn mark_dead_only_while_the_sent_token_still_stands(backend: Backend) {
             .await
             .unwrap()
     );
-    assert!(!h.registry.resolve(HOST, &[id.clone()]).await.unwrap()[0].dead);
+    assert!(!h.registry.resolve(HOST, std::slice::from_ref(&id)).await.unwrap()[0].dead);
     assert!(
         h.registry
             .mark_dead(&id, "bb", Platform::Ios, env)
             .await
             .unwrap()
     );
-    assert!(h.registry.resolve(HOST, &[id.clone()]).await.unwrap()[0].dead);
+    assert!(h.registry.resolve(HOST, std::slice::from_ref(&id)).await.unwrap()[0].dead);
     assert!(h.registry.list(HOST).await.unwrap()[0].dead);
     let fcm = "f".repeat(40);
     let aid = h
@@ -263,7 +263,7 @@ async fn a_new_token_revives_a_dead_registration(backend: Backend) {
         .register(&ios(HOST, "phone", "aa"))
         .await
         .unwrap();
-    assert!(h.registry.resolve(HOST, &[id.clone()]).await.unwrap()[0].dead);
+    assert!(h.registry.resolve(HOST, std::slice::from_ref(&id)).await.unwrap()[0].dead);
     h.registry
         .register(&ios(HOST, "phone", "cc"))
         .await
