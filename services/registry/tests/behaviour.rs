@@ -90,7 +90,11 @@ async fn registering_again_keeps_the_id_and_replaces_the_token(backend: Backend)
         .await
         .unwrap();
     assert_eq!(first, again);
-    let delivery = h.registry.for_delivery(std::slice::from_ref(&first)).await.unwrap();
+    let delivery = h
+        .registry
+        .for_delivery(std::slice::from_ref(&first))
+        .await
+        .unwrap();
     assert_eq!(delivery[0].token, "bb");
     // A second device gets a different, unguessable id.
     let second = h
@@ -221,14 +225,26 @@ async fn mark_dead_only_while_the_sent_token_still_stands(backend: Backend) {
             .await
             .unwrap()
     );
-    assert!(!h.registry.resolve(HOST, std::slice::from_ref(&id)).await.unwrap()[0].dead);
+    assert!(
+        !h.registry
+            .resolve(HOST, std::slice::from_ref(&id))
+            .await
+            .unwrap()[0]
+            .dead
+    );
     assert!(
         h.registry
             .mark_dead(&id, "bb", Platform::Ios, env)
             .await
             .unwrap()
     );
-    assert!(h.registry.resolve(HOST, std::slice::from_ref(&id)).await.unwrap()[0].dead);
+    assert!(
+        h.registry
+            .resolve(HOST, std::slice::from_ref(&id))
+            .await
+            .unwrap()[0]
+            .dead
+    );
     assert!(h.registry.list(HOST).await.unwrap()[0].dead);
     let fcm = "f".repeat(40);
     let aid = h
@@ -263,7 +279,13 @@ async fn a_new_token_revives_a_dead_registration(backend: Backend) {
         .register(&ios(HOST, "phone", "aa"))
         .await
         .unwrap();
-    assert!(h.registry.resolve(HOST, std::slice::from_ref(&id)).await.unwrap()[0].dead);
+    assert!(
+        h.registry
+            .resolve(HOST, std::slice::from_ref(&id))
+            .await
+            .unwrap()[0]
+            .dead
+    );
     h.registry
         .register(&ios(HOST, "phone", "cc"))
         .await
