@@ -5,6 +5,7 @@ use std::path::PathBuf;
 const PROTOS: &[&str] = &[
     "orca/push/auth/v1/auth.proto",
     "orca/push/registry/v1/registry.proto",
+    "orca/push/queue/v1/queue.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

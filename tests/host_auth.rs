@@ -290,3 +290,113 @@ async fn cli_keygen_and_login(backend: Backend) {
     let token: serde_json::Value = serde_json::from_str(&cache).unwrap();
     assert!(!stdout.contains(token["sessionToken"].as_str().unwrap()));
 }
+
+on_both_backends!(split_topology_serves_the_same_api);
+
+async fn split_topology_serves_the_same_api(backend: Backend) {
+    let gateway = Gateway::start_split(backend).await;
+    let client = GatewayClient::new(&gateway.base, HostKey::generate()).unwrap();
+    client
+        .login()
+        .await
+        .expect("login through the split services");
+    let registered = client
+        .call(
+            reqwest::Method::POST,
+            "/v1/devices",
+            Some(&json!({ "v": 1, "deviceId": "phone", "platform": "ios", "token": "abcd", "apnsEnvironment": "sandbox" })),
+        )
+        .await
+        .unwrap();
+    assert!(registered["registrationId"].is_string());
+    let devices = client
+        .call(reqwest::Method::GET, "/v1/devices", None)
+        .await
+        .unwrap();
+    assert_eq!(devices["devices"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_bad_setting_stops_start_up_with_one_line_naming_it() {
+    for (variable, value) in [
+        ("ORCA_PUSH_MODE", "staging"),
+        ("PORT", "eighty"),
+        ("ORCA_PUSH_PUBLIC_URL", "https://push.example.com/v1"),
+        ("ORCA_PUSH_DATABASE_URL", "mysql://db"),
+    ] {
+        let output = tokio::process::Command::new(orca_push_tests::binary())
+            .arg("serve")
+            .env(variable, value)
+            .output()
+            .await
+            .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{stderr}");
+        assert!(
+            lines[0].starts_with(&format!("orca-push: {variable}: ")),
+            "{stderr}"
+        );
+    }
+    // Split mode names the service URL it lacks.
+    let output = tokio::process::Command::new(orca_push_tests::binary())
+        .args(["serve", "--service", "facade"])
+        .env("PORT", "0")
+        .env_remove("ORCA_PUSH_AUTH_URL")
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("ORCA_PUSH_AUTH_URL"));
+}
+
+#[tokio::test]
+async fn migrate_applies_every_service_schema_and_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = tokio::process::Command::new(orca_push_tests::binary())
+        .arg("migrate")
+        .env("ORCA_PUSH_DATA_DIR", dir.path())
+        .env_remove("ORCA_PUSH_DATABASE_URL")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    for file in ["auth.sqlite", "registry.sqlite", "queue.sqlite"] {
+        assert!(dir.path().join(file).exists(), "{file}");
+    }
+    // Migrating twice is a no-op.
+    let again = tokio::process::Command::new(orca_push_tests::binary())
+        .arg("migrate")
+        .env("ORCA_PUSH_DATA_DIR", dir.path())
+        .env_remove("ORCA_PUSH_DATABASE_URL")
+        .output()
+        .await
+        .unwrap();
+    assert!(again.status.success());
+}
+
+#[tokio::test]
+async fn validation_mode_is_inert() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start_with(Backend::Sqlite, &[("ORCA_PUSH_MODE", "validation")]).await;
+    let raw = Raw::new(&gateway);
+    let health = raw.get("/health", &[]).await;
+    assert_eq!(health.body["mode"], "validation");
+    assert_eq!(raw.get("/ready", &[]).await.status, 200);
+    let reply = raw
+        .post("/v1/host/challenge", &json!({ "v": 1 }), &[])
+        .await;
+    assert_eq!(
+        (reply.status, reply.error()),
+        (503, Some("validation_only"))
+    );
+    let reply = raw.get("/v1/devices", &[]).await;
+    assert_eq!(
+        (reply.status, reply.error()),
+        (503, Some("validation_only"))
+    );
+    // It wrote nothing: no database files in its data folder.
+    drop(dir);
+    assert!(!gateway.data_dir().join("auth.sqlite").exists());
+}

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
+use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
 use orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient;
 use orca_push_telemetry::{TracedChannel, traced_channel};
 use tonic::transport::{Channel, Endpoint};
@@ -68,6 +69,7 @@ impl ServiceEndpoint {
 pub struct Backends {
     pub auth: AuthServiceClient<TracedChannel>,
     pub registry: RegistryServiceClient<TracedChannel>,
+    pub queue: QueueServiceClient<TracedChannel>,
     /// Every service `/ready` checks.
     pub endpoints: Vec<ServiceEndpoint>,
 }
@@ -92,6 +94,7 @@ impl Backends {
         Ok(Self {
             auth: AuthServiceClient::new(auth.channel.clone()),
             registry: RegistryServiceClient::new(registry.channel.clone()),
+            queue: QueueServiceClient::new(queue.channel.clone()),
             endpoints: vec![auth, registry, queue, sender],
         })
     }

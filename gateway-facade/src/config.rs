@@ -211,6 +211,16 @@ impl Config {
             .unwrap_or_else(|| format!("http://127.0.0.1:{bound_port}"))
     }
 
+    /// A split-mode auth service cannot know the facade's port: the origin must be configured.
+    pub fn require_public_url(&self) -> Result<String, ConfigError> {
+        self.public_url.clone().ok_or_else(|| {
+            invalid(
+                "ORCA_PUSH_PUBLIC_URL",
+                "required by the auth service in split mode: the facade's public origin",
+            )
+        })
+    }
+
     /// The URL a split-mode caller uses for `service`, or an error naming the variable to set.
     pub fn require_url(&self, service: ServiceName) -> Result<String, ConfigError> {
         let url = match service {

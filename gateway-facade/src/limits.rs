@@ -350,6 +350,40 @@ mod tests {
         limits.admit_unauthenticated(&ip("2.2.2.2")).unwrap();
     }
 
+    #[tokio::test]
+    async fn session_lookups_are_bounded_in_flight_and_in_waiting() {
+        let limits = Limits::new(0);
+        let mut held = Vec::new();
+        for _ in 0..LOOKUP_CONCURRENCY {
+            held.push(limits.admit_lookup().await.unwrap());
+        }
+        // The queue fills up with waiters; the next one is told `busy` at once.
+        // Each waiter releases its permit as soon as it has it, as a finished look-up does.
+        let waiters: Vec<_> = (0..LOOKUP_QUEUE)
+            .map(|_| async { limits.admit_lookup().await.map(drop) })
+            .collect();
+        let waiting = futures::future::join_all(waiters);
+        tokio::pin!(waiting);
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        assert_eq!(limits.admit_lookup().await.err(), Some(ApiError::Busy));
+        // Freed permits go to the waiters.
+        drop(held);
+        let admitted = waiting.await;
+        assert!(admitted.iter().all(Result::is_ok));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_gives_up_with_busy_after_the_bound() {
+        let limits = Limits::new(0);
+        let _held: Vec<_> =
+            futures::future::join_all((0..LOOKUP_CONCURRENCY).map(|_| limits.admit_lookup()))
+                .await
+                .into_iter()
+                .map(Result::unwrap)
+                .collect();
+        assert_eq!(limits.admit_lookup().await.err(), Some(ApiError::Busy));
+    }
+
     #[test]
     fn a_million_distinct_ips_keep_the_maps_bounded() {
         let buckets = BoundedBuckets::<ClientKey>::per_minute(30, 10_000);

@@ -3,3 +3,4 @@
 pub mod devices;
 pub mod health;
 pub mod host;
+pub mod send;

@@ -22,6 +22,9 @@ pub async fn migrate(config: &Config) -> anyhow::Result<()> {
     orca_push_registry::open_and_migrate(&config.database)
         .await
         .context("registry migrations")?;
+    orca_push_queue::open_and_migrate(&config.database)
+        .await
+        .context("queue migrations")?;
     Ok(())
 }
 
@@ -60,8 +63,17 @@ pub async fn serve_all_in_one(
         orca_push_auth::registry_client(&registry_url).context("registry channel")?,
         shutdown.clone(),
     ));
+    let queue_pool = orca_push_queue::open_and_migrate(&config.database)
+        .await
+        .context("queue database")?;
     let (queue_listener, queue_url) = loopback_listener().await?;
-    tasks.spawn(orca_push_queue::serve(queue_listener, shutdown.clone()));
+    tasks.spawn(orca_push_queue::serve(
+        queue_listener,
+        queue_pool,
+        clock.clone(),
+        config.coalesce_ms,
+        shutdown.clone(),
+    ));
     let (sender_listener, sender_url) = loopback_listener().await?;
     tasks.spawn(orca_push_sender::serve(sender_listener, shutdown.clone()));
 
@@ -120,7 +132,8 @@ pub async fn serve_split(
         .grpc_addr
         .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], service.default_grpc_port())));
     let listener = bind(addr).await?;
-    tracing::info!(service = service.as_str(), %addr, "gRPC service listening");
+    let bound = listener.local_addr()?;
+    tracing::info!(service = service.as_str(), addr = %bound, "gRPC service listening");
     match service {
         ServiceName::Auth => {
             let pool = orca_push_auth::open_and_migrate(&config.database)
@@ -129,7 +142,7 @@ pub async fn serve_split(
             orca_push_auth::serve(
                 listener,
                 pool,
-                config.gateway_origin(config.port),
+                config.require_public_url()?,
                 Arc::new(SystemClock),
                 orca_push_auth::registry_client(&config.require_url(ServiceName::Registry)?)
                     .context("registry channel")?,
@@ -143,7 +156,19 @@ pub async fn serve_split(
                 .context("registry database")?;
             orca_push_registry::serve(listener, pool, Arc::new(SystemClock), shutdown).await?
         }
-        ServiceName::Queue => orca_push_queue::serve(listener, shutdown).await?,
+        ServiceName::Queue => {
+            let pool = orca_push_queue::open_and_migrate(&config.database)
+                .await
+                .context("queue database")?;
+            orca_push_queue::serve(
+                listener,
+                pool,
+                Arc::new(SystemClock),
+                config.coalesce_ms,
+                shutdown,
+            )
+            .await?
+        }
         ServiceName::Sender => orca_push_sender::serve(listener, shutdown).await?,
         ServiceName::Facade => unreachable!("handled above"),
     }

@@ -7,6 +7,12 @@ pub mod auth {
     }
 }
 
+pub mod queue {
+    pub mod v1 {
+        tonic::include_proto!("orca.push.queue.v1");
+    }
+}
+
 pub mod registry {
     pub mod v1 {
         tonic::include_proto!("orca.push.registry.v1");

@@ -23,13 +23,82 @@ pub fn binary() -> std::path::PathBuf {
     target_dir.join(format!("orca-push-e2e{}", std::env::consts::EXE_SUFFIX))
 }
 
-/// A running gateway. Killed when dropped.
+/// A running gateway: one process, or several in split mode. Killed when dropped.
 pub struct Gateway {
-    child: tokio::process::Child,
+    processes: Vec<Process>,
     pub base: String,
     pub database: DatabaseConfig,
-    logs: Arc<Mutex<Vec<String>>>,
     _data_dir: tempfile::TempDir,
+}
+
+async fn fresh_database(backend: Backend, data_dir: &std::path::Path) -> DatabaseConfig {
+    match backend {
+        Backend::Sqlite => DatabaseConfig::Sqlite {
+            data_dir: data_dir.to_owned(),
+        },
+        Backend::Postgres => DatabaseConfig::Postgres {
+            url: orca_push_storage::testing::fresh_postgres_url().await,
+        },
+    }
+}
+
+/// One `orca-push` process and its log.
+pub struct Process {
+    child: tokio::process::Child,
+    pub port: u16,
+    logs: Arc<Mutex<Vec<String>>>,
+}
+
+impl Process {
+    /// Spawns `orca-push <args>` and waits for the log line `marker` with the address it bound.
+    pub async fn spawn(
+        args: &[&str],
+        database: &DatabaseConfig,
+        data_dir: &std::path::Path,
+        env: &[(&str, &str)],
+        marker: &'static str,
+    ) -> Self {
+        let mut command = tokio::process::Command::new(binary());
+        command
+            .args(args)
+            .env("PORT", "0")
+            .env("ORCA_PUSH_DATA_DIR", data_dir)
+            .env("RUST_LOG", "info")
+            .env_remove("ORCA_PUSH_DATABASE_URL")
+            .env_remove("ORCA_PUSH_PUBLIC_URL")
+            .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if let DatabaseConfig::Postgres { url } = database {
+            command.env("ORCA_PUSH_DATABASE_URL", url);
+        }
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("spawn orca-push");
+        let stderr = child.stderr.take().expect("stderr");
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (port_tx, port_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(collect_logs(stderr, logs.clone(), marker, port_tx));
+        let port = match tokio::time::timeout(Duration::from_secs(60), port_rx).await {
+            Ok(Ok(port)) => port,
+            _ => panic!(
+                "orca-push {args:?} did not start listening; its log:\n{}",
+                logs.lock().unwrap().join("\n")
+            ),
+        };
+        Self { child, port, logs }
+    }
+
+    pub fn logs(&self) -> String {
+        self.logs.lock().unwrap().join("\n")
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
 }
 
 impl Gateway {
@@ -40,50 +109,93 @@ impl Gateway {
     /// Starts `orca-push serve` on a kernel-chosen port with a fresh database of `backend`.
     pub async fn start_with(backend: Backend, env: &[(&str, &str)]) -> Self {
         let data_dir = tempfile::tempdir().expect("temp dir");
-        let database = match backend {
-            Backend::Sqlite => DatabaseConfig::Sqlite {
-                data_dir: data_dir.path().to_owned(),
-            },
-            Backend::Postgres => DatabaseConfig::Postgres {
-                url: orca_push_storage::testing::fresh_postgres_url().await,
-            },
-        };
-        let mut command = tokio::process::Command::new(binary());
-        command
-            .arg("serve")
-            .env("PORT", "0")
-            .env("ORCA_PUSH_DATA_DIR", data_dir.path())
-            .env("RUST_LOG", "info")
-            .env_remove("ORCA_PUSH_DATABASE_URL")
-            .env_remove("ORCA_PUSH_PUBLIC_URL")
-            .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        if let DatabaseConfig::Postgres { url } = &database {
-            command.env("ORCA_PUSH_DATABASE_URL", url);
-        }
-        for (k, v) in env {
-            command.env(k, v);
-        }
-        let mut child = command.spawn().expect("spawn orca-push");
-        let stderr = child.stderr.take().expect("stderr");
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        let (port_tx, port_rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(collect_logs(stderr, logs.clone(), port_tx));
-        let port = match tokio::time::timeout(Duration::from_secs(60), port_rx).await {
-            Ok(Ok(port)) => port,
-            _ => panic!(
-                "orca-push did not start listening; its log:\n{}",
-                logs.lock().unwrap().join("\n")
-            ),
-        };
+        let database = fresh_database(backend, data_dir.path()).await;
+        let process = Process::spawn(
+            &["serve"],
+            &database,
+            data_dir.path(),
+            env,
+            "facade listening",
+        )
+        .await;
         let gateway = Self {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
+            base: format!("http://127.0.0.1:{}", process.port),
             database,
-            logs,
+            processes: vec![process],
+            _data_dir: data_dir,
+        };
+        gateway.wait_ready().await;
+        gateway
+    }
+
+    /// The split topology: auth, registry, queue and sender each in its own process, and a facade
+    /// process that reaches them over gRPC, all on one fresh database.
+    pub async fn start_split(backend: Backend) -> Self {
+        let data_dir = tempfile::tempdir().expect("temp dir");
+        let database = fresh_database(backend, data_dir.path()).await;
+        let any = [("ORCA_PUSH_GRPC_ADDR", "127.0.0.1:0")];
+        let mut processes = Vec::new();
+        let mut urls = Vec::new();
+        for service in ["registry", "queue", "sender"] {
+            let p = Process::spawn(
+                &["serve", "--service", service],
+                &database,
+                data_dir.path(),
+                &any,
+                "gRPC service listening",
+            )
+            .await;
+            urls.push((service, format!("http://127.0.0.1:{}", p.port)));
+            processes.push(p);
+        }
+        let url = |name: &str| {
+            urls.iter()
+                .find(|(s, _)| *s == name)
+                .map(|(_, u)| u.clone())
+                .unwrap()
+        };
+        let registry = url("registry");
+        // The facade's origin must be known before auth starts, so its port is picked here.
+        let port = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+            probe.local_addr().unwrap().port()
+        };
+        let origin = format!("http://127.0.0.1:{port}");
+        let auth = Process::spawn(
+            &["serve", "--service", "auth"],
+            &database,
+            data_dir.path(),
+            &[
+                ("ORCA_PUSH_GRPC_ADDR", "127.0.0.1:0"),
+                ("ORCA_PUSH_REGISTRY_URL", &registry),
+                ("ORCA_PUSH_PUBLIC_URL", &origin),
+            ],
+            "gRPC service listening",
+        )
+        .await;
+        let auth_url = format!("http://127.0.0.1:{}", auth.port);
+        processes.push(auth);
+        let (queue, sender) = (url("queue"), url("sender"));
+        let facade = Process::spawn(
+            &["serve", "--service", "facade"],
+            &database,
+            data_dir.path(),
+            &[
+                ("PORT", &port.to_string()),
+                ("ORCA_PUSH_PUBLIC_URL", &origin),
+                ("ORCA_PUSH_AUTH_URL", &auth_url),
+                ("ORCA_PUSH_REGISTRY_URL", &registry),
+                ("ORCA_PUSH_QUEUE_URL", &queue),
+                ("ORCA_PUSH_SENDER_URL", &sender),
+            ],
+            "facade listening",
+        )
+        .await;
+        processes.push(facade);
+        let gateway = Self {
+            base: origin,
+            database,
+            processes,
             _data_dir: data_dir,
         };
         gateway.wait_ready().await;
@@ -103,16 +215,20 @@ impl Gateway {
         panic!("gateway never became ready; log:\n{}", self.logs());
     }
 
+    pub fn data_dir(&self) -> &std::path::Path {
+        self._data_dir.path()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }
 
     pub fn logs(&self) -> String {
-        self.logs.lock().unwrap().join("\n")
-    }
-
-    pub fn pid(&self) -> Option<u32> {
-        self.child.id()
+        self.processes
+            .iter()
+            .map(Process::logs)
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// A direct connection to the auth service's own tables, for tests that move its clock.
@@ -126,12 +242,13 @@ impl Gateway {
 async fn collect_logs(
     stderr: tokio::process::ChildStderr,
     logs: Arc<Mutex<Vec<String>>>,
+    marker: &'static str,
     port_tx: tokio::sync::oneshot::Sender<u16>,
 ) {
     let mut port_tx = Some(port_tx);
     let mut lines = tokio::io::BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        if line.contains("facade listening")
+        if line.contains(marker)
             && let Some(port) = line
                 .split_whitespace()
                 .find_map(|w| w.strip_prefix("addr="))

@@ -1,25 +1,161 @@
-//! The queue service: quota, events, coalescing and delivery batches.
+//! The queue service: per-host quota, durable events, coalescing windows shared by every replica,
+//! and delivery batches claimed under expiring leases. It owns `push_events`,
+//! `push_event_recipients`, `push_delivery_batches` and `push_dismissed_events`.
 //!
-//! For now it runs as a real tonic server answering gRPC health checks only; its API arrives with
-//! the issue that needs it.
+//! Every accepted event is committed before `queued` is answered. It must never log a title, body,
+//! token, or more than 4 characters of a host fingerprint.
 
+mod error;
+mod grpc;
+pub mod model;
+mod queue;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use orca_push_proto::queue::v1::queue_service_server::QueueServiceServer;
+use orca_push_storage::{Clock, DatabaseConfig, Pool, ServiceStorage};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
 
-/// The name this service reports its health under ("" is the server as a whole).
-pub const HEALTH_NAME: &str = "";
+pub use error::QueueError;
+pub use grpc::QueueGrpc;
+pub use queue::DeliveryQueue;
+pub use store::{AnyQueueStore, QueueStore};
 
-/// Runs the queue gRPC server on `listener` until `shutdown` fires.
+/// The name the queue reports its health under.
+pub const HEALTH_NAME: &str = "orca.push.queue.v1.QueueService";
+
+pub const STORAGE: ServiceStorage = ServiceStorage {
+    sqlite_file: "queue.sqlite",
+    postgres_schema: "push_queue",
+    create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_queue",
+    max_connections: 24,
+};
+
+const HEALTH_EVERY: Duration = Duration::from_secs(5);
+const CLEANUP_EVERY: Duration = Duration::from_secs(60);
+
+pub async fn open_and_migrate(
+    database: &DatabaseConfig,
+) -> Result<Pool, orca_push_storage::OpenError> {
+    let pool = orca_push_storage::open(database, &STORAGE).await?;
+    store::migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// Builds the queue over `pool`, and on PostgreSQL starts listening for other replicas' new work.
+pub fn delivery_queue(
+    pool: Pool,
+    clock: Arc<dyn Clock>,
+    coalesce_ms: u64,
+    shutdown: &CancellationToken,
+) -> Arc<DeliveryQueue<AnyQueueStore>> {
+    let wake = Arc::new(Notify::new());
+    if let Pool::Postgres(pg) = &pool {
+        tokio::spawn(listen_for_replicas(
+            pg.clone(),
+            wake.clone(),
+            shutdown.clone(),
+        ));
+    }
+    Arc::new(DeliveryQueue::new(
+        AnyQueueStore::new(pool),
+        clock,
+        coalesce_ms,
+        wake,
+    ))
+}
+
+/// Runs the queue gRPC server (with health checking) on `listener` until `shutdown` fires.
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    pool: Pool,
+    clock: Arc<dyn Clock>,
+    coalesce_ms: u64,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
-    let (_health, health_service) = tonic_health::server::health_reporter();
+    let queue = delivery_queue(pool.clone(), clock, coalesce_ms, &shutdown);
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_service_status(HEALTH_NAME, ServingStatus::Serving)
+        .await;
+    tokio::spawn(maintain(queue.clone(), pool, health, shutdown.clone()));
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
         .add_service(health_service)
+        .add_service(QueueServiceServer::new(QueueGrpc::new(queue)))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled_owned(),
         )
         .await
+}
+
+/// Health follows the database; cleanup runs once a minute, bounded per pass.
+async fn maintain(
+    queue: Arc<DeliveryQueue<AnyQueueStore>>,
+    pool: Pool,
+    health: tonic_health::server::HealthReporter,
+    shutdown: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval(HEALTH_EVERY);
+    let mut last_cleanup = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let status = match pool.ping().await {
+            Ok(()) => ServingStatus::Serving,
+            Err(error) => {
+                tracing::warn!(%error, "queue database unreachable; reporting not serving");
+                ServingStatus::NotServing
+            }
+        };
+        health.set_service_status(HEALTH_NAME, status).await;
+        if status == ServingStatus::Serving && last_cleanup.elapsed() >= CLEANUP_EVERY {
+            last_cleanup = tokio::time::Instant::now();
+            match queue.cleanup().await {
+                Ok(c) => tracing::debug!(
+                    expired = c.expired_batches,
+                    cleared = c.cleared_payloads,
+                    deleted_events = c.deleted_events,
+                    deleted_batches = c.deleted_batches,
+                    deleted_fences = c.deleted_fences,
+                    "queue cleanup"
+                ),
+                Err(error) => tracing::warn!(%error, "queue cleanup failed"),
+            }
+        }
+    }
+}
+
+/// Another replica committed work that may be due: wake this replica's waiting claims.
+async fn listen_for_replicas(pool: sqlx::PgPool, wake: Arc<Notify>, shutdown: CancellationToken) {
+    loop {
+        let listener = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            listener.listen(store::WAKE_CHANNEL).await?;
+            loop {
+                listener.recv().await?;
+                wake.notify_waiters();
+            }
+            #[allow(unreachable_code)]
+            Ok::<(), sqlx::Error>(())
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            result = listener => {
+                if let Err(error) = result {
+                    tracing::warn!(%error, "queue notification listener failed; reconnecting");
+                }
+                // Whatever was missed while disconnected is found by the next claim.
+                wake.notify_waiters();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
 }

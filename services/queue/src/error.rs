@@ -1,0 +1,25 @@
+use orca_push_proto::status_with_code;
+use tonic::Code;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    #[error("invalid request: {0}")]
+    InvalidRequest(&'static str),
+    #[error("storage: {0}")]
+    Storage(#[from] sqlx::Error),
+}
+
+impl From<QueueError> for tonic::Status {
+    fn from(error: QueueError) -> Self {
+        match error {
+            QueueError::InvalidRequest(reason) => {
+                tracing::debug!(reason, "queue: invalid request");
+                status_with_code(Code::InvalidArgument, "invalid_request")
+            }
+            QueueError::Storage(error) => {
+                tracing::error!(%error, "queue: storage failure");
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! The tonic face of [`DeliveryQueue`].
+
+use std::sync::Arc;
+
+use orca_push_proto::queue::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::error::QueueError;
+use crate::model::{Admission, AdmissionRecipient, AdmissionStatus, Content, Kind};
+use crate::queue::DeliveryQueue;
+use crate::store::{AnyQueueStore, Outcome, RetryResult};
+
+pub struct QueueGrpc {
+    queue: Arc<DeliveryQueue<AnyQueueStore>>,
+}
+
+impl QueueGrpc {
+    pub fn new(queue: Arc<DeliveryQueue<AnyQueueStore>>) -> Self {
+        Self { queue }
+    }
+}
+
+fn kind_from_wire(value: i32) -> Result<Kind, QueueError> {
+    match pb::Kind::try_from(value) {
+        Ok(pb::Kind::Alert | pb::Kind::Unspecified) => Ok(Kind::Alert),
+        Ok(pb::Kind::Dismiss) => Ok(Kind::Dismiss),
+        Err(_) => Err(QueueError::InvalidRequest("kind")),
+    }
+}
+
+fn kind_to_wire(kind: Kind) -> i32 {
+    match kind {
+        Kind::Alert => pb::Kind::Alert as i32,
+        Kind::Dismiss => pb::Kind::Dismiss as i32,
+    }
+}
+
+fn seq_from_wire(seq: u64) -> Result<i64, QueueError> {
+    i64::try_from(seq).map_err(|_| QueueError::InvalidRequest("notification_seq"))
+}
+
+/// The caller's trace context, so the delivery can link back to the admission.
+fn current_traceparent() -> Option<String> {
+    let mut headers = http::HeaderMap::new();
+    orca_push_telemetry::inject_current_context(&mut headers);
+    headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+#[tonic::async_trait]
+impl pb::queue_service_server::QueueService for QueueGrpc {
+    async fn enqueue(
+        &self,
+        request: Request<pb::EnqueueRequest>,
+    ) -> Result<Response<pb::EnqueueResponse>, Status> {
+        let r = request.into_inner();
+        let n = r
+            .notification
+            .ok_or(QueueError::InvalidRequest("notification"))?;
+        let admission = Admission {
+            host_fingerprint: r.host_fingerprint,
+            kind: kind_from_wire(n.kind)?,
+            notification_epoch: n.notification_epoch,
+            notification_seq: seq_from_wire(n.notification_seq)?,
+            content: Content {
+                notification_id: n.notification_id,
+                source: n.source,
+                agent_state: n.agent_state,
+                title: n.title,
+                body: n.body,
+                worktree_id: n.worktree_id,
+            },
+            expires_at_ms: n.expires_at_ms,
+            recipients: r
+                .recipients
+                .into_iter()
+                .map(|p| AdmissionRecipient {
+                    registration_id: p.registration_id,
+                    silent: p.silent,
+                })
+                .collect(),
+            trace_parent: current_traceparent(),
+        };
+        let enqueued = self.queue.enqueue(&admission).await?;
+        let results = enqueued
+            .statuses
+            .into_iter()
+            .map(|(registration_id, status)| pb::RecipientResult {
+                registration_id,
+                status: match status {
+                    AdmissionStatus::Queued => pb::EnqueueStatus::Queued,
+                    AdmissionStatus::RateLimited => pb::EnqueueStatus::RateLimited,
+                    AdmissionStatus::Error => pb::EnqueueStatus::Error,
+                } as i32,
+            })
+            .collect();
+        Ok(Response::new(pb::EnqueueResponse { results }))
+    }
+
+    async fn claim(
+        &self,
+        request: Request<pb::ClaimRequest>,
+    ) -> Result<Response<pb::ClaimResponse>, Status> {
+        let r = request.into_inner();
+        let claimed = self
+            .queue
+            .claim(
+                &r.lane,
+                i64::from(r.max_batches),
+                i64::from(r.lease_ms),
+                u64::from(r.wait_ms),
+            )
+            .await?;
+        let batches = claimed
+            .into_iter()
+            .filter_map(|batch| {
+                let delivery = crate::model::delivery_of(&batch.host_fingerprint, &batch.members)?;
+                Some(pb::ClaimedBatch {
+                    batch_id: batch.batch_id,
+                    lease_token: batch.lease_token,
+                    lease_expires_at_ms: batch.lease_expires_at,
+                    registration_id: batch.registration_id,
+                    host_fingerprint: batch.host_fingerprint,
+                    kind: kind_to_wire(batch.kind),
+                    attempt: batch.attempt,
+                    deadline_ms: batch.deadline,
+                    collapse_id: delivery.collapse_id,
+                    silent: batch.silent,
+                    member_traceparents: batch
+                        .members
+                        .iter()
+                        .filter_map(|m| m.trace_parent.clone())
+                        .collect(),
+                    content: Some(pb::DeliveryContent {
+                        title: delivery.title,
+                        body: delivery.body,
+                        notification_id: delivery.notification_id,
+                        notification_seq: u64::try_from(delivery.notification_seq).unwrap_or(0),
+                        notification_epoch: delivery.notification_epoch,
+                        source: delivery.source,
+                        agent_state: delivery.agent_state,
+                        worktree_id: delivery.worktree_id,
+                        coalesced_count: delivery.coalesced_count,
+                        summary_members: delivery
+                            .summary_members
+                            .into_iter()
+                            .map(
+                                |(notification_id, notification_epoch, seq)| pb::SummaryMember {
+                                    notification_id,
+                                    notification_epoch,
+                                    notification_seq: u64::try_from(seq).unwrap_or(0),
+                                },
+                            )
+                            .collect(),
+                    }),
+                })
+            })
+            .collect();
+        Ok(Response::new(pb::ClaimResponse { batches }))
+    }
+
+    async fn renew_lease(
+        &self,
+        request: Request<pb::RenewLeaseRequest>,
+    ) -> Result<Response<pb::RenewLeaseResponse>, Status> {
+        let r = request.into_inner();
+        let until = self
+            .queue
+            .renew(&r.batch_id, &r.lease_token, i64::from(r.lease_ms))
+            .await?;
+        Ok(Response::new(pb::RenewLeaseResponse {
+            renewed: until.is_some(),
+            lease_expires_at_ms: until.unwrap_or(0),
+        }))
+    }
+
+    async fn complete(
+        &self,
+        request: Request<pb::CompleteRequest>,
+    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        let r = request.into_inner();
+        let outcome = match pb::Outcome::try_from(r.outcome) {
+            Ok(pb::Outcome::Sent) => Outcome::Sent,
+            Ok(pb::Outcome::Dead) => Outcome::Dead,
+            Ok(pb::Outcome::Failed) => Outcome::Failed,
+            Ok(pb::Outcome::Expired) => Outcome::Expired,
+            _ => return Err(QueueError::InvalidRequest("outcome").into()),
+        };
+        let recorded = self
+            .queue
+            .complete(&r.batch_id, &r.lease_token, outcome, &r.reason)
+            .await?;
+        Ok(Response::new(pb::CompleteResponse { recorded }))
+    }
+
+    async fn retry(
+        &self,
+        request: Request<pb::RetryRequest>,
+    ) -> Result<Response<pb::RetryResponse>, Status> {
+        let r = request.into_inner();
+        let result = self
+            .queue
+            .retry(&r.batch_id, &r.lease_token, r.retry_at_ms, &r.reason)
+            .await?;
+        Ok(Response::new(pb::RetryResponse {
+            scheduled: result == RetryResult::Scheduled,
+            expired: result == RetryResult::Expired,
+        }))
+    }
+
+    async fn get_event_outcomes(
+        &self,
+        request: Request<pb::GetEventOutcomesRequest>,
+    ) -> Result<Response<pb::GetEventOutcomesResponse>, Status> {
+        let r = request.into_inner();
+        let record = self
+            .queue
+            .event_record(
+                &r.host_fingerprint,
+                kind_from_wire(r.kind)?,
+                &r.notification_epoch,
+                seq_from_wire(r.notification_seq)?,
+            )
+            .await?;
+        let Some(record) = record else {
+            return Ok(Response::new(pb::GetEventOutcomesResponse::default()));
+        };
+        Ok(Response::new(pb::GetEventOutcomesResponse {
+            found: true,
+            accepted_at_ms: record.accepted_at,
+            deadline_ms: record.deadline,
+            recipients: record
+                .recipients
+                .into_iter()
+                .map(|r| pb::RecipientOutcome {
+                    registration_id: r.registration_id,
+                    status: r.status,
+                    updated_at_ms: r.updated_at,
+                    attempts: r.attempts,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn get_queue_depth(
+        &self,
+        _request: Request<pb::GetQueueDepthRequest>,
+    ) -> Result<Response<pb::GetQueueDepthResponse>, Status> {
+        let depth = self.queue.depth().await?;
+        Ok(Response::new(pb::GetQueueDepthResponse {
+            waiting: depth.waiting,
+            due: depth.due,
+            leased: depth.leased,
+            oldest_due_age_ms: depth.oldest_due_age_ms,
+        }))
+    }
+}

@@ -1,0 +1,379 @@
+//! What the queue stores and hands out: events, their identities and content, batch budgets,
+//! summaries and collapse identities.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use crate::error::QueueError;
+
+/// Alerts and, independently, dismissals a host may have accepted per rolling window.
+pub const QUOTA_PER_KIND: i64 = 300;
+pub const QUOTA_WINDOW_MS: i64 = 15 * 60 * 1000;
+/// Every event's deadline is at most this long after its first acceptance.
+pub const MAX_LIFETIME_MS: i64 = 5 * 60 * 1000;
+/// A batch holds at most this many members.
+pub const MAX_BATCH_MEMBERS: i64 = 32;
+/// Providers refuse payloads over 4 KB.
+pub const PROVIDER_PAYLOAD_LIMIT: i64 = 4096;
+/// Room kept for the provider envelope around the orca fields: `aps`/`android` structure, keys,
+/// the summary title and body, thread id and fingerprint, with FCM's string escaping.
+pub const ENVELOPE_RESERVE: i64 = 700;
+/// Identities, outcomes and fences are kept this long.
+pub const RETENTION_MS: i64 = 24 * 60 * 60 * 1000;
+/// Cleanup touches at most this many rows per statement per pass.
+pub const CLEANUP_BATCH: i64 = 1000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Alert,
+    Dismiss,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Alert => "alert",
+            Self::Dismiss => "dismiss",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "alert" => Some(Self::Alert),
+            "dismiss" => Some(Self::Dismiss),
+            _ => None,
+        }
+    }
+}
+
+/// What a phone is shown for one event. Stored as JSON until the event completes or expires.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Content {
+    pub notification_id: Option<String>,
+    pub source: String,
+    pub agent_state: Option<String>,
+    pub title: String,
+    pub body: String,
+    pub worktree_id: Option<String>,
+}
+
+impl Content {
+    /// The content a retry of the same identity must repeat exactly. Deadline and sound are not
+    /// part of it: a host may send one event in several requests (silent and audible devices).
+    pub fn hash(&self) -> String {
+        let canonical = serde_json::to_vec(&(
+            &self.notification_id,
+            &self.source,
+            &self.agent_state,
+            &self.title,
+            &self.body,
+            &self.worktree_id,
+        ))
+        .unwrap_or_default();
+        hex::encode(Sha256::digest(canonical))
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Bytes the routing fields add to a summary payload.
+    pub fn routing_bytes(&self) -> i64 {
+        json_len(&self.notification_id)
+            + json_len(&self.agent_state)
+            + json_len(&self.worktree_id)
+            + self.source.len() as i64
+    }
+}
+
+fn json_len(value: &Option<String>) -> i64 {
+    value.as_ref().map_or(0, |v| {
+        serde_json::to_string(v).map_or(v.len(), |s| s.len()) as i64
+    })
+}
+
+/// Bytes one member adds to a summary's `summaryMembers` (counted as FCM's escaped JSON string,
+/// the larger of the two providers' encodings).
+pub fn member_bytes(notification_id: &str, epoch: &str) -> i64 {
+    (notification_id.len() + epoch.len()) as i64 + 100
+}
+
+/// Whether a summary with these totals still fits the provider payload with its envelope.
+pub fn summary_fits(members_bytes: i64, routing_bytes: i64) -> bool {
+    ENVELOPE_RESERVE + routing_bytes + members_bytes <= PROVIDER_PAYLOAD_LIMIT
+}
+
+/// One notification as a host asked for it.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    pub host_fingerprint: String,
+    pub kind: Kind,
+    pub notification_epoch: String,
+    pub notification_seq: i64,
+    pub content: Content,
+    pub expires_at_ms: Option<i64>,
+    pub recipients: Vec<AdmissionRecipient>,
+    pub trace_parent: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdmissionRecipient {
+    pub registration_id: String,
+    pub silent: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmissionStatus {
+    Queued,
+    RateLimited,
+    Error,
+}
+
+/// The contract's bounds, checked again here because internal teams call this service directly.
+impl Admission {
+    pub fn validate(&self) -> Result<(), QueueError> {
+        let bad = QueueError::InvalidRequest;
+        if self.host_fingerprint.is_empty() || self.host_fingerprint.len() > 64 {
+            return Err(bad("host fingerprint"));
+        }
+        if !(1..=128).contains(&utf16_len(&self.notification_epoch)) {
+            return Err(bad("notificationEpoch"));
+        }
+        if !(0..=MAX_SAFE_INTEGER).contains(&self.notification_seq) {
+            return Err(bad("notificationSeq"));
+        }
+        let c = &self.content;
+        if let Some(id) = &c.notification_id
+            && !(1..=2048).contains(&id.len())
+        {
+            return Err(bad("notificationId"));
+        }
+        if self.kind == Kind::Dismiss && c.notification_id.is_none() {
+            return Err(bad("a dismissal needs a notificationId"));
+        }
+        if !["agent-task-complete", "terminal-bell", "plugin"].contains(&c.source.as_str()) {
+            return Err(bad("source"));
+        }
+        if let Some(state) = &c.agent_state
+            && !["needs-input", "finished"].contains(&state.as_str())
+        {
+            return Err(bad("agentState"));
+        }
+        if !(1..=80).contains(&utf16_len(&c.title)) || utf16_len(&c.body) > 180 {
+            return Err(bad("title or body length"));
+        }
+        if c.worktree_id.as_ref().is_some_and(|w| utf16_len(w) > 2048) {
+            return Err(bad("worktreeId"));
+        }
+        if self.recipients.is_empty() || self.recipients.len() > 20 {
+            return Err(bad("1 to 20 recipients"));
+        }
+        Ok(())
+    }
+}
+
+/// JavaScript's `Number.MAX_SAFE_INTEGER`: sequences are JSON numbers on the wire.
+pub const MAX_SAFE_INTEGER: i64 = (1 << 53) - 1;
+
+pub fn utf16_len(value: &str) -> usize {
+    value.encode_utf16().count()
+}
+
+/// One member event of a claimed batch.
+#[derive(Debug, Clone)]
+pub struct Member {
+    pub notification_epoch: String,
+    pub notification_seq: i64,
+    pub content: Content,
+    pub trace_parent: Option<String>,
+}
+
+/// What a lane delivers for one batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    pub title: String,
+    pub body: String,
+    pub notification_id: Option<String>,
+    pub notification_seq: i64,
+    pub notification_epoch: String,
+    pub source: String,
+    pub agent_state: Option<String>,
+    pub worktree_id: Option<String>,
+    pub coalesced_count: u32,
+    /// (notificationId, epoch, seq) of every member of a summary; empty for one event.
+    pub summary_members: Vec<(String, String, i64)>,
+    pub collapse_id: String,
+}
+
+fn sha256_hex(parts: &[&[u8]]) -> String {
+    let mut hasher = Sha256::new();
+    for part in parts {
+        hasher.update((part.len() as u32).to_be_bytes());
+        hasher.update(part);
+    }
+    hex::encode(hasher.finalize())
+}
+
+/// A single alert's collapse id: sha256 of host and notification identity (64 hex characters, the
+/// APNs maximum), or `host:<fingerprint>` for an event without a notification id.
+pub fn single_collapse_id(host: &str, epoch: &str, notification_id: Option<&str>) -> String {
+    match notification_id {
+        Some(id) => sha256_hex(&[
+            b"orca-push/alert",
+            host.as_bytes(),
+            epoch.as_bytes(),
+            id.as_bytes(),
+        ]),
+        None => format!("host:{host}"),
+    }
+}
+
+/// A summary's collapse id: sha256 of host and its complete, ordered membership.
+pub fn summary_collapse_id(host: &str, members: &[(String, String, i64)]) -> String {
+    let mut sorted: Vec<_> = members.iter().collect();
+    sorted.sort();
+    let mut parts: Vec<Vec<u8>> = vec![b"orca-push/summary".to_vec(), host.as_bytes().to_vec()];
+    for (id, epoch, seq) in sorted {
+        parts.push(epoch.as_bytes().to_vec());
+        parts.push(id.as_bytes().to_vec());
+        parts.push(seq.to_be_bytes().to_vec());
+    }
+    let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+    sha256_hex(&refs)
+}
+
+/// One event goes out as itself; a burst becomes one summary with the latest event's routing.
+/// `members` are in acceptance order, oldest first, and not empty.
+pub fn delivery_of(host: &str, members: &[Member]) -> Option<Delivery> {
+    let latest = members.last()?;
+    if members.len() == 1 {
+        return Some(Delivery {
+            title: latest.content.title.clone(),
+            body: latest.content.body.clone(),
+            notification_id: latest.content.notification_id.clone(),
+            notification_seq: latest.notification_seq,
+            notification_epoch: latest.notification_epoch.clone(),
+            source: latest.content.source.clone(),
+            agent_state: latest.content.agent_state.clone(),
+            worktree_id: latest.content.worktree_id.clone(),
+            coalesced_count: 1,
+            summary_members: Vec::new(),
+            collapse_id: single_collapse_id(
+                host,
+                &latest.notification_epoch,
+                latest.content.notification_id.as_deref(),
+            ),
+        });
+    }
+    let n = members.len();
+    let needs_input = members
+        .iter()
+        .any(|m| m.content.agent_state.as_deref() == Some("needs-input"));
+    let summary_members: Vec<(String, String, i64)> = members
+        .iter()
+        .map(|m| {
+            (
+                m.content.notification_id.clone().unwrap_or_default(),
+                m.notification_epoch.clone(),
+                m.notification_seq,
+            )
+        })
+        .collect();
+    Some(Delivery {
+        title: "Orca".to_owned(),
+        body: if needs_input {
+            format!("{n} agents need attention")
+        } else {
+            format!("{n} updates")
+        },
+        notification_id: latest.content.notification_id.clone(),
+        notification_seq: latest.notification_seq,
+        notification_epoch: latest.notification_epoch.clone(),
+        source: latest.content.source.clone(),
+        agent_state: latest.content.agent_state.clone(),
+        worktree_id: latest.content.worktree_id.clone(),
+        coalesced_count: n as u32,
+        collapse_id: summary_collapse_id(host, &summary_members),
+        summary_members,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(id: &str, seq: i64, state: Option<&str>) -> Member {
+        Member {
+            notification_epoch: "epoch-1".into(),
+            notification_seq: seq,
+            content: Content {
+                notification_id: Some(id.into()),
+                source: "agent-task-complete".into(),
+                agent_state: state.map(Into::into),
+                title: format!("title {id}"),
+                body: format!("body {id}"),
+                worktree_id: Some(format!("wt-{id}")),
+            },
+            trace_parent: None,
+        }
+    }
+
+    #[test]
+    fn one_event_goes_out_as_itself() {
+        let d = delivery_of("host", &[member("a", 1, Some("finished"))]).unwrap();
+        assert_eq!((d.title.as_str(), d.body.as_str()), ("title a", "body a"));
+        assert_eq!(d.coalesced_count, 1);
+        assert!(d.summary_members.is_empty());
+        assert_eq!(d.collapse_id.len(), 64);
+        assert_eq!(
+            d.collapse_id,
+            single_collapse_id("host", "epoch-1", Some("a"))
+        );
+    }
+
+    #[test]
+    fn a_burst_is_one_summary_with_the_latest_routing() {
+        let members = [member("a", 1, Some("finished")), member("b", 2, None)];
+        let d = delivery_of("host", &members).unwrap();
+        assert_eq!((d.title.as_str(), d.body.as_str()), ("Orca", "2 updates"));
+        assert_eq!(d.notification_id.as_deref(), Some("b"));
+        assert_eq!(d.worktree_id.as_deref(), Some("wt-b"));
+        assert_eq!(d.coalesced_count, 2);
+        assert_eq!(d.summary_members.len(), 2);
+        let members = [
+            member("a", 1, Some("needs-input")),
+            member("b", 2, Some("finished")),
+            member("c", 3, None),
+        ];
+        let d = delivery_of("host", &members).unwrap();
+        assert_eq!(d.body, "3 agents need attention");
+    }
+
+    #[test]
+    fn summary_collapse_ids_hash_the_whole_membership() {
+        let ab = [member("a", 1, None), member("b", 2, None)];
+        let abc = [
+            member("a", 1, None),
+            member("b", 2, None),
+            member("c", 3, None),
+        ];
+        let x = delivery_of("host", &ab).unwrap().collapse_id;
+        assert_eq!(x.len(), 64);
+        assert_ne!(x, delivery_of("host", &abc).unwrap().collapse_id);
+        assert_ne!(x, delivery_of("other", &ab).unwrap().collapse_id);
+        assert_eq!(
+            single_collapse_id("D20lU_8MD0R64gLt", "e", None),
+            "host:D20lU_8MD0R64gLt"
+        );
+    }
+
+    #[test]
+    fn content_hash_ignores_nothing_that_a_phone_sees() {
+        let a = member("a", 1, None).content;
+        let mut b = a.clone();
+        b.body.push('!');
+        assert_ne!(a.hash(), b.hash());
+        assert_eq!(a.hash(), a.clone().hash());
+    }
+}

@@ -1,0 +1,199 @@
+//! The queue's behaviour over a store: admission, claiming with a long poll that never busy-waits,
+//! leases, outcomes, cleanup.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use orca_push_storage::Clock;
+use tokio::sync::Notify;
+
+use crate::error::QueueError;
+use crate::model::{Admission, Kind};
+use crate::store::{ClaimedBatch, Cleaned, Depth, EventRecord, Outcome, QueueStore, RetryResult};
+
+/// Leases a lane may ask for, and claims per call.
+pub const MAX_LEASE_MS: i64 = 5 * 60 * 1000;
+pub const MAX_CLAIM: i64 = 64;
+/// The longest a claim waits for work before answering empty.
+pub const MAX_WAIT_MS: u64 = 30_000;
+
+pub struct DeliveryQueue<S> {
+    store: S,
+    clock: Arc<dyn Clock>,
+    coalesce_ms: i64,
+    /// Wakes waiting claims when work may have become due (this process's admissions and retries,
+    /// and other replicas' through PostgreSQL notifications).
+    wake: Arc<Notify>,
+}
+
+fn now(clock: &dyn Clock) -> i64 {
+    i64::try_from(clock.now_ms()).unwrap_or(i64::MAX)
+}
+
+impl<S: QueueStore> DeliveryQueue<S> {
+    pub fn new(store: S, clock: Arc<dyn Clock>, coalesce_ms: u64, wake: Arc<Notify>) -> Self {
+        Self {
+            store,
+            clock,
+            coalesce_ms: i64::try_from(coalesce_ms).unwrap_or(0),
+            wake,
+        }
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Admits a notification for already-resolved recipients; one status per recipient, in order.
+    pub async fn enqueue(
+        &self,
+        admission: &Admission,
+    ) -> Result<crate::store::Enqueued, QueueError> {
+        admission.validate()?;
+        let enqueued = self
+            .store
+            .enqueue(admission, now(&*self.clock), self.coalesce_ms)
+            .await?;
+        if enqueued.next_due_at.is_some() {
+            self.wake.notify_waiters();
+        }
+        Ok(enqueued)
+    }
+
+    /// Claims up to `max` due batches for `lane`. With nothing due, waits until the earliest batch
+    /// becomes due, until woken by new work, or until `wait_ms` passes; it never polls on a timer.
+    pub async fn claim(
+        &self,
+        lane: &str,
+        max: i64,
+        lease_ms: i64,
+        wait_ms: u64,
+    ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        if !(1..=MAX_CLAIM).contains(&max) || !(1_000..=MAX_LEASE_MS).contains(&lease_ms) {
+            return Err(QueueError::InvalidRequest(
+                "max_batches 1-64 and lease_ms 1000-300000",
+            ));
+        }
+        let give_up = tokio::time::Instant::now() + Duration::from_millis(wait_ms.min(MAX_WAIT_MS));
+        loop {
+            // Register interest before looking, so work committed meanwhile is not missed.
+            let woken = self.wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let batches = self
+                .store
+                .claim(lane, max, lease_ms, now(&*self.clock))
+                .await?;
+            if !batches.is_empty() {
+                for batch in batches.iter().filter(|b| b.recovered) {
+                    tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
+                }
+                return Ok(batches);
+            }
+            let remaining = give_up.saturating_duration_since(tokio::time::Instant::now());
+            if remaining.is_zero() {
+                return Ok(Vec::new());
+            }
+            let until_due = match self.store.next_available_at().await? {
+                Some(at) => {
+                    Duration::from_millis(u64::try_from(at - now(&*self.clock)).unwrap_or(0))
+                }
+                None => remaining,
+            };
+            if until_due.is_zero() {
+                // Due but claimed by another lane in between: look again at once.
+                tokio::task::yield_now().await;
+                continue;
+            }
+            tokio::select! {
+                _ = woken => {}
+                _ = tokio::time::sleep(until_due.min(remaining)) => {}
+            }
+        }
+    }
+
+    pub async fn renew(
+        &self,
+        batch_id: &str,
+        token: &str,
+        lease_ms: i64,
+    ) -> Result<Option<i64>, QueueError> {
+        if !(1_000..=MAX_LEASE_MS).contains(&lease_ms) {
+            return Err(QueueError::InvalidRequest("lease_ms 1000-300000"));
+        }
+        let until = now(&*self.clock) + lease_ms;
+        Ok(self
+            .store
+            .renew(batch_id, token, until)
+            .await?
+            .then_some(until))
+    }
+
+    pub async fn complete(
+        &self,
+        batch_id: &str,
+        token: &str,
+        outcome: Outcome,
+        reason: &str,
+    ) -> Result<bool, QueueError> {
+        self.store
+            .complete(
+                batch_id,
+                token,
+                outcome,
+                &bounded_reason(reason),
+                now(&*self.clock),
+            )
+            .await
+    }
+
+    pub async fn retry(
+        &self,
+        batch_id: &str,
+        token: &str,
+        at: i64,
+        reason: &str,
+    ) -> Result<RetryResult, QueueError> {
+        let result = self
+            .store
+            .retry(
+                batch_id,
+                token,
+                at,
+                &bounded_reason(reason),
+                now(&*self.clock),
+            )
+            .await?;
+        if result == RetryResult::Scheduled {
+            self.wake.notify_waiters();
+        }
+        Ok(result)
+    }
+
+    pub async fn event_record(
+        &self,
+        host: &str,
+        kind: Kind,
+        epoch: &str,
+        seq: i64,
+    ) -> Result<Option<EventRecord>, QueueError> {
+        self.store.event_record(host, kind, epoch, seq).await
+    }
+
+    pub async fn depth(&self) -> Result<Depth, QueueError> {
+        self.store.depth(now(&*self.clock)).await
+    }
+
+    pub async fn cleanup(&self) -> Result<Cleaned, QueueError> {
+        self.store.cleanup(now(&*self.clock)).await
+    }
+}
+
+/// Reasons are machine words from the sender; keep them short and printable.
+fn bounded_reason(reason: &str) -> String {
+    reason
+        .chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(64)
+        .collect()
+}

@@ -1,0 +1,1049 @@
+//! The queue's four tables behind one trait. The SQL is written once (`$N` parameters bind the same
+//! way on SQLite and PostgreSQL) and expanded for each backend; what differs is how a transaction
+//! locks (`BEGIN IMMEDIATE` on SQLite; a per-host advisory lock and `FOR UPDATE SKIP LOCKED` on
+//! PostgreSQL) and how other replicas are woken (`pg_notify` on PostgreSQL).
+
+use std::future::Future;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use orca_push_storage::Pool;
+use rand::RngCore as _;
+use sqlx::Row as _;
+
+use crate::error::QueueError;
+use crate::model::{
+    Admission, AdmissionStatus, CLEANUP_BATCH, Content, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS,
+    Member, QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
+};
+
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/queue/sqlite");
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator =
+    sqlx::migrate!("../../migrations/queue/postgres");
+
+pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {
+    match pool {
+        Pool::Sqlite(p) => SQLITE_MIGRATIONS.run(p).await,
+        Pool::Postgres(p) => POSTGRES_MIGRATIONS.run(p).await,
+    }
+}
+
+/// The channel replicas listen on for newly due work (PostgreSQL).
+pub const WAKE_CHANNEL: &str = "orca_push_queue";
+
+pub fn random_id() -> String {
+    let mut bytes = [0u8; 18];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// What an admission did.
+#[derive(Debug, Clone)]
+pub struct Enqueued {
+    /// One status per requested recipient, in request order.
+    pub statuses: Vec<(String, AdmissionStatus)>,
+    /// The earliest time a batch this admission touched becomes claimable.
+    pub next_due_at: Option<i64>,
+}
+
+/// A batch handed to a lane under a lease.
+#[derive(Debug, Clone)]
+pub struct ClaimedBatch {
+    pub batch_id: String,
+    pub lease_token: String,
+    pub lease_expires_at: i64,
+    pub registration_id: String,
+    pub host_fingerprint: String,
+    pub kind: Kind,
+    pub attempt: u32,
+    pub deadline: i64,
+    pub silent: bool,
+    /// The lease of a lane that stopped answering had lapsed: this is a recovery.
+    pub recovered: bool,
+    pub members: Vec<Member>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Sent,
+    Dead,
+    Failed,
+    Expired,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sent => "sent",
+            Self::Dead => "dead",
+            Self::Failed => "failed",
+            Self::Expired => "expired",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryResult {
+    Scheduled,
+    /// The retry would land past the deadline: the batch expired instead.
+    Expired,
+    LeaseLost,
+}
+
+#[derive(Debug, Clone)]
+pub struct RecipientRecord {
+    pub registration_id: String,
+    pub status: String,
+    pub updated_at: i64,
+    pub attempts: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct EventRecord {
+    pub accepted_at: i64,
+    pub deadline: i64,
+    pub recipients: Vec<RecipientRecord>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Depth {
+    pub waiting: u64,
+    pub due: u64,
+    pub leased: u64,
+    pub oldest_due_age_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cleaned {
+    pub expired_batches: u64,
+    pub cleared_payloads: u64,
+    pub deleted_events: u64,
+    pub deleted_batches: u64,
+    pub deleted_fences: u64,
+}
+
+pub trait QueueStore: Send + Sync + 'static {
+    fn enqueue(
+        &self,
+        admission: &Admission,
+        now: i64,
+        coalesce_ms: i64,
+    ) -> impl Future<Output = Result<Enqueued, QueueError>> + Send;
+    fn claim(
+        &self,
+        lane: &str,
+        max: i64,
+        lease_ms: i64,
+        now: i64,
+    ) -> impl Future<Output = Result<Vec<ClaimedBatch>, QueueError>> + Send;
+    fn next_available_at(&self) -> impl Future<Output = Result<Option<i64>, QueueError>> + Send;
+    fn renew(
+        &self,
+        batch_id: &str,
+        token: &str,
+        until: i64,
+    ) -> impl Future<Output = Result<bool, QueueError>> + Send;
+    fn complete(
+        &self,
+        batch_id: &str,
+        token: &str,
+        outcome: Outcome,
+        reason: &str,
+        now: i64,
+    ) -> impl Future<Output = Result<bool, QueueError>> + Send;
+    fn retry(
+        &self,
+        batch_id: &str,
+        token: &str,
+        at: i64,
+        reason: &str,
+        now: i64,
+    ) -> impl Future<Output = Result<RetryResult, QueueError>> + Send;
+    fn event_record(
+        &self,
+        host: &str,
+        kind: Kind,
+        epoch: &str,
+        seq: i64,
+    ) -> impl Future<Output = Result<Option<EventRecord>, QueueError>> + Send;
+    fn depth(&self, now: i64) -> impl Future<Output = Result<Depth, QueueError>> + Send;
+    fn cleanup(&self, now: i64) -> impl Future<Output = Result<Cleaned, QueueError>> + Send;
+}
+
+fn flag(value: bool) -> i32 {
+    i32::from(value)
+}
+
+/// The SQL of every operation, expanded once per backend. `$store` provides `begin_host_write`,
+/// `begin_claim`, `wake_replicas` and `CLAIM_SQL`.
+macro_rules! queue_store {
+    ($store:ident) => {
+        impl $store {
+            /// Marks a batch expired with its pending recipients, then clears what no one needs.
+            async fn expire_batch(
+                tx: &mut <$store as Backend>::Tx,
+                batch_id: &str,
+                now: i64,
+            ) -> Result<(), sqlx::Error> {
+                Self::finish_batch(tx, batch_id, "expired", "deadline", now).await
+            }
+
+            async fn finish_batch(
+                tx: &mut <$store as Backend>::Tx,
+                batch_id: &str,
+                state: &str,
+                reason: &str,
+                now: i64,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(
+                    "UPDATE push_delivery_batches SET state = $2, finished_at = $3, lease_token = NULL, \
+                     last_reason = $4 WHERE batch_id = $1",
+                )
+                .bind(batch_id)
+                .bind(state)
+                .bind(now)
+                .bind(reason)
+                .execute(&mut **tx)
+                .await?;
+                let recipient_state = if state == "cancelled" { "cancelled" } else { state };
+                sqlx::query(
+                    "UPDATE push_event_recipients SET status = $2, updated_at = $3 \
+                     WHERE batch_id = $1 AND status = 'pending'",
+                )
+                .bind(batch_id)
+                .bind(recipient_state)
+                .bind(now)
+                .execute(&mut **tx)
+                .await?;
+                // A payload is kept while any recipient still waits for it.
+                sqlx::query(
+                    "UPDATE push_events SET payload_json = NULL \
+                     WHERE event_id IN (SELECT event_id FROM push_event_recipients WHERE batch_id = $1) \
+                     AND payload_json IS NOT NULL \
+                     AND NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+                       WHERE p.event_id = push_events.event_id AND p.status = 'pending')",
+                )
+                .bind(batch_id)
+                .execute(&mut **tx)
+                .await?;
+                Ok(())
+            }
+
+            /// A new batch for one member.
+            #[allow(clippy::too_many_arguments)]
+            async fn open_batch(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                registration_id: &str,
+                coalescible: bool,
+                window_ends_at: i64,
+                members_bytes: i64,
+                deadline: i64,
+                silent: bool,
+                now: i64,
+            ) -> Result<String, sqlx::Error> {
+                let batch_id = random_id();
+                sqlx::query(
+                    "INSERT INTO push_delivery_batches (batch_id, registration_id, host_fingerprint, kind, \
+                     state, coalescible, window_ends_at, available_at, member_count, members_bytes, \
+                     routing_bytes, deadline, silent, attempts, created_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $7, 1, $8, $9, $10, $11, 0, $12)",
+                )
+                .bind(&batch_id)
+                .bind(registration_id)
+                .bind(&a.host_fingerprint)
+                .bind(a.kind.as_str())
+                .bind(if coalescible { "open" } else { "pending" })
+                .bind(flag(coalescible))
+                .bind(window_ends_at)
+                .bind(members_bytes)
+                .bind(a.content.routing_bytes())
+                .bind(deadline)
+                .bind(flag(silent))
+                .bind(now)
+                .execute(&mut **tx)
+                .await?;
+                Ok(batch_id)
+            }
+
+            /// Joins the registration's open window if the member fits; otherwise closes that window
+            /// (due at once) and opens a new one. Returns the batch and when it becomes due.
+            async fn coalesce(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                registration_id: &str,
+                silent: bool,
+                deadline: i64,
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<(String, i64), sqlx::Error> {
+                let id = a.content.notification_id.as_deref().unwrap_or_default();
+                let bytes = member_bytes(id, &a.notification_epoch);
+                let routing = a.content.routing_bytes();
+                let open = sqlx::query(
+                    "SELECT batch_id, member_count, members_bytes, routing_bytes, window_ends_at \
+                     FROM push_delivery_batches \
+                     WHERE registration_id = $1 AND host_fingerprint = $2 AND kind = 'alert' \
+                     AND state = 'open' AND coalescible = 1 AND window_ends_at > $3 \
+                     ORDER BY created_at DESC LIMIT 1",
+                )
+                .bind(registration_id)
+                .bind(&a.host_fingerprint)
+                .bind(now)
+                .fetch_optional(&mut **tx)
+                .await?;
+                if let Some(row) = open {
+                    let batch_id: String = row.try_get("batch_id")?;
+                    let count = i64::from(row.try_get::<i32, _>("member_count")?) + 1;
+                    let members = i64::from(row.try_get::<i32, _>("members_bytes")?) + bytes;
+                    let routing = i64::from(row.try_get::<i32, _>("routing_bytes")?).max(routing);
+                    let window_ends_at: i64 = row.try_get("window_ends_at")?;
+                    if summary_fits(members, routing) {
+                        // A batch that is full is due at once; the burst goes on in a new batch.
+                        let due = if count >= MAX_BATCH_MEMBERS { now } else { window_ends_at };
+                        sqlx::query(
+                            "UPDATE push_delivery_batches SET member_count = $2, members_bytes = $3, \
+                             routing_bytes = $4, window_ends_at = $5, available_at = $5, silent = $6, \
+                             deadline = CASE WHEN deadline < $7 THEN $7 ELSE deadline END \
+                             WHERE batch_id = $1",
+                        )
+                        .bind(&batch_id)
+                        .bind(count)
+                        .bind(members)
+                        .bind(routing)
+                        .bind(due)
+                        .bind(flag(silent))
+                        .bind(deadline)
+                        .execute(&mut **tx)
+                        .await?;
+                        return Ok((batch_id, due));
+                    }
+                    // Out of payload room: this window closes now and the member opens the next.
+                    sqlx::query(
+                        "UPDATE push_delivery_batches SET window_ends_at = $2, available_at = $2 \
+                         WHERE batch_id = $1",
+                    )
+                    .bind(&batch_id)
+                    .bind(now)
+                    .execute(&mut **tx)
+                    .await?;
+                }
+                let due = now + coalesce_ms;
+                let batch_id =
+                    Self::open_batch(tx, a, registration_id, true, due, bytes, deadline, silent, now).await?;
+                Ok((batch_id, due))
+            }
+
+            /// A dismissal takes back the pending alerts it covers for this registration.
+            async fn cancel_covered_alerts(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                registration_id: &str,
+                now: i64,
+            ) -> Result<(), sqlx::Error> {
+                let cancelled = sqlx::query(
+                    "UPDATE push_event_recipients SET status = 'cancelled', updated_at = $6 \
+                     WHERE registration_id = $1 AND status = 'pending' \
+                     AND event_id IN (SELECT event_id FROM push_events WHERE host_fingerprint = $2 \
+                       AND kind = 'alert' AND notification_epoch = $3 AND notification_id = $4 \
+                       AND notification_seq < $5) \
+                     AND batch_id IN (SELECT batch_id FROM push_delivery_batches \
+                       WHERE registration_id = $1 AND state IN ('open', 'pending'))",
+                )
+                .bind(registration_id)
+                .bind(&a.host_fingerprint)
+                .bind(&a.notification_epoch)
+                .bind(a.content.notification_id.as_deref())
+                .bind(a.notification_seq)
+                .bind(now)
+                .execute(&mut **tx)
+                .await?;
+                if cancelled.rows_affected() == 0 {
+                    return Ok(());
+                }
+                sqlx::query(
+                    "UPDATE push_delivery_batches SET member_count = (SELECT COUNT(*) FROM push_event_recipients r \
+                       WHERE r.batch_id = push_delivery_batches.batch_id AND r.status = 'pending') \
+                     WHERE registration_id = $1 AND state IN ('open', 'pending')",
+                )
+                .bind(registration_id)
+                .execute(&mut **tx)
+                .await?;
+                sqlx::query(
+                    "UPDATE push_delivery_batches SET state = 'cancelled', finished_at = $2, \
+                     last_reason = 'dismissed' \
+                     WHERE registration_id = $1 AND state IN ('open', 'pending') AND member_count = 0",
+                )
+                .bind(registration_id)
+                .bind(now)
+                .execute(&mut **tx)
+                .await?;
+                Ok(())
+            }
+        }
+
+        impl QueueStore for $store {
+            async fn enqueue(&self, a: &Admission, now: i64, coalesce_ms: i64) -> Result<Enqueued, QueueError> {
+                let every = |status| Enqueued {
+                    statuses: a.recipients.iter().map(|r| (r.registration_id.clone(), status)).collect(),
+                    next_due_at: None,
+                };
+                let mut tx = self.begin_host_write(&a.host_fingerprint).await?;
+                let hash = a.content.hash();
+                let existing = sqlx::query(
+                    "SELECT event_id, content_hash, expires_at, payload_json IS NULL AS cleared \
+                     FROM push_events WHERE host_fingerprint = $1 AND kind = $2 \
+                     AND notification_epoch = $3 AND notification_seq = $4",
+                )
+                .bind(&a.host_fingerprint)
+                .bind(a.kind.as_str())
+                .bind(&a.notification_epoch)
+                .bind(a.notification_seq)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let (event_id, deadline) = match existing {
+                    Some(row) => {
+                        let stored_hash: String = row.try_get("content_hash")?;
+                        let deadline: i64 = row.try_get("expires_at")?;
+                        if stored_hash != hash || now >= deadline {
+                            return Ok(every(AdmissionStatus::Error));
+                        }
+                        let event_id: String = row.try_get("event_id")?;
+                        if row.try_get::<bool, _>("cleared")? {
+                            // Delivered to earlier recipients already; a later request for more of
+                            // the host's devices repeats the same content, so it can be restored.
+                            sqlx::query("UPDATE push_events SET payload_json = $2 WHERE event_id = $1")
+                                .bind(&event_id)
+                                .bind(a.content.to_json())
+                                .execute(&mut *tx)
+                                .await?;
+                        }
+                        (event_id, deadline)
+                    }
+                    None => {
+                        if a.expires_at_ms.is_some_and(|at| at <= now) {
+                            return Ok(every(AdmissionStatus::Error));
+                        }
+                        let used: i64 = sqlx::query_scalar(
+                            "SELECT COUNT(*) FROM push_events \
+                             WHERE host_fingerprint = $1 AND kind = $2 AND accepted_at > $3",
+                        )
+                        .bind(&a.host_fingerprint)
+                        .bind(a.kind.as_str())
+                        .bind(now - QUOTA_WINDOW_MS)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                        if used >= QUOTA_PER_KIND {
+                            return Ok(every(AdmissionStatus::RateLimited));
+                        }
+                        let cap = now + MAX_LIFETIME_MS;
+                        let deadline = a.expires_at_ms.map_or(cap, |at| at.min(cap));
+                        let event_id = random_id();
+                        sqlx::query(
+                            "INSERT INTO push_events (event_id, host_fingerprint, kind, notification_epoch, \
+                             notification_seq, notification_id, content_hash, payload_json, trace_parent, \
+                             accepted_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                        )
+                        .bind(&event_id)
+                        .bind(&a.host_fingerprint)
+                        .bind(a.kind.as_str())
+                        .bind(&a.notification_epoch)
+                        .bind(a.notification_seq)
+                        .bind(a.content.notification_id.as_deref())
+                        .bind(&hash)
+                        .bind(a.content.to_json())
+                        .bind(a.trace_parent.as_deref())
+                        .bind(now)
+                        .bind(deadline)
+                        .execute(&mut *tx)
+                        .await?;
+                        (event_id, deadline)
+                    }
+                };
+
+                let fenced = match (a.kind, a.content.notification_id.as_deref()) {
+                    (Kind::Alert, Some(id)) => {
+                        let fence: Option<i64> = sqlx::query_scalar(
+                            "SELECT dismissed_seq FROM push_dismissed_events \
+                             WHERE host_fingerprint = $1 AND notification_epoch = $2 AND notification_id = $3",
+                        )
+                        .bind(&a.host_fingerprint)
+                        .bind(&a.notification_epoch)
+                        .bind(id)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                        fence.is_some_and(|seq| a.notification_seq < seq)
+                    }
+                    _ => false,
+                };
+
+                let mut statuses = Vec::with_capacity(a.recipients.len());
+                let mut next_due_at: Option<i64> = None;
+                for recipient in &a.recipients {
+                    let known: Option<String> = sqlx::query_scalar(
+                        "SELECT status FROM push_event_recipients WHERE event_id = $1 AND registration_id = $2",
+                    )
+                    .bind(&event_id)
+                    .bind(&recipient.registration_id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    if known.is_none() {
+                        let (batch_id, status) = if fenced {
+                            (None, "cancelled")
+                        } else {
+                            let (batch_id, due) = match a.kind {
+                                Kind::Dismiss => {
+                                    Self::cancel_covered_alerts(&mut tx, a, &recipient.registration_id, now).await?;
+                                    let bytes = member_bytes(
+                                        a.content.notification_id.as_deref().unwrap_or_default(),
+                                        &a.notification_epoch,
+                                    );
+                                    let id = Self::open_batch(
+                                        &mut tx, a, &recipient.registration_id, false, now, bytes, deadline,
+                                        recipient.silent, now,
+                                    )
+                                    .await?;
+                                    (id, now)
+                                }
+                                Kind::Alert if coalesce_ms == 0 || a.content.notification_id.is_none() => {
+                                    let id = Self::open_batch(
+                                        &mut tx, a, &recipient.registration_id, false, now, 0, deadline,
+                                        recipient.silent, now,
+                                    )
+                                    .await?;
+                                    (id, now)
+                                }
+                                Kind::Alert => {
+                                    Self::coalesce(
+                                        &mut tx, a, &recipient.registration_id, recipient.silent, deadline, now,
+                                        coalesce_ms,
+                                    )
+                                    .await?
+                                }
+                            };
+                            next_due_at = Some(next_due_at.map_or(due, |d| d.min(due)));
+                            (Some(batch_id), "pending")
+                        };
+                        sqlx::query(
+                            "INSERT INTO push_event_recipients (event_id, registration_id, batch_id, status, \
+                             silent, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $6)",
+                        )
+                        .bind(&event_id)
+                        .bind(&recipient.registration_id)
+                        .bind(batch_id)
+                        .bind(status)
+                        .bind(flag(recipient.silent))
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    statuses.push((recipient.registration_id.clone(), AdmissionStatus::Queued));
+                }
+                if let (Kind::Dismiss, Some(id)) = (a.kind, a.content.notification_id.as_deref()) {
+                    sqlx::query(
+                        "INSERT INTO push_dismissed_events (host_fingerprint, notification_epoch, notification_id, \
+                         dismissed_seq, created_at) VALUES ($1, $2, $3, $4, $5) \
+                         ON CONFLICT (host_fingerprint, notification_epoch, notification_id) DO UPDATE SET \
+                         dismissed_seq = CASE WHEN excluded.dismissed_seq > push_dismissed_events.dismissed_seq \
+                           THEN excluded.dismissed_seq ELSE push_dismissed_events.dismissed_seq END, \
+                         created_at = excluded.created_at",
+                    )
+                    .bind(&a.host_fingerprint)
+                    .bind(&a.notification_epoch)
+                    .bind(id)
+                    .bind(a.notification_seq)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                if next_due_at.is_some() {
+                    Self::wake_replicas(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(Enqueued { statuses, next_due_at })
+            }
+
+            async fn claim(&self, lane: &str, max: i64, lease_ms: i64, now: i64) -> Result<Vec<ClaimedBatch>, QueueError> {
+                let mut tx = self.begin_claim().await?;
+                let ids: Vec<String> = sqlx::query_scalar(Self::CLAIM_SQL)
+                    .bind(now)
+                    .bind(max)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let mut claimed = Vec::with_capacity(ids.len());
+                for batch_id in ids {
+                    let row = sqlx::query(
+                        "SELECT registration_id, host_fingerprint, kind, state, deadline, silent, attempts \
+                         FROM push_delivery_batches WHERE batch_id = $1",
+                    )
+                    .bind(&batch_id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    let deadline: i64 = row.try_get("deadline")?;
+                    if now >= deadline {
+                        Self::expire_batch(&mut tx, &batch_id, now).await?;
+                        continue;
+                    }
+                    let member_rows = sqlx::query(
+                        "SELECT e.notification_epoch, e.notification_seq, e.payload_json, e.trace_parent \
+                         FROM push_event_recipients r JOIN push_events e ON e.event_id = r.event_id \
+                         WHERE r.batch_id = $1 AND r.status = 'pending' \
+                         ORDER BY e.accepted_at, e.notification_seq",
+                    )
+                    .bind(&batch_id)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    let mut members = Vec::with_capacity(member_rows.len());
+                    for m in &member_rows {
+                        let Some(content) = m
+                            .try_get::<Option<String>, _>("payload_json")?
+                            .and_then(|json| serde_json::from_str::<Content>(&json).ok())
+                        else {
+                            continue;
+                        };
+                        members.push(Member {
+                            notification_epoch: m.try_get("notification_epoch")?,
+                            notification_seq: m.try_get("notification_seq")?,
+                            content,
+                            trace_parent: m.try_get("trace_parent")?,
+                        });
+                    }
+                    if members.is_empty() {
+                        Self::finish_batch(&mut tx, &batch_id, "cancelled", "no pending members", now).await?;
+                        continue;
+                    }
+                    let token = random_id();
+                    let lease_expires_at = now + lease_ms;
+                    sqlx::query(
+                        "UPDATE push_delivery_batches SET state = 'leased', lease_token = $2, lease_owner = $3, \
+                         available_at = $4, window_ends_at = CASE WHEN window_ends_at > $5 THEN $5 \
+                         ELSE window_ends_at END, attempts = attempts + 1 WHERE batch_id = $1",
+                    )
+                    .bind(&batch_id)
+                    .bind(&token)
+                    .bind(lane)
+                    .bind(lease_expires_at)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                    let kind: String = row.try_get("kind")?;
+                    claimed.push(ClaimedBatch {
+                        batch_id,
+                        lease_token: token,
+                        lease_expires_at,
+                        registration_id: row.try_get("registration_id")?,
+                        host_fingerprint: row.try_get("host_fingerprint")?,
+                        kind: Kind::parse(&kind).unwrap_or(Kind::Alert),
+                        attempt: u32::try_from(row.try_get::<i32, _>("attempts")? + 1).unwrap_or(u32::MAX),
+                        deadline,
+                        silent: row.try_get::<i32, _>("silent")? != 0,
+                        recovered: row.try_get::<String, _>("state")? == "leased",
+                        members,
+                    });
+                }
+                tx.commit().await?;
+                Ok(claimed)
+            }
+
+            async fn next_available_at(&self) -> Result<Option<i64>, QueueError> {
+                let next: Option<i64> = sqlx::query_scalar(
+                    "SELECT MIN(available_at) FROM push_delivery_batches \
+                     WHERE state IN ('open', 'pending', 'leased')",
+                )
+                .fetch_one(&self.pool)
+                .await?;
+                Ok(next)
+            }
+
+            async fn renew(&self, batch_id: &str, token: &str, until: i64) -> Result<bool, QueueError> {
+                let renewed = sqlx::query(
+                    "UPDATE push_delivery_batches SET available_at = $3 \
+                     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'",
+                )
+                .bind(batch_id)
+                .bind(token)
+                .bind(until)
+                .execute(&self.pool)
+                .await?;
+                Ok(renewed.rows_affected() == 1)
+            }
+
+            async fn complete(
+                &self,
+                batch_id: &str,
+                token: &str,
+                outcome: Outcome,
+                reason: &str,
+                now: i64,
+            ) -> Result<bool, QueueError> {
+                let mut tx = self.begin_claim().await?;
+                let held: Option<String> = sqlx::query_scalar(
+                    "SELECT batch_id FROM push_delivery_batches \
+                     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'",
+                )
+                .bind(batch_id)
+                .bind(token)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if held.is_none() {
+                    return Ok(false);
+                }
+                Self::finish_batch(&mut tx, batch_id, outcome.as_str(), reason, now).await?;
+                tx.commit().await?;
+                Ok(true)
+            }
+
+            async fn retry(
+                &self,
+                batch_id: &str,
+                token: &str,
+                at: i64,
+                reason: &str,
+                now: i64,
+            ) -> Result<RetryResult, QueueError> {
+                let mut tx = self.begin_claim().await?;
+                let deadline: Option<i64> = sqlx::query_scalar(
+                    "SELECT deadline FROM push_delivery_batches \
+                     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'",
+                )
+                .bind(batch_id)
+                .bind(token)
+                .fetch_optional(&mut *tx)
+                .await?;
+                let Some(deadline) = deadline else {
+                    return Ok(RetryResult::LeaseLost);
+                };
+                // A retry is never moved earlier to fit the deadline: it expires instead.
+                if at >= deadline {
+                    Self::expire_batch(&mut tx, batch_id, now).await?;
+                    tx.commit().await?;
+                    return Ok(RetryResult::Expired);
+                }
+                sqlx::query(
+                    "UPDATE push_delivery_batches SET state = 'pending', available_at = $2, lease_token = NULL, \
+                     last_reason = $3 WHERE batch_id = $1",
+                )
+                .bind(batch_id)
+                .bind(at)
+                .bind(reason)
+                .execute(&mut *tx)
+                .await?;
+                Self::wake_replicas(&mut tx).await?;
+                tx.commit().await?;
+                Ok(RetryResult::Scheduled)
+            }
+
+            async fn event_record(
+                &self,
+                host: &str,
+                kind: Kind,
+                epoch: &str,
+                seq: i64,
+            ) -> Result<Option<EventRecord>, QueueError> {
+                let event = sqlx::query(
+                    "SELECT event_id, accepted_at, expires_at FROM push_events WHERE host_fingerprint = $1 \
+                     AND kind = $2 AND notification_epoch = $3 AND notification_seq = $4",
+                )
+                .bind(host)
+                .bind(kind.as_str())
+                .bind(epoch)
+                .bind(seq)
+                .fetch_optional(&self.pool)
+                .await?;
+                let Some(event) = event else { return Ok(None) };
+                let event_id: String = event.try_get("event_id")?;
+                let rows = sqlx::query(
+                    "SELECT r.registration_id, r.status, r.updated_at, COALESCE(b.attempts, 0) AS attempts \
+                     FROM push_event_recipients r LEFT JOIN push_delivery_batches b ON b.batch_id = r.batch_id \
+                     WHERE r.event_id = $1 ORDER BY r.created_at, r.registration_id",
+                )
+                .bind(&event_id)
+                .fetch_all(&self.pool)
+                .await?;
+                let recipients = rows
+                    .iter()
+                    .map(|r| {
+                        Ok(RecipientRecord {
+                            registration_id: r.try_get("registration_id")?,
+                            status: r.try_get("status")?,
+                            updated_at: r.try_get("updated_at")?,
+                            attempts: u32::try_from(r.try_get::<i32, _>("attempts")?).unwrap_or(0),
+                        })
+                    })
+                    .collect::<Result<_, sqlx::Error>>()?;
+                Ok(Some(EventRecord {
+                    accepted_at: event.try_get("accepted_at")?,
+                    deadline: event.try_get("expires_at")?,
+                    recipients,
+                }))
+            }
+
+            async fn depth(&self, now: i64) -> Result<Depth, QueueError> {
+                let row = sqlx::query(
+                    "SELECT \
+                       COALESCE(SUM(CASE WHEN state IN ('open', 'pending') AND available_at > $1 THEN 1 ELSE 0 END), 0) AS waiting, \
+                       COALESCE(SUM(CASE WHEN available_at <= $1 THEN 1 ELSE 0 END), 0) AS due, \
+                       COALESCE(SUM(CASE WHEN state = 'leased' AND available_at > $1 THEN 1 ELSE 0 END), 0) AS leased, \
+                       MIN(CASE WHEN available_at <= $1 THEN available_at END) AS oldest_due \
+                     FROM push_delivery_batches WHERE state IN ('open', 'pending', 'leased')",
+                )
+                .bind(now)
+                .fetch_one(&self.pool)
+                .await?;
+                let count = |name: &str| -> Result<u64, sqlx::Error> {
+                    Ok(u64::try_from(row.try_get::<i64, _>(name)?).unwrap_or(0))
+                };
+                Ok(Depth {
+                    waiting: count("waiting")?,
+                    due: count("due")?,
+                    leased: count("leased")?,
+                    oldest_due_age_ms: row
+                        .try_get::<Option<i64>, _>("oldest_due")?
+                        .map_or(0, |oldest| (now - oldest).max(0)),
+                })
+            }
+
+            async fn cleanup(&self, now: i64) -> Result<Cleaned, QueueError> {
+                let mut cleaned = Cleaned::default();
+                // Work past its deadline expires (a leased batch only once its lease lapsed).
+                let overdue: Vec<String> = sqlx::query_scalar(
+                    "SELECT batch_id FROM push_delivery_batches WHERE deadline <= $1 AND \
+                     (state IN ('open', 'pending') OR (state = 'leased' AND available_at <= $1)) LIMIT $2",
+                )
+                .bind(now)
+                .bind(CLEANUP_BATCH)
+                .fetch_all(&self.pool)
+                .await?;
+                for batch_id in overdue {
+                    let mut tx = self.begin_claim().await?;
+                    Self::expire_batch(&mut tx, &batch_id, now).await?;
+                    tx.commit().await?;
+                    cleaned.expired_batches += 1;
+                }
+                cleaned.cleared_payloads = sqlx::query(
+                    "UPDATE push_events SET payload_json = NULL WHERE event_id IN (SELECT event_id \
+                     FROM push_events WHERE payload_json IS NOT NULL AND expires_at <= $1 LIMIT $2)",
+                )
+                .bind(now)
+                .bind(CLEANUP_BATCH)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+                let horizon = now - RETENTION_MS;
+                sqlx::query(
+                    "DELETE FROM push_event_recipients WHERE event_id IN (SELECT event_id FROM push_events \
+                     WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)",
+                )
+                .bind(horizon)
+                .bind(CLEANUP_BATCH)
+                .execute(&self.pool)
+                .await?;
+                cleaned.deleted_events = sqlx::query(
+                    "DELETE FROM push_events WHERE event_id IN (SELECT event_id FROM push_events \
+                     WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)",
+                )
+                .bind(horizon)
+                .bind(CLEANUP_BATCH)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+                cleaned.deleted_batches = sqlx::query(
+                    "DELETE FROM push_delivery_batches WHERE batch_id IN (SELECT batch_id \
+                     FROM push_delivery_batches WHERE created_at < $1 \
+                     AND state NOT IN ('open', 'pending', 'leased') LIMIT $2)",
+                )
+                .bind(horizon)
+                .bind(CLEANUP_BATCH)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+                cleaned.deleted_fences = sqlx::query(
+                    "DELETE FROM push_dismissed_events WHERE (host_fingerprint, notification_epoch, notification_id) \
+                     IN (SELECT host_fingerprint, notification_epoch, notification_id FROM push_dismissed_events \
+                     WHERE created_at < $1 LIMIT $2)",
+                )
+                .bind(horizon)
+                .bind(CLEANUP_BATCH)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+                Ok(cleaned)
+            }
+        }
+    };
+}
+
+/// What differs between the backends.
+pub trait Backend {
+    type Tx;
+}
+
+/// SQLite: one writer at a time. `BEGIN IMMEDIATE` takes the write lock before the first read, so
+/// the quota count and the insert that follows it cannot interleave with another admission.
+#[derive(Debug, Clone)]
+pub struct SqliteQueueStore {
+    pool: sqlx::SqlitePool,
+}
+
+impl Backend for SqliteQueueStore {
+    type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
+}
+
+impl SqliteQueueStore {
+    const CLAIM_SQL: &'static str = "SELECT batch_id FROM push_delivery_batches \
+         WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
+         ORDER BY available_at LIMIT $2";
+
+    pub fn new(pool: sqlx::SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    async fn begin_host_write(&self, _host: &str) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    /// One process owns a SQLite queue: the in-process waker is enough.
+    async fn wake_replicas(_tx: &mut <Self as Backend>::Tx) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+}
+
+/// PostgreSQL (READ COMMITTED), shared by every replica: admissions of one host serialise on a
+/// transaction advisory lock, claims skip rows another replica has locked, and a commit that makes
+/// work due notifies every replica's waiting lanes.
+#[derive(Debug, Clone)]
+pub struct PgQueueStore {
+    pool: sqlx::PgPool,
+}
+
+impl Backend for PgQueueStore {
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+}
+
+impl PgQueueStore {
+    const CLAIM_SQL: &'static str = "SELECT batch_id FROM push_delivery_batches \
+         WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
+         ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
+
+    pub fn new(pool: sqlx::PgPool) -> Self {
+        Self { pool }
+    }
+
+    pub fn pool(&self) -> &sqlx::PgPool {
+        &self.pool
+    }
+
+    async fn begin_host_write(&self, host: &str) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('push_events:' || $1, 0))")
+            .bind(host)
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    }
+
+    async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        self.pool.begin().await
+    }
+
+    async fn wake_replicas(tx: &mut <Self as Backend>::Tx) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(WAKE_CHANNEL)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+queue_store!(SqliteQueueStore);
+queue_store!(PgQueueStore);
+
+/// Either backend, chosen at start-up.
+#[derive(Debug, Clone)]
+pub enum AnyQueueStore {
+    Sqlite(SqliteQueueStore),
+    Postgres(PgQueueStore),
+}
+
+impl AnyQueueStore {
+    pub fn new(pool: Pool) -> Self {
+        match pool {
+            Pool::Sqlite(p) => Self::Sqlite(SqliteQueueStore::new(p)),
+            Pool::Postgres(p) => Self::Postgres(PgQueueStore::new(p)),
+        }
+    }
+}
+
+macro_rules! delegate {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            AnyQueueStore::Sqlite($s) => $call.await,
+            AnyQueueStore::Postgres($s) => $call.await,
+        }
+    };
+}
+
+impl QueueStore for AnyQueueStore {
+    async fn enqueue(
+        &self,
+        a: &Admission,
+        now: i64,
+        coalesce_ms: i64,
+    ) -> Result<Enqueued, QueueError> {
+        delegate!(self, s => s.enqueue(a, now, coalesce_ms))
+    }
+    async fn claim(
+        &self,
+        lane: &str,
+        max: i64,
+        lease_ms: i64,
+        now: i64,
+    ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        delegate!(self, s => s.claim(lane, max, lease_ms, now))
+    }
+    async fn next_available_at(&self) -> Result<Option<i64>, QueueError> {
+        delegate!(self, s => s.next_available_at())
+    }
+    async fn renew(&self, batch_id: &str, token: &str, until: i64) -> Result<bool, QueueError> {
+        delegate!(self, s => s.renew(batch_id, token, until))
+    }
+    async fn complete(
+        &self,
+        batch_id: &str,
+        token: &str,
+        outcome: Outcome,
+        reason: &str,
+        now: i64,
+    ) -> Result<bool, QueueError> {
+        delegate!(self, s => s.complete(batch_id, token, outcome, reason, now))
+    }
+    async fn retry(
+        &self,
+        batch_id: &str,
+        token: &str,
+        at: i64,
+        reason: &str,
+        now: i64,
+    ) -> Result<RetryResult, QueueError> {
+        delegate!(self, s => s.retry(batch_id, token, at, reason, now))
+    }
+    async fn event_record(
+        &self,
+        host: &str,
+        kind: Kind,
+        epoch: &str,
+        seq: i64,
+    ) -> Result<Option<EventRecord>, QueueError> {
+        delegate!(self, s => s.event_record(host, kind, epoch, seq))
+    }
+    async fn depth(&self, now: i64) -> Result<Depth, QueueError> {
+        delegate!(self, s => s.depth(now))
+    }
+    async fn cleanup(&self, now: i64) -> Result<Cleaned, QueueError> {
+        delegate!(self, s => s.cleanup(now))
+    }
+}
