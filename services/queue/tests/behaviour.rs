@@ -1,0 +1,745 @@
+//! The queue's behaviour with a manual clock, run unchanged against SQLite and PostgreSQL.
+
+use std::sync::Arc;
+
+use orca_push_queue::model::{
+    Admission, AdmissionRecipient, AdmissionStatus, Content, Kind, delivery_of,
+};
+use orca_push_queue::store::{Outcome, RetryResult};
+use orca_push_queue::{AnyQueueStore, DeliveryQueue, open_and_migrate};
+use orca_push_storage::testing::{Backend, TestDbGuard, fresh};
+use orca_push_storage::{DatabaseConfig, ManualClock};
+use tokio::sync::Notify;
+
+const T0: u64 = 1_800_000_000_000;
+const HOST: &str = "hostAAAAAAAAAAAA";
+const WINDOW: u64 = 3000;
+const LEASE: i64 = 30_000;
+
+struct Harness {
+    queue: Arc<DeliveryQueue<AnyQueueStore>>,
+    clock: ManualClock,
+    config: DatabaseConfig,
+    _db: TestDbGuard,
+}
+
+async fn harness(backend: Backend) -> Harness {
+    harness_with(backend, WINDOW).await
+}
+
+async fn harness_with(backend: Backend, window: u64) -> Harness {
+    let (config, guard) = fresh(backend).await;
+    let pool = open_and_migrate(&config).await.expect("open and migrate");
+    let clock = ManualClock::new(T0);
+    let queue = DeliveryQueue::new(
+        AnyQueueStore::new(pool),
+        Arc::new(clock.clone()),
+        window,
+        Arc::new(Notify::new()),
+    );
+    Harness {
+        queue: Arc::new(queue),
+        clock,
+        config,
+        _db: guard,
+    }
+}
+
+fn alert(seq: i64, recipients: &[&str]) -> Admission {
+    Admission {
+        host_fingerprint: HOST.into(),
+        kind: Kind::Alert,
+        notification_epoch: "epoch-1".into(),
+        notification_seq: seq,
+        content: Content {
+            notification_id: Some(format!("n-{seq}")),
+            source: "agent-task-complete".into(),
+            agent_state: Some("finished".into()),
+            title: format!("Task {seq} done"),
+            body: "All good".into(),
+            worktree_id: Some("wt-1".into()),
+        },
+        expires_at_ms: None,
+        recipients: recipients
+            .iter()
+            .map(|r| AdmissionRecipient {
+                registration_id: (*r).into(),
+                silent: false,
+            })
+            .collect(),
+        trace_parent: None,
+    }
+}
+
+fn dismiss(of: &Admission, seq: i64, recipients: &[&str]) -> Admission {
+    let mut d = alert(seq, recipients);
+    d.kind = Kind::Dismiss;
+    d.content.notification_id = of.content.notification_id.clone();
+    d
+}
+
+impl Harness {
+    async fn admit(&self, a: &Admission) -> Vec<AdmissionStatus> {
+        self.queue
+            .enqueue(a)
+            .await
+            .expect("enqueue")
+            .statuses
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect()
+    }
+
+    async fn claim_all(&self) -> Vec<orca_push_queue::store::ClaimedBatch> {
+        self.queue
+            .claim("lane-test", 64, LEASE, 0)
+            .await
+            .expect("claim")
+    }
+}
+
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                super::$name(orca_push_storage::testing::Backend::Sqlite).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                super::$name(orca_push_storage::testing::Backend::Postgres).await;
+            }
+        }
+    )*};
+}
+
+on_both_backends!(
+    quota_is_300_alerts_and_300_dismissals_per_rolling_15_minutes,
+    an_event_fanned_out_to_many_phones_counts_once,
+    a_retry_of_the_same_event_is_queued_again_and_changes_nothing,
+    ten_racing_copies_of_one_event_enqueue_it_once,
+    fifty_parallel_sends_at_299_used_admit_exactly_one,
+    a_burst_within_the_window_is_one_summary,
+    one_event_in_the_window_goes_out_as_itself,
+    a_full_batch_is_due_at_once_and_the_burst_goes_on,
+    the_payload_budget_closes_a_batch_before_32,
+    an_event_without_a_notification_id_stays_alone,
+    a_dismissal_cancels_pending_alerts_and_fences_older_ones,
+    expired_work_is_not_handed_out,
+    leases_lapse_renew_and_guard_completion,
+    retries_are_persistent_and_never_pass_the_deadline,
+    outcomes_are_recorded_per_recipient,
+    cleanup_clears_payloads_and_forgets_after_24_hours,
+    silent_recipients_are_delivered_silently,
+    a_new_recipient_of_a_known_event_is_enqueued_without_quota,
+);
+
+async fn quota_is_300_alerts_and_300_dismissals_per_rolling_15_minutes(backend: Backend) {
+    let h = harness(backend).await;
+    for seq in 0..300 {
+        assert_eq!(
+            h.admit(&alert(seq, &["r1"])).await,
+            [AdmissionStatus::Queued],
+            "{seq}"
+        );
+        h.clock.advance(1);
+    }
+    assert_eq!(
+        h.admit(&alert(300, &["r1"])).await,
+        [AdmissionStatus::RateLimited]
+    );
+    // Dismissals have their own 300.
+    let first = alert(0, &["r1"]);
+    assert_eq!(
+        h.admit(&dismiss(&first, 1000, &["r1"])).await,
+        [AdmissionStatus::Queued]
+    );
+    // Rolling: the first alert (at T0) leaves the window 15 minutes later, and only it.
+    h.clock.set(T0 + 15 * 60 * 1000);
+    assert_eq!(
+        h.admit(&alert(301, &["r1"])).await,
+        [AdmissionStatus::Queued]
+    );
+    assert_eq!(
+        h.admit(&alert(302, &["r1"])).await,
+        [AdmissionStatus::RateLimited]
+    );
+    // A refused event was not stored: after the window it is admitted as new.
+    h.clock.set(T0 + 16 * 60 * 1000);
+    assert_eq!(
+        h.admit(&alert(300, &["r1"])).await,
+        [AdmissionStatus::Queued]
+    );
+}
+
+async fn an_event_fanned_out_to_many_phones_counts_once(backend: Backend) {
+    let h = harness(backend).await;
+    let phones: Vec<String> = (0..20).map(|i| format!("r{i}")).collect();
+    let phones: Vec<&str> = phones.iter().map(String::as_str).collect();
+    for seq in 0..300 {
+        assert!(
+            h.admit(&alert(seq, &phones))
+                .await
+                .iter()
+                .all(|s| *s == AdmissionStatus::Queued)
+        );
+    }
+    assert_eq!(
+        h.admit(&alert(300, &["r0"])).await,
+        [AdmissionStatus::RateLimited]
+    );
+}
+
+async fn a_retry_of_the_same_event_is_queued_again_and_changes_nothing(backend: Backend) {
+    let h = harness(backend).await;
+    let mut first = alert(1, &["r1"]);
+    first.expires_at_ms = Some(T0 as i64 + 60_000);
+    assert_eq!(h.admit(&first).await, [AdmissionStatus::Queued]);
+    h.clock.advance(1_000);
+    // Same identity and content, another deadline asked: queued, first deadline kept.
+    let mut retry = first.clone();
+    retry.expires_at_ms = Some(T0 as i64 + 200_000);
+    assert_eq!(h.admit(&retry).await, [AdmissionStatus::Queued]);
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.deadline, T0 as i64 + 60_000);
+    assert_eq!(record.recipients.len(), 1);
+    // Changed content: error, as the original answers.
+    let mut changed = first.clone();
+    changed.content.body = "Something else".into();
+    assert_eq!(h.admit(&changed).await, [AdmissionStatus::Error]);
+    // Nothing new was enqueued: one batch, one member.
+    h.clock.advance(WINDOW);
+    let batches = h.claim_all().await;
+    assert_eq!(batches.len(), 1);
+    assert_eq!(batches[0].members.len(), 1);
+    // Past its deadline a retry is an error too.
+    h.clock.set(T0 + 60_000);
+    assert_eq!(h.admit(&first).await, [AdmissionStatus::Error]);
+    // A deadline already past at first acceptance is refused.
+    let mut late = alert(2, &["r1"]);
+    late.expires_at_ms = Some(T0 as i64);
+    assert_eq!(h.admit(&late).await, [AdmissionStatus::Error]);
+    // The deadline is capped at five minutes after first acceptance.
+    let mut far = alert(3, &["r1"]);
+    far.expires_at_ms = Some(i64::MAX);
+    h.admit(&far).await;
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 3)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.deadline, record.accepted_at + 5 * 60 * 1000);
+}
+
+async fn ten_racing_copies_of_one_event_enqueue_it_once(backend: Backend) {
+    let h = harness(backend).await;
+    for seq in 0..290 {
+        h.admit(&alert(seq, &["other"])).await;
+    }
+    let copies = (0..10).map(|_| {
+        let queue = h.queue.clone();
+        tokio::spawn(async move {
+            queue
+                .enqueue(&alert(500, &["r1", "r2"]))
+                .await
+                .unwrap()
+                .statuses
+        })
+    });
+    for statuses in futures::future::join_all(copies).await {
+        assert!(
+            statuses
+                .unwrap()
+                .iter()
+                .all(|(_, s)| *s == AdmissionStatus::Queued)
+        );
+    }
+    // One quota unit: 9 more fit, the tenth does not.
+    for seq in 1000..1009 {
+        assert_eq!(
+            h.admit(&alert(seq, &["other"])).await,
+            [AdmissionStatus::Queued]
+        );
+    }
+    assert_eq!(
+        h.admit(&alert(2000, &["other"])).await,
+        [AdmissionStatus::RateLimited]
+    );
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 500)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients.len(), 2);
+}
+
+async fn fifty_parallel_sends_at_299_used_admit_exactly_one(backend: Backend) {
+    let h = harness(backend).await;
+    for seq in 0..299 {
+        h.admit(&alert(seq, &["r1"])).await;
+    }
+    let sends = (0..50).map(|i| {
+        let queue = h.queue.clone();
+        tokio::spawn(async move {
+            queue
+                .enqueue(&alert(1000 + i, &["r1"]))
+                .await
+                .unwrap()
+                .statuses[0]
+                .1
+        })
+    });
+    let statuses: Vec<_> = futures::future::join_all(sends)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| **s == AdmissionStatus::Queued)
+            .count(),
+        1
+    );
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|s| **s == AdmissionStatus::RateLimited)
+            .count(),
+        49
+    );
+}
+
+async fn a_burst_within_the_window_is_one_summary(backend: Backend) {
+    let h = harness(backend).await;
+    let mut needs = alert(1, &["r1"]);
+    needs.content.agent_state = Some("needs-input".into());
+    h.admit(&needs).await;
+    h.clock.advance(1_000);
+    h.admit(&alert(2, &["r1"])).await;
+    h.clock.advance(1_000);
+    h.admit(&alert(3, &["r1", "r2"])).await;
+    // Not due before the window (opened by the first event) ends.
+    h.clock.advance(WINDOW - 2_001);
+    assert!(h.claim_all().await.is_empty());
+    h.clock.advance(1);
+    let batches = h.claim_all().await;
+    assert_eq!(
+        batches.len(),
+        1,
+        "r1's window ends; r2's, opened later, has not"
+    );
+    let r1 = batches.iter().find(|b| b.registration_id == "r1").unwrap();
+    assert_eq!(r1.members.len(), 3);
+    let d = delivery_of(HOST, &r1.members).unwrap();
+    assert_eq!(
+        (d.title.as_str(), d.body.as_str()),
+        ("Orca", "3 agents need attention")
+    );
+    assert_eq!(d.notification_seq, 3, "the latest event's routing fields");
+    assert_eq!(d.coalesced_count, 3);
+    assert_eq!(
+        d.summary_members,
+        vec![
+            ("n-1".to_owned(), "epoch-1".to_owned(), 1),
+            ("n-2".to_owned(), "epoch-1".to_owned(), 2),
+            ("n-3".to_owned(), "epoch-1".to_owned(), 3),
+        ]
+    );
+    h.clock.set(T0 + 2_000 + WINDOW);
+    let r2 = h.claim_all().await;
+    assert_eq!(
+        (
+            r2.len(),
+            r2[0].registration_id.as_str(),
+            r2[0].members.len()
+        ),
+        (1, "r2", 1)
+    );
+    // An event after the window was claimed opens a new window.
+    h.admit(&alert(4, &["r1"])).await;
+    assert!(h.claim_all().await.is_empty());
+    h.clock.advance(WINDOW);
+    let later = h.claim_all().await;
+    assert_eq!(later.len(), 1);
+    assert_eq!(later[0].members.len(), 1);
+}
+
+async fn one_event_in_the_window_goes_out_as_itself(backend: Backend) {
+    let h = harness(backend).await;
+    h.admit(&alert(1, &["r1"])).await;
+    h.clock.advance(WINDOW);
+    let batches = h.claim_all().await;
+    let d = delivery_of(HOST, &batches[0].members).unwrap();
+    assert_eq!(
+        (d.title.as_str(), d.body.as_str()),
+        ("Task 1 done", "All good")
+    );
+    assert_eq!(d.coalesced_count, 1);
+    assert!(d.summary_members.is_empty());
+}
+
+async fn a_full_batch_is_due_at_once_and_the_burst_goes_on(backend: Backend) {
+    let h = harness(backend).await;
+    for seq in 0..40 {
+        let mut a = alert(seq, &["r1"]);
+        a.content.notification_id = Some(format!("{seq}"));
+        a.notification_epoch = "e".into();
+        h.admit(&a).await;
+    }
+    let now = h.claim_all().await;
+    assert_eq!(now.len(), 1, "the full batch is due before its window ends");
+    assert_eq!(now[0].members.len(), 32);
+    h.clock.advance(WINDOW);
+    let rest = h.claim_all().await;
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].members.len(), 8);
+}
+
+async fn the_payload_budget_closes_a_batch_before_32(backend: Backend) {
+    let h = harness(backend).await;
+    for seq in 0..12 {
+        let mut a = alert(seq, &["r1"]);
+        a.content.notification_id = Some(format!("{seq:0>400}"));
+        h.admit(&a).await;
+    }
+    // Batches that ran out of payload room are due at once, well before 32 members.
+    let due = h.claim_all().await;
+    assert!(!due.is_empty());
+    h.clock.advance(WINDOW);
+    let all: Vec<_> = due.into_iter().chain(h.claim_all().await).collect();
+    assert!(all.len() >= 3, "{}", all.len());
+    assert_eq!(all.iter().map(|b| b.members.len()).sum::<usize>(), 12);
+    for batch in &all {
+        // Every summary the provider gets stays within 4 KB with its envelope.
+        let d = delivery_of(HOST, &batch.members).unwrap();
+        let members_json = serde_json::to_string(&d.summary_members).unwrap();
+        assert!(
+            members_json.len() + 400 + 700 < 4096,
+            "{}",
+            members_json.len()
+        );
+        assert!(batch.members.len() < 32);
+    }
+}
+
+async fn an_event_without_a_notification_id_stays_alone(backend: Backend) {
+    let h = harness(backend).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let mut bell = alert(2, &["r1"]);
+    bell.content.notification_id = None;
+    bell.content.source = "terminal-bell".into();
+    h.admit(&bell).await;
+    let now = h.claim_all().await;
+    assert_eq!(now.len(), 1, "due at once, not coalesced");
+    assert_eq!(now[0].members.len(), 1);
+    assert_eq!(
+        delivery_of(HOST, &now[0].members).unwrap().collapse_id,
+        format!("host:{HOST}")
+    );
+}
+
+async fn a_dismissal_cancels_pending_alerts_and_fences_older_ones(backend: Backend) {
+    let h = harness(backend).await;
+    let a5 = alert(5, &["r1", "r2"]);
+    h.admit(&a5).await;
+    h.admit(&alert(6, &["r1"])).await;
+    // The dismissal (seq 7) covers alert 5 for r1 only.
+    assert_eq!(
+        h.admit(&dismiss(&a5, 7, &["r1"])).await,
+        [AdmissionStatus::Queued]
+    );
+    let due = h.claim_all().await;
+    assert_eq!(due.len(), 1, "a dismissal skips coalescing");
+    assert_eq!(due[0].kind, Kind::Dismiss);
+    h.clock.advance(WINDOW);
+    let alerts = h.claim_all().await;
+    let r1 = alerts.iter().find(|b| b.registration_id == "r1").unwrap();
+    assert_eq!(r1.members.len(), 1, "alert 5 was taken back");
+    assert_eq!(r1.members[0].notification_seq, 6);
+    assert!(
+        alerts.iter().any(|b| b.registration_id == "r2"),
+        "r2 was not dismissed"
+    );
+    // An older alert of that notification arriving afterwards is never delivered.
+    let mut late = alert(4, &["r3"]);
+    late.content.notification_id = Some("n-5".into());
+    assert_eq!(h.admit(&late).await, [AdmissionStatus::Queued]);
+    h.clock.advance(WINDOW);
+    assert!(h.claim_all().await.is_empty());
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 4)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients[0].status, "cancelled");
+    // A newer one still is.
+    let mut newer = alert(8, &["r3"]);
+    newer.content.notification_id = Some("n-5".into());
+    h.admit(&newer).await;
+    h.clock.advance(WINDOW);
+    assert_eq!(h.claim_all().await.len(), 1);
+}
+
+async fn expired_work_is_not_handed_out(backend: Backend) {
+    let h = harness(backend).await;
+    let mut short = alert(1, &["r1"]);
+    short.expires_at_ms = Some(T0 as i64 + 2_000);
+    h.admit(&short).await;
+    h.clock.advance(WINDOW);
+    assert!(h.claim_all().await.is_empty());
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients[0].status, "expired");
+}
+
+async fn leases_lapse_renew_and_guard_completion(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let first = h.claim_all().await.pop().unwrap();
+    assert_eq!(first.attempt, 1);
+    assert!(
+        h.claim_all().await.is_empty(),
+        "leased work is not handed out twice"
+    );
+    h.clock.advance(LEASE as u64 - 1);
+    assert!(
+        h.queue
+            .renew(&first.batch_id, &first.lease_token, LEASE)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    h.clock.advance(LEASE as u64 - 1);
+    assert!(
+        h.claim_all().await.is_empty(),
+        "the renewed lease still holds"
+    );
+    h.clock.advance(2);
+    // The lane stopped answering: its lease lapsed and another lane takes the batch.
+    let second = h
+        .claim_all()
+        .await
+        .pop()
+        .expect("reclaimed after the lease lapsed");
+    assert_eq!(second.batch_id, first.batch_id);
+    assert_eq!(second.attempt, 2);
+    assert!(second.recovered);
+    // The first lane's late answer is not recorded.
+    assert!(
+        !h.queue
+            .complete(&first.batch_id, &first.lease_token, Outcome::Sent, "200")
+            .await
+            .unwrap()
+    );
+    assert!(
+        h.queue
+            .renew(&first.batch_id, &first.lease_token, LEASE)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        h.queue
+            .complete(&second.batch_id, &second.lease_token, Outcome::Sent, "200")
+            .await
+            .unwrap()
+    );
+    h.clock.advance(LEASE as u64 * 2);
+    assert!(h.claim_all().await.is_empty(), "completed work is done");
+}
+
+async fn retries_are_persistent_and_never_pass_the_deadline(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    let at = T0 as i64 + 10_000;
+    assert_eq!(
+        h.queue
+            .retry(&b.batch_id, &b.lease_token, at, "http_429")
+            .await
+            .unwrap(),
+        RetryResult::Scheduled
+    );
+    h.clock.set(T0 + 9_999);
+    assert!(h.claim_all().await.is_empty(), "not before the retry time");
+    h.clock.set(T0 + 10_000);
+    let b = h.claim_all().await.pop().unwrap();
+    assert_eq!(b.attempt, 2);
+    // A Retry-After beyond the deadline is not shortened: the work expires.
+    let past = b.deadline + 1;
+    assert_eq!(
+        h.queue
+            .retry(&b.batch_id, &b.lease_token, past, "http_429")
+            .await
+            .unwrap(),
+        RetryResult::Expired
+    );
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients[0].status, "expired");
+    assert_eq!(record.recipients[0].attempts, 2);
+}
+
+async fn outcomes_are_recorded_per_recipient(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1", "r2", "r3"])).await;
+    let batches = h.claim_all().await;
+    assert_eq!(batches.len(), 3);
+    for b in &batches {
+        let outcome = match b.registration_id.as_str() {
+            "r1" => Outcome::Sent,
+            "r2" => Outcome::Dead,
+            _ => Outcome::Failed,
+        };
+        assert!(
+            h.queue
+                .complete(&b.batch_id, &b.lease_token, outcome, "x")
+                .await
+                .unwrap()
+        );
+    }
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    let status = |r: &str| {
+        record
+            .recipients
+            .iter()
+            .find(|x| x.registration_id == r)
+            .unwrap()
+            .status
+            .clone()
+    };
+    assert_eq!(
+        (status("r1"), status("r2"), status("r3")),
+        ("sent".into(), "dead".into(), "failed".into())
+    );
+    assert!(
+        h.queue
+            .event_record(HOST, Kind::Alert, "epoch-1", 2)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    h.queue
+        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+        .await
+        .unwrap();
+    h.admit(&alert(2, &["r1"])).await;
+    h.clock.advance(5 * 60 * 1000);
+    let cleaned = h.queue.cleanup().await.unwrap();
+    assert_eq!(
+        cleaned.expired_batches, 1,
+        "alert 2 was never claimed before its deadline"
+    );
+    // Identities and outcomes stay for 24 hours, then go.
+    assert!(
+        h.queue
+            .event_record(HOST, Kind::Alert, "epoch-1", 1)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        payload_count(&h).await == 0,
+        "payloads are cleared at completion or expiry"
+    );
+    h.clock.set(T0 + 24 * 60 * 60 * 1000 + 1);
+    let cleaned = h.queue.cleanup().await.unwrap();
+    assert_eq!(cleaned.deleted_events, 2);
+    assert_eq!(cleaned.deleted_batches, 2);
+    assert!(
+        h.queue
+            .event_record(HOST, Kind::Alert, "epoch-1", 1)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+async fn payload_count(h: &Harness) -> i64 {
+    match orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+        .await
+        .unwrap()
+    {
+        orca_push_storage::Pool::Sqlite(p) => {
+            sqlx::query_scalar("SELECT COUNT(*) FROM push_events WHERE payload_json IS NOT NULL")
+                .fetch_one(&p)
+                .await
+                .unwrap()
+        }
+        orca_push_storage::Pool::Postgres(p) => {
+            sqlx::query_scalar("SELECT COUNT(*) FROM push_events WHERE payload_json IS NOT NULL")
+                .fetch_one(&p)
+                .await
+                .unwrap()
+        }
+    }
+}
+
+async fn silent_recipients_are_delivered_silently(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    let mut a = alert(1, &["loud", "quiet"]);
+    a.recipients[1].silent = true;
+    h.admit(&a).await;
+    let batches = h.claim_all().await;
+    assert!(
+        !batches
+            .iter()
+            .find(|b| b.registration_id == "loud")
+            .unwrap()
+            .silent
+    );
+    assert!(
+        batches
+            .iter()
+            .find(|b| b.registration_id == "quiet")
+            .unwrap()
+            .silent
+    );
+}
+
+async fn a_new_recipient_of_a_known_event_is_enqueued_without_quota(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    for seq in 0..300 {
+        h.admit(&alert(seq, &["r1"])).await;
+    }
+    // The host's 21st device gets the same event in its own request, even at the quota.
+    assert_eq!(
+        h.admit(&alert(299, &["r21"])).await,
+        [AdmissionStatus::Queued]
+    );
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 299)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients.len(), 2);
+}
