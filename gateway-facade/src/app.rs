@@ -79,7 +79,8 @@ pub fn router(state: AppState) -> Router {
             .route(
                 "/v1/devices/{registration_id}",
                 delete(routes::devices::delete),
-            ),
+            )
+            .route("/v1/send", post(routes::send::send)),
         Mode::Validation => Router::new().route("/v1/{*rest}", axum::routing::any(validation_only)),
     };
     common

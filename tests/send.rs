@@ -1,0 +1,294 @@
+//! `POST /v1/send` end to end: a real `orca-push serve` process, on SQLite and on PostgreSQL.
+
+use orca_push_host::HostKey;
+use orca_push_storage::Pool;
+use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends};
+use serde_json::{Value, json};
+
+on_both_backends!(
+    results_follow_first_seen_order_one_per_distinct_id,
+    queued_means_event_recipient_and_payload_are_committed,
+    quota_is_per_event_and_refusals_are_per_result,
+    fifty_parallel_sends_at_299_used_admit_exactly_one,
+    a_retry_is_queued_again_and_changed_content_is_an_error,
+    the_send_schema_is_strict,
+);
+
+struct Host {
+    raw: Raw,
+    auth: String,
+}
+
+impl Host {
+    async fn new(gateway: &Gateway) -> Self {
+        let raw = Raw::new(gateway);
+        let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
+        Self { raw, auth }
+    }
+
+    async fn register(&self, device: &str) -> String {
+        let reply = self
+            .raw
+            .post(
+                "/v1/devices",
+                &json!({ "v": 1, "deviceId": device, "platform": "ios", "token": "abcd", "apnsEnvironment": "sandbox" }),
+                &[("authorization", &self.auth)],
+            )
+            .await;
+        reply.body["registrationId"].as_str().unwrap().to_owned()
+    }
+
+    async fn send(&self, ids: &[&str], notification: Value) -> orca_push_tests::Answer {
+        self.raw
+            .post(
+                "/v1/send",
+                &json!({ "v": 1, "registrationIds": ids, "notification": notification }),
+                &[("authorization", &self.auth)],
+            )
+            .await
+    }
+}
+
+fn notification(seq: u64) -> Value {
+    json!({
+        "notificationId": format!("task-{seq}"),
+        "notificationSeq": seq,
+        "notificationEpoch": "3f1c0d52-epoch",
+        "source": "agent-task-complete",
+        "agentState": "finished",
+        "title": "Agent finished",
+        "body": "Refactor done",
+        "worktreeId": "wt-1",
+    })
+}
+
+fn statuses(reply: &orca_push_tests::Answer) -> Vec<(String, String)> {
+    assert_eq!(reply.status, 200, "{reply:?}");
+    reply.body["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["registrationId"].as_str().unwrap().to_owned(),
+                r["status"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+async fn mark_dead(gateway: &Gateway, registration_id: &str) {
+    match orca_push_storage::open(&gateway.database, &orca_push_registry::STORAGE)
+        .await
+        .unwrap()
+    {
+        Pool::Sqlite(p) => {
+            sqlx::query("UPDATE push_devices SET dead_at = 1 WHERE registration_id = $1")
+                .bind(registration_id)
+                .execute(&p)
+                .await
+                .unwrap();
+        }
+        Pool::Postgres(p) => {
+            sqlx::query("UPDATE push_devices SET dead_at = 1 WHERE registration_id = $1")
+                .bind(registration_id)
+                .execute(&p)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+async fn queue_count(gateway: &Gateway, sql: &'static str) -> i64 {
+    match orca_push_storage::open(&gateway.database, &orca_push_queue::STORAGE)
+        .await
+        .unwrap()
+    {
+        Pool::Sqlite(p) => sqlx::query_scalar(sql).fetch_one(&p).await.unwrap(),
+        Pool::Postgres(p) => sqlx::query_scalar(sql).fetch_one(&p).await.unwrap(),
+    }
+}
+
+async fn results_follow_first_seen_order_one_per_distinct_id(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let host = Host::new(&gateway).await;
+    let stranger = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    let dead = host.register("dead").await;
+    let theirs = stranger.register("theirs").await;
+    mark_dead(&gateway, &dead).await;
+    let reply = host
+        .send(
+            &[&dead, &a, "no-such-id", &a, &theirs, &dead],
+            notification(1),
+        )
+        .await;
+    assert_eq!(
+        statuses(&reply),
+        vec![
+            (dead.clone(), "dead".to_owned()),
+            (a.clone(), "queued".to_owned()),
+            ("no-such-id".to_owned(), "error".to_owned()),
+            (theirs.clone(), "error".to_owned()),
+        ]
+    );
+}
+
+async fn queued_means_event_recipient_and_payload_are_committed(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let host = Host::new(&gateway).await;
+    let ids = [host.register("a").await, host.register("b").await];
+    let reply = host.send(&[&ids[0], &ids[1]], notification(1)).await;
+    assert!(statuses(&reply).iter().all(|(_, s)| s == "queued"));
+    assert_eq!(
+        queue_count(
+            &gateway,
+            "SELECT COUNT(*) FROM push_events WHERE payload_json IS NOT NULL"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        queue_count(
+            &gateway,
+            "SELECT COUNT(*) FROM push_event_recipients WHERE status = 'pending'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        queue_count(&gateway, "SELECT COUNT(*) FROM push_delivery_batches").await,
+        2
+    );
+}
+
+async fn quota_is_per_event_and_refusals_are_per_result(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    let b = host.register("b").await;
+    for seq in 0..300 {
+        let reply = host.send(&[&a, &b], notification(seq)).await;
+        assert!(statuses(&reply).iter().all(|(_, s)| s == "queued"), "{seq}");
+    }
+    let reply = host.send(&[&a, &b], notification(300)).await;
+    assert_eq!(
+        statuses(&reply),
+        vec![
+            (a.clone(), "rate_limited".into()),
+            (b.clone(), "rate_limited".into())
+        ]
+    );
+    // Dismissals have their own quota.
+    let mut dismissal = notification(301);
+    dismissal["kind"] = json!("dismiss");
+    dismissal["notificationId"] = json!("task-1");
+    let reply = host.send(&[&a], dismissal).await;
+    assert_eq!(statuses(&reply), vec![(a.clone(), "queued".into())]);
+}
+
+async fn fifty_parallel_sends_at_299_used_admit_exactly_one(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    for seq in 0..299 {
+        host.send(&[&a], notification(seq)).await;
+    }
+    let sends = (0..50).map(|i| {
+        let raw = host.raw.clone();
+        let auth = host.auth.clone();
+        let a = a.clone();
+        async move {
+            raw.post(
+                "/v1/send",
+                &json!({ "v": 1, "registrationIds": [a], "notification": notification(1000 + i) }),
+                &[("authorization", &auth)],
+            )
+            .await
+        }
+    });
+    let replies = futures::future::join_all(sends).await;
+    let statuses: Vec<String> = replies.iter().map(|r| statuses(r)[0].1.clone()).collect();
+    assert_eq!(
+        statuses.iter().filter(|s| *s == "queued").count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(statuses.iter().filter(|s| *s == "rate_limited").count(), 49);
+}
+
+async fn a_retry_is_queued_again_and_changed_content_is_an_error(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    assert_eq!(
+        statuses(&host.send(&[&a], notification(7)).await)[0].1,
+        "queued"
+    );
+    assert_eq!(
+        statuses(&host.send(&[&a], notification(7)).await)[0].1,
+        "queued"
+    );
+    assert_eq!(
+        queue_count(&gateway, "SELECT COUNT(*) FROM push_event_recipients").await,
+        1
+    );
+    // A silent copy for another device is the same event, not changed content.
+    let b = host.register("b").await;
+    let mut silent = notification(7);
+    silent["sound"] = json!(false);
+    assert_eq!(statuses(&host.send(&[&b], silent).await)[0].1, "queued");
+    let mut changed = notification(7);
+    changed["title"] = json!("Something else");
+    assert_eq!(statuses(&host.send(&[&a], changed).await)[0].1, "error");
+    let mut expired = notification(8);
+    expired["expiresAt"] = json!(1_000);
+    assert_eq!(statuses(&host.send(&[&a], expired).await)[0].1, "error");
+}
+
+async fn the_send_schema_is_strict(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    let ids21: Vec<String> = (0..21).map(|_| a.clone()).collect();
+    let ids21: Vec<&str> = ids21.iter().map(String::as_str).collect();
+    let reply = host.send(&ids21, notification(1)).await;
+    assert_eq!(
+        (reply.status, reply.error()),
+        (400, Some("invalid_request")),
+        "21 ids, even repeated"
+    );
+    let reply = host.send(&ids21[..20], notification(1)).await;
+    assert_eq!(
+        statuses(&reply).len(),
+        1,
+        "20 copies of one id are one result"
+    );
+    let reply = host.send(&[], notification(1)).await;
+    assert_eq!(reply.status, 400);
+    let mut unknown = notification(2);
+    unknown["priority"] = json!("high");
+    assert_eq!(host.send(&[&a], unknown).await.status, 400);
+    let mut long = notification(3);
+    long["notificationId"] = json!("n".repeat(2048));
+    long["worktreeId"] = json!("w".repeat(1000));
+    assert_eq!(
+        host.send(&[&a], long).await.status,
+        400,
+        "over 3000 bytes of notification JSON"
+    );
+    let reply = host
+        .raw
+        .post(
+            "/v1/send",
+            &json!({ "v": 1, "registrationIds": [a], "notification": notification(4), "extra": 1 }),
+            &[("authorization", &host.auth)],
+        )
+        .await;
+    assert_eq!(
+        (reply.status, reply.error()),
+        (400, Some("invalid_request"))
+    );
+    let reply = host.raw.post("/v1/send", &json!({ "v": 1 }), &[]).await;
+    assert_eq!((reply.status, reply.error()), (401, Some("invalid_token")));
+}
