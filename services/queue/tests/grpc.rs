@@ -1,0 +1,159 @@
+//! The queue's gRPC surface as the sender and internal teams use it.
+
+use std::sync::Arc;
+
+use orca_push_proto::queue::v1 as pb;
+use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
+use orca_push_storage::SystemClock;
+use orca_push_storage::testing::{Backend, fresh};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
+    // As in every process: spans exist, so an admission has a trace context to keep.
+    let _telemetry =
+        orca_push_telemetry::init(opentelemetry_sdk::trace::SdkTracerProvider::builder().build())
+            .unwrap();
+    let (config, _guard) = fresh(Backend::Sqlite).await;
+    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    tokio::spawn(orca_push_queue::serve(
+        listener,
+        pool,
+        Arc::new(SystemClock),
+        0,
+        shutdown.clone(),
+    ));
+    let mut client = QueueServiceClient::connect(url).await.unwrap();
+
+    let notification = pb::Notification {
+        notification_id: Some("n-1".into()),
+        notification_seq: 9,
+        notification_epoch: "epoch".into(),
+        source: "agent-task-complete".into(),
+        agent_state: Some("needs-input".into()),
+        title: "Needs input".into(),
+        body: "Approve the plan?".into(),
+        worktree_id: Some("wt".into()),
+        kind: pb::Kind::Alert as i32,
+        expires_at_ms: None,
+    };
+    let results = client
+        .enqueue(pb::EnqueueRequest {
+            host_fingerprint: "hostAAAAAAAAAAAA".into(),
+            notification: Some(notification.clone()),
+            recipients: vec![pb::Recipient {
+                registration_id: "r1".into(),
+                silent: true,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(results[0].status, pb::EnqueueStatus::Queued as i32);
+
+    let depth = client
+        .get_queue_depth(pb::GetQueueDepthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(depth.due, 1);
+
+    let claimed = client
+        .claim(pb::ClaimRequest {
+            lane: "test".into(),
+            max_batches: 4,
+            lease_ms: 30_000,
+            wait_ms: 1_000,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .batches;
+    assert_eq!(claimed.len(), 1);
+    let batch = &claimed[0];
+    assert_eq!(batch.registration_id, "r1");
+    assert_eq!(batch.kind, pb::Kind::Alert as i32);
+    assert_eq!(batch.attempt, 1);
+    assert!(batch.silent);
+    assert_eq!(batch.collapse_id.len(), 64);
+    assert_eq!(
+        batch.member_traceparents.len(),
+        1,
+        "the admission's trace context is kept"
+    );
+    let content = batch.content.as_ref().unwrap();
+    assert_eq!(
+        (content.title.as_str(), content.body.as_str()),
+        ("Needs input", "Approve the plan?")
+    );
+    assert_eq!(content.notification_seq, 9);
+    assert_eq!(content.coalesced_count, 1);
+    assert!(content.summary_members.is_empty());
+
+    let renewed = client
+        .renew_lease(pb::RenewLeaseRequest {
+            batch_id: batch.batch_id.clone(),
+            lease_token: batch.lease_token.clone(),
+            lease_ms: 30_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(renewed.renewed);
+    let done = client
+        .complete(pb::CompleteRequest {
+            batch_id: batch.batch_id.clone(),
+            lease_token: batch.lease_token.clone(),
+            outcome: pb::Outcome::Sent as i32,
+            reason: "200".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(done.recorded);
+
+    let outcomes = client
+        .get_event_outcomes(pb::GetEventOutcomesRequest {
+            host_fingerprint: "hostAAAAAAAAAAAA".into(),
+            kind: pb::Kind::Alert as i32,
+            notification_epoch: "epoch".into(),
+            notification_seq: 9,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(outcomes.found);
+    assert_eq!(outcomes.recipients[0].status, "sent");
+    assert_eq!(outcomes.recipients[0].attempts, 1);
+
+    // Bad input is a proper status, never a panic.
+    let err = client
+        .claim(pb::ClaimRequest {
+            lane: "test".into(),
+            max_batches: 0,
+            lease_ms: 30_000,
+            wait_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    let mut bad = notification;
+    bad.title = String::new();
+    let err = client
+        .enqueue(pb::EnqueueRequest {
+            host_fingerprint: "hostAAAAAAAAAAAA".into(),
+            notification: Some(bad),
+            recipients: vec![pb::Recipient {
+                registration_id: "r1".into(),
+                silent: false,
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    shutdown.cancel();
+}
