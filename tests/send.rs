@@ -12,6 +12,10 @@ on_both_backends!(
     fifty_parallel_sends_at_299_used_admit_exactly_one,
     a_retry_is_queued_again_and_changed_content_is_an_error,
     the_send_schema_is_strict,
+    a_burst_to_one_phone_is_one_batch_and_a_full_batch_splits,
+    a_dismissal_over_http_takes_back_the_pending_alert,
+    events_without_an_identity_and_with_a_zero_window_go_alone,
+    the_deadline_is_capped_at_five_minutes,
 );
 
 struct Host {
@@ -291,4 +295,123 @@ async fn the_send_schema_is_strict(backend: Backend) {
     );
     let reply = host.raw.post("/v1/send", &json!({ "v": 1 }), &[]).await;
     assert_eq!((reply.status, reply.error()), (401, Some("invalid_token")));
+}
+
+async fn batch_sizes(gateway: &Gateway) -> Vec<i64> {
+    let sql = "SELECT CAST(member_count AS BIGINT) FROM push_delivery_batches WHERE state IN ('open', 'pending') ORDER BY created_at";
+    match orca_push_storage::open(&gateway.database, &orca_push_queue::STORAGE)
+        .await
+        .unwrap()
+    {
+        Pool::Sqlite(p) => sqlx::query_scalar(sql).fetch_all(&p).await.unwrap(),
+        Pool::Postgres(p) => sqlx::query_scalar(sql).fetch_all(&p).await.unwrap(),
+    }
+}
+
+async fn a_burst_to_one_phone_is_one_batch_and_a_full_batch_splits(backend: Backend) {
+    let gateway = Gateway::start_with(backend, &[("ORCA_PUSH_COALESCE_MS", "60000")]).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    // Short identities, so 32 members fit the 4 KB budget and the member cap is what binds.
+    let short = |seq: u64| {
+        let mut n = notification(seq);
+        n["notificationId"] = json!(seq.to_string());
+        n["notificationEpoch"] = json!("e");
+        n
+    };
+    for seq in 0..3 {
+        host.send(&[&a], short(seq)).await;
+    }
+    assert_eq!(batch_sizes(&gateway).await, vec![3]);
+    for seq in 3..40 {
+        host.send(&[&a], short(seq)).await;
+    }
+    assert_eq!(batch_sizes(&gateway).await, vec![32, 8]);
+    // The full one is due at once; the rest waits for its window.
+    assert_eq!(
+        queue_count(&gateway, "SELECT COUNT(*) FROM push_delivery_batches WHERE member_count = 32 AND available_at < window_ends_at + 1 AND available_at < created_at + 60000").await,
+        1
+    );
+}
+
+async fn a_dismissal_over_http_takes_back_the_pending_alert(backend: Backend) {
+    let gateway = Gateway::start_with(backend, &[("ORCA_PUSH_COALESCE_MS", "60000")]).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    host.send(&[&a], notification(1)).await;
+    let mut dismissal = notification(2);
+    dismissal["kind"] = json!("dismiss");
+    dismissal["notificationId"] = json!("task-1");
+    assert_eq!(statuses(&host.send(&[&a], dismissal).await)[0].1, "queued");
+    assert_eq!(
+        queue_count(
+            &gateway,
+            "SELECT COUNT(*) FROM push_event_recipients WHERE status = 'cancelled'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        queue_count(&gateway, "SELECT COUNT(*) FROM push_dismissed_events").await,
+        1
+    );
+    // Only the dismissal itself waits for delivery, and it is due at once.
+    assert_eq!(batch_sizes(&gateway).await, vec![1]);
+    assert_eq!(
+        queue_count(
+            &gateway,
+            "SELECT COUNT(*) FROM push_delivery_batches WHERE kind = 'dismiss' AND coalescible = 0"
+        )
+        .await,
+        1
+    );
+}
+
+async fn events_without_an_identity_and_with_a_zero_window_go_alone(backend: Backend) {
+    let gateway = Gateway::start_with(backend, &[("ORCA_PUSH_COALESCE_MS", "60000")]).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    for seq in 0..2 {
+        let mut bell = notification(seq);
+        bell.as_object_mut().unwrap().remove("notificationId");
+        bell["source"] = json!("terminal-bell");
+        bell["agentState"] = Value::Null;
+        assert_eq!(statuses(&host.send(&[&a], bell).await)[0].1, "queued");
+    }
+    assert_eq!(batch_sizes(&gateway).await, vec![1, 1]);
+    let unbatched = Gateway::start_with(backend, &[("ORCA_PUSH_COALESCE_MS", "0")]).await;
+    let host = Host::new(&unbatched).await;
+    let a = host.register("a").await;
+    for seq in 0..3 {
+        host.send(&[&a], notification(seq)).await;
+    }
+    assert_eq!(batch_sizes(&unbatched).await, vec![1, 1, 1]);
+}
+
+async fn the_deadline_is_capped_at_five_minutes(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("a").await;
+    let mut far = notification(1);
+    far["expiresAt"] = json!(9_000_000_000_000u64);
+    host.send(&[&a], far).await;
+    let mut near = notification(2);
+    near["expiresAt"] = json!(orca_push_tests::now_ms() + 60_000);
+    host.send(&[&a], near).await;
+    assert_eq!(
+        queue_count(
+            &gateway,
+            "SELECT COUNT(*) FROM push_events WHERE expires_at = accepted_at + 300000"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        queue_count(
+            &gateway,
+            "SELECT COUNT(*) FROM push_events WHERE expires_at < accepted_at + 300000"
+        )
+        .await,
+        1
+    );
 }
