@@ -27,6 +27,8 @@ pub struct AppState {
     pub backends: Option<Backends>,
     pub limits: Arc<Limits>,
     pub ready_cache: Arc<Mutex<Option<(Instant, bool)>>>,
+    /// Cancelled at SIGTERM: new `/v1` work is refused with `shutting_down`.
+    pub draining: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -36,6 +38,7 @@ impl AppState {
             backends: Some(backends),
             limits,
             ready_cache: Arc::default(),
+            draining: Default::default(),
         }
     }
 
@@ -45,6 +48,7 @@ impl AppState {
             backends: None,
             limits: Limits::new(0),
             ready_cache: Arc::default(),
+            draining: Default::default(),
         }
     }
 
@@ -80,7 +84,12 @@ pub fn router(state: AppState) -> Router {
                 "/v1/devices/{registration_id}",
                 delete(routes::devices::delete),
             )
-            .route("/v1/send", post(routes::send::send)),
+            .route("/v1/send", post(routes::send::send))
+            // Outermost on /v1: a draining instance takes no new work at all.
+            .layer(middleware::from_fn_with_state(
+                state.clone(),
+                refuse_when_draining,
+            )),
         Mode::Validation => Router::new().route("/v1/{*rest}", axum::routing::any(validation_only)),
     };
     common
@@ -96,6 +105,17 @@ pub fn router(state: AppState) -> Router {
                 .layer(middleware::from_fn(trace_http))
                 .layer(DefaultBodyLimit::max(BODY_LIMIT_BYTES)),
         )
+}
+
+async fn refuse_when_draining(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if state.draining.is_cancelled() {
+        return ApiError::ShuttingDown.into_response();
+    }
+    next.run(request).await
 }
 
 /// Challenge and session share one token bucket per client IP.

@@ -12,6 +12,9 @@ use clap::{Parser, Subcommand};
 use orca_push_host::{GatewayClient, HostKey};
 use tokio_util::sync::CancellationToken;
 
+/// SIGTERM to exit, at most (the platform kills at 10 s).
+const HARD_DEADLINE: std::time::Duration = std::time::Duration::from_secs(9);
+
 #[derive(Parser)]
 #[command(
     name = "orca-push",
@@ -162,6 +165,10 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     let _ = tokio::signal::ctrl_c().await;
     tracing::info!("shutdown requested");
     shutdown.cancel();
+    // The platform's hard deadline: whatever has not finished by then is left to lease expiry.
+    tokio::time::sleep(HARD_DEADLINE).await;
+    eprintln!("orca-push: shutdown did not finish within {HARD_DEADLINE:?}; exiting");
+    std::process::exit(1);
 }
 
 async fn host(command: HostCommand) -> anyhow::Result<()> {

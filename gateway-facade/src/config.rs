@@ -89,6 +89,9 @@ pub struct ServiceUrls {
     pub sender: Option<String>,
 }
 
+/// Provider settings, read with the rest (`ORCA_PUSH_APNS_*`, `ORCA_PUSH_FCM_*`, ...).
+pub type ProviderSettings = orca_push_sender::ProviderConfig;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub port: u16,
@@ -102,6 +105,7 @@ pub struct Config {
     pub service_urls: ServiceUrls,
     /// Listen address of a split-mode gRPC service, if set.
     pub grpc_addr: Option<SocketAddr>,
+    pub providers: ProviderSettings,
 }
 
 impl Config {
@@ -192,6 +196,7 @@ impl Config {
                 })
             })
             .transpose()?;
+        let providers = provider_settings(&get)?;
         Ok(Self {
             port,
             public_url,
@@ -201,6 +206,7 @@ impl Config {
             coalesce_ms,
             service_urls,
             grpc_addr,
+            providers,
         })
     }
 
@@ -237,6 +243,87 @@ impl Config {
             )
         })
     }
+}
+
+fn provider_settings(
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<ProviderSettings, ConfigError> {
+    use orca_push_sender::fcm::TokenSource;
+    let source = match get("GOOGLE_APPLICATION_CREDENTIALS") {
+        Some(path) => {
+            let path = PathBuf::from(path);
+            if !path.is_file() {
+                return Err(invalid(
+                    "GOOGLE_APPLICATION_CREDENTIALS",
+                    "is not a readable file",
+                ));
+            }
+            TokenSource::ServiceAccountFile(path)
+        }
+        None => TokenSource::Metadata {
+            host: get("GCE_METADATA_HOST").unwrap_or_else(|| "metadata.google.internal".into()),
+        },
+    };
+    let mut settings = ProviderSettings::new(source);
+    let apns = [
+        ("ORCA_PUSH_APNS_KEY", get("ORCA_PUSH_APNS_KEY")),
+        ("ORCA_PUSH_APNS_KEY_ID", get("ORCA_PUSH_APNS_KEY_ID")),
+        ("ORCA_PUSH_APPLE_TEAM_ID", get("ORCA_PUSH_APPLE_TEAM_ID")),
+    ];
+    if apns.iter().any(|(_, v)| v.is_some()) {
+        if let Some((missing, _)) = apns.iter().find(|(_, v)| v.is_none()) {
+            return Err(invalid(
+                missing,
+                "APNs needs the key, its key id and the team id together",
+            ));
+        }
+        let [key, key_id, team_id] = apns.map(|(_, v)| v.unwrap_or_default());
+        // Secret managers sometimes hand a PEM over with escaped newlines.
+        let key_pem = if key.contains('\n') {
+            key
+        } else {
+            key.replace("\\n", "\n")
+        };
+        if !key_pem.contains("-----BEGIN PRIVATE KEY-----") {
+            return Err(invalid(
+                "ORCA_PUSH_APNS_KEY",
+                "must be the .p8 key's PEM text (BEGIN PRIVATE KEY)",
+            ));
+        }
+        settings.apns = Some(orca_push_sender::ApnsCredentials {
+            key_pem,
+            key_id,
+            team_id,
+        });
+    }
+    if let Some(topic) = get("ORCA_PUSH_APNS_TOPIC") {
+        settings.apns_topic = topic;
+    }
+    if let Some(project) = get("ORCA_PUSH_FCM_PROJECT_ID") {
+        settings.fcm_project_id = project;
+    }
+    for (variable, target) in [
+        ("ORCA_PUSH_APNS_URL", &mut settings.apns_url),
+        ("ORCA_PUSH_FCM_URL", &mut settings.fcm_url),
+    ] {
+        if let Some(url) = get(variable) {
+            if !(url.starts_with("https://") || url.starts_with("http://")) {
+                return Err(invalid(
+                    variable,
+                    "must be an https:// (or http:// for tests) URL",
+                ));
+            }
+            *target = Some(url.trim_end_matches('/').to_owned());
+        }
+    }
+    if let Some(path) = get("ORCA_PUSH_CA_FILE") {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            return Err(invalid("ORCA_PUSH_CA_FILE", "is not a readable file"));
+        }
+        settings.ca_file = Some(path);
+    }
+    Ok(settings)
 }
 
 /// A bare origin: scheme, host, optional port; no path, query or trailing slash; https unless the
@@ -325,11 +412,41 @@ mod tests {
             ("ORCA_PUSH_COALESCE_MS", "soon"),
             ("ORCA_PUSH_AUTH_URL", "auth:50051"),
             ("ORCA_PUSH_GRPC_ADDR", "everywhere"),
+            ("ORCA_PUSH_APNS_URL", "api.push.apple.com"),
+            ("ORCA_PUSH_CA_FILE", "/no/such/file.pem"),
+            ("GOOGLE_APPLICATION_CREDENTIALS", "/no/such/sa.json"),
         ] {
             let err = config(&[(var, value)]).expect_err(value);
             assert_eq!(err.variable, var, "{value}");
             assert!(err.to_string().starts_with(var));
         }
+    }
+
+    #[test]
+    fn apns_credentials_come_as_three_or_not_at_all() {
+        assert_eq!(
+            config(&[("ORCA_PUSH_APNS_KEY_ID", "K")])
+                .unwrap_err()
+                .variable,
+            "ORCA_PUSH_APNS_KEY"
+        );
+        let partial = config(&[("ORCA_PUSH_APNS_KEY", "x"), ("ORCA_PUSH_APNS_KEY_ID", "K")]);
+        assert_eq!(partial.unwrap_err().variable, "ORCA_PUSH_APPLE_TEAM_ID");
+        let not_pem = config(&[
+            ("ORCA_PUSH_APNS_KEY", "x"),
+            ("ORCA_PUSH_APNS_KEY_ID", "K"),
+            ("ORCA_PUSH_APPLE_TEAM_ID", "T"),
+        ]);
+        assert_eq!(not_pem.unwrap_err().variable, "ORCA_PUSH_APNS_KEY");
+        let escaped = "-----BEGIN PRIVATE KEY-----\\nabc\\n-----END PRIVATE KEY-----";
+        let c = config(&[
+            ("ORCA_PUSH_APNS_KEY", escaped),
+            ("ORCA_PUSH_APNS_KEY_ID", "K"),
+            ("ORCA_PUSH_APPLE_TEAM_ID", "T"),
+        ])
+        .unwrap();
+        assert!(c.providers.apns.unwrap().key_pem.contains("-----\nabc\n"));
+        assert!(config(&[]).unwrap().providers.apns.is_none());
     }
 
     #[test]

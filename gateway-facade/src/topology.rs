@@ -29,14 +29,19 @@ pub async fn migrate(config: &Config) -> anyhow::Result<()> {
 }
 
 /// `orca-push serve`: the facade and all four services in this process, on `listener`.
+/// `drain` (SIGTERM) makes the facade refuse new work and the sender stop taking it; once the
+/// sender's in-flight deliveries are done (or their grace is over) everything stops.
 pub async fn serve_all_in_one(
     config: Arc<Config>,
     listener: TcpListener,
-    shutdown: CancellationToken,
+    drain: CancellationToken,
 ) -> anyhow::Result<()> {
     if config.mode == Mode::Validation {
-        return serve_facade(listener, AppState::validation(), shutdown).await;
+        return serve_facade(listener, AppState::validation(), drain.clone(), drain).await;
     }
+    // Stopped by the sender once it has drained: services stay up for its last reports.
+    let stop = CancellationToken::new();
+    let shutdown = stop.clone();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let mut tasks = tokio::task::JoinSet::new();
 
@@ -74,8 +79,20 @@ pub async fn serve_all_in_one(
         config.coalesce_ms,
         shutdown.clone(),
     ));
+    let providers = orca_push_sender::Providers::new(&config.providers)
+        .await
+        .context("providers")?;
     let (sender_listener, sender_url) = loopback_listener().await?;
-    tasks.spawn(orca_push_sender::serve(sender_listener, shutdown.clone()));
+    tasks.spawn(orca_push_sender::serve(
+        sender_listener,
+        providers,
+        queue_url.clone(),
+        registry_url.clone(),
+        clock.clone(),
+        instance_name("sender"),
+        drain.clone(),
+        stop.clone(),
+    ));
 
     let backends = Backends::connect(&BackendUrls {
         auth: auth_url,
@@ -85,7 +102,7 @@ pub async fn serve_all_in_one(
     })
     .context("service channels")?;
     let state = AppState::serving(backends, Limits::new(config.trusted_proxy_hops));
-    let facade = serve_facade(listener, state, shutdown.clone());
+    let facade = serve_facade(listener, state, drain.clone(), stop.clone());
     let result = tokio::select! {
         result = facade => result,
         Some(joined) = tasks.join_next() => {
@@ -97,17 +114,26 @@ pub async fn serve_all_in_one(
             }
         }
     };
-    shutdown.cancel();
+    stop.cancel();
     while tasks.join_next().await.is_some() {}
     result
+}
+
+/// `<service>-<host>-<pid>`: who holds a lease, for operators.
+pub fn instance_name(service: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "localhost".to_owned());
+    format!("{service}-{host}-{}", std::process::id())
 }
 
 /// `orca-push serve --service NAME`: one service in this process.
 pub async fn serve_split(
     config: Arc<Config>,
     service: ServiceName,
-    shutdown: CancellationToken,
+    drain: CancellationToken,
 ) -> anyhow::Result<()> {
+    let shutdown = drain.clone();
     if service == ServiceName::Facade {
         let listener = bind(SocketAddr::from(([0, 0, 0, 0], config.port))).await?;
         let state = match config.mode {
@@ -123,7 +149,7 @@ pub async fn serve_split(
                 Limits::new(config.trusted_proxy_hops),
             ),
         };
-        return serve_facade(listener, state, shutdown).await;
+        return serve_facade(listener, state, drain.clone(), drain).await;
     }
     if config.mode == Mode::Validation {
         anyhow::bail!("ORCA_PUSH_MODE: validation runs the facade only (use --service facade)");
@@ -169,18 +195,38 @@ pub async fn serve_split(
             )
             .await?
         }
-        ServiceName::Sender => orca_push_sender::serve(listener, shutdown).await?,
+        ServiceName::Sender => {
+            let providers = orca_push_sender::Providers::new(&config.providers)
+                .await
+                .context("providers")?;
+            // The process ends when the lanes have drained, not at the signal itself.
+            let stop = CancellationToken::new();
+            orca_push_sender::serve(
+                listener,
+                providers,
+                config.require_url(ServiceName::Queue)?,
+                config.require_url(ServiceName::Registry)?,
+                Arc::new(SystemClock),
+                instance_name("sender"),
+                drain,
+                stop,
+            )
+            .await?
+        }
         ServiceName::Facade => unreachable!("handled above"),
     }
     Ok(())
 }
 
-/// Serves the public HTTP API until `shutdown`, then drains in-flight requests.
+/// Serves the public HTTP API: from `drain` on it refuses new `/v1` work with `shutting_down`; at
+/// `shutdown` it stops, letting requests in flight finish.
 pub async fn serve_facade(
     listener: TcpListener,
-    state: AppState,
+    mut state: AppState,
+    drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    state.draining = drain;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
     tokio::spawn(sweep_limits(state.limits.clone(), shutdown.clone()));

@@ -1,4 +1,8 @@
-//! Test support: a real `orca-push serve` process on an isolated database, driven over HTTP.
+//! Test support: a real `orca-push serve` process on an isolated database, driven over HTTP, and
+//! mock APNs and FCM for it to deliver to.
+
+pub mod mock_apns;
+pub mod mock_fcm;
 
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -29,6 +33,18 @@ pub struct Gateway {
     pub base: String,
     pub database: DatabaseConfig,
     _data_dir: tempfile::TempDir,
+}
+
+impl Drop for Gateway {
+    /// A failing test shows what the gateway logged.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- gateway log ---\n{}\n--- end of gateway log ---",
+                self.logs()
+            );
+        }
+    }
 }
 
 async fn fresh_database(backend: Backend, data_dir: &std::path::Path) -> DatabaseConfig {

@@ -22,6 +22,9 @@ pub async fn health(State(state): State<AppState>) -> Json<Value> {
 }
 
 pub async fn ready(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    if state.draining.is_cancelled() {
+        return Err(ApiError::ShuttingDown);
+    }
     let Some(backends) = state.backends_for_ready() else {
         // Validation mode runs no services: the process itself is all there is to be ready.
         return Ok(Json(json!({ "ok": true })));

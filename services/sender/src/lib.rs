@@ -1,25 +1,94 @@
-//! The sender service: delivery lanes to APNs and FCM.
+//! The sender service: four delivery lanes per instance that claim due batches from the queue
+//! under renewed leases, re-read each device from the registry, and deliver through APNs (HTTP/2,
+//! ES256 provider tokens) and FCM HTTP v1 (OAuth). It owns no tables.
 //!
-//! For now it runs as a real tonic server answering gRPC health checks only; its API arrives with
-//! the issue that needs it.
+//! It must never log a push token, a title, a body, or more than 4 characters of a fingerprint.
 
+pub mod apns;
+pub mod fcm;
+pub mod lane;
+pub mod payload;
+pub mod providers;
+pub mod tls;
+pub mod verdict;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use orca_push_storage::Clock;
 use tokio_util::sync::CancellationToken;
 
-/// The name this service reports its health under ("" is the server as a whole).
+pub use lane::{QueueClient, RegistryClient, Sender};
+pub use providers::{ApnsCredentials, ProviderConfig, Providers};
+
+/// The sender reports its health as the server as a whole.
 pub const HEALTH_NAME: &str = "";
 
-/// Runs the sender gRPC server on `listener` until `shutdown` fires.
+/// How long in-flight deliveries may run after SIGTERM: the platform's grace, less a margin.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(8);
+
+/// A lazily connecting, traced client of `url`.
+pub fn channel(url: &str) -> Result<orca_push_telemetry::TracedChannel, tonic::transport::Error> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(3))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_while_idle(true)
+        .connect_lazy();
+    Ok(orca_push_telemetry::traced_channel(channel))
+}
+
+/// Runs the sender: its gRPC health server on `listener`, and the lanes. `drain` stops taking work;
+/// in-flight deliveries then get `DRAIN_GRACE`; when the lanes are done the sender cancels
+/// `shutdown`, which stops its server (and, all in one, the rest of the process).
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    providers: Providers,
+    queue_url: String,
+    registry_url: String,
+    clock: Arc<dyn Clock>,
+    instance: String,
+    drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let sender = Arc::new(Sender {
+        queue: QueueClient::new(channel(&queue_url)?),
+        registry: RegistryClient::new(channel(&registry_url)?),
+        providers,
+        clock,
+        counters: Default::default(),
+        instance,
+    });
+    let hard_stop = CancellationToken::new();
+    {
+        let drain = drain.clone();
+        let hard_stop = hard_stop.clone();
+        tokio::spawn(async move {
+            drain.cancelled().await;
+            tokio::time::sleep(DRAIN_GRACE).await;
+            hard_stop.cancel();
+        });
+    }
+    let lanes = {
+        let shutdown = shutdown.clone();
+        let sender = sender.clone();
+        let drain = drain.clone();
+        tokio::spawn(async move {
+            sender.run(drain, hard_stop).await;
+            // Drained: the services this process shares (all in one) may stop now.
+            shutdown.cancel();
+        })
+    };
     let (_health, health_service) = tonic_health::server::health_reporter();
-    tonic::transport::Server::builder()
+    let server = tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
         .add_service(health_service)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled_owned(),
-        )
-        .await
+        );
+    let result = server.await;
+    let _ = lanes.await;
+    result
 }

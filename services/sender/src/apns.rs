@@ -1,0 +1,449 @@
+//! APNs over HTTP/2: long-lived connections per environment, many streams on each, another
+//! connection only when the open ones are saturated, PING keep-alive, reconnection with backoff;
+//! ES256 provider tokens cached for 50 minutes.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+use crate::payload::ApnsRequest;
+use crate::verdict::{Verdict, parse_retry_after};
+
+/// Provider tokens are refreshed this often (Apple accepts 20 to 60 minutes).
+pub const TOKEN_REFRESH: Duration = Duration::from_secs(50 * 60);
+/// Streams one connection carries before another is opened (APNs allows up to 1,000).
+pub const DEFAULT_STREAMS_PER_CONNECTION: usize = 1000;
+/// Connections per environment at most.
+pub const MAX_CONNECTIONS: usize = 8;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const PING_INTERVAL: Duration = Duration::from_secs(60);
+const PING_TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApnsError {
+    #[error("APNs key: {0}")]
+    Key(String),
+    #[error("APNs URL: {0}")]
+    Url(String),
+}
+
+/// The .p8 key and identifiers, and the token signed with them.
+pub struct ProviderToken {
+    key: jsonwebtoken::EncodingKey,
+    key_id: String,
+    team_id: String,
+    cached: std::sync::Mutex<Option<(String, Instant)>>,
+}
+
+#[derive(serde::Serialize)]
+struct ProviderClaims<'a> {
+    iss: &'a str,
+    iat: u64,
+}
+
+impl ProviderToken {
+    pub fn new(p8_pem: &str, key_id: &str, team_id: &str) -> Result<Self, ApnsError> {
+        let key = jsonwebtoken::EncodingKey::from_ec_pem(p8_pem.as_bytes()).map_err(|_| {
+            ApnsError::Key("ORCA_PUSH_APNS_KEY is not an EC (P-256) PKCS#8 PEM key".into())
+        })?;
+        Ok(Self {
+            key,
+            key_id: key_id.to_owned(),
+            team_id: team_id.to_owned(),
+            cached: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The cached token, or a fresh one when it is 50 minutes old or `force`d.
+    pub fn bearer(&self, force: bool) -> Result<String, ApnsError> {
+        let mut cached = self.cached.lock().unwrap_or_else(|p| p.into_inner());
+        if !force
+            && let Some((token, at)) = cached.as_ref()
+            && at.elapsed() < TOKEN_REFRESH
+        {
+            return Ok(token.clone());
+        }
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+        header.kid = Some(self.key_id.clone());
+        let iat = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let token = jsonwebtoken::encode(
+            &header,
+            &ProviderClaims {
+                iss: &self.team_id,
+                iat,
+            },
+            &self.key,
+        )
+        .map_err(|e| ApnsError::Key(format!("cannot sign the provider token: {e}")))?;
+        *cached = Some((token.clone(), Instant::now()));
+        Ok(token)
+    }
+}
+
+struct Connection {
+    sender: SendRequest<Full<Bytes>>,
+    in_flight: AtomicUsize,
+}
+
+/// Where one environment's connections go.
+#[derive(Debug, Clone)]
+struct Endpoint {
+    tls: bool,
+    host: String,
+    port: u16,
+    authority: String,
+}
+
+impl Endpoint {
+    fn parse(base: &str) -> Result<Self, ApnsError> {
+        let uri: http::Uri = base
+            .parse()
+            .map_err(|_| ApnsError::Url(format!("{base} is not a URL")))?;
+        let tls = match uri.scheme_str() {
+            Some("https") => true,
+            Some("http") => false,
+            _ => {
+                return Err(ApnsError::Url(format!(
+                    "{base}: scheme must be https or http"
+                )));
+            }
+        };
+        let host = uri
+            .host()
+            .ok_or_else(|| ApnsError::Url(format!("{base} has no host")))?;
+        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        Ok(Self {
+            tls,
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned(),
+            port,
+            authority: uri.authority().map(|a| a.to_string()).unwrap_or_default(),
+        })
+    }
+}
+
+/// One environment's connection pool.
+pub struct ApnsPool {
+    endpoint: Endpoint,
+    tls: Arc<rustls::ClientConfig>,
+    connections: tokio::sync::RwLock<Vec<Arc<Connection>>>,
+    connecting: tokio::sync::Mutex<ConnectState>,
+    streams_per_connection: usize,
+}
+
+#[derive(Default)]
+struct ConnectState {
+    failures: u32,
+    not_before: Option<Instant>,
+}
+
+/// Why a request got no answer from APNs.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    #[error("connection failed: {0}")]
+    Request(String),
+    #[error("timed out")]
+    Timeout,
+}
+
+impl ApnsPool {
+    pub fn new(
+        base: &str,
+        tls: Arc<rustls::ClientConfig>,
+        streams_per_connection: usize,
+    ) -> Result<Self, ApnsError> {
+        Ok(Self {
+            endpoint: Endpoint::parse(base)?,
+            tls,
+            connections: tokio::sync::RwLock::new(Vec::new()),
+            connecting: tokio::sync::Mutex::new(ConnectState::default()),
+            streams_per_connection: streams_per_connection.max(1),
+        })
+    }
+
+    /// Open connections, for tests and metrics.
+    pub async fn connection_count(&self) -> usize {
+        self.connections
+            .read()
+            .await
+            .iter()
+            .filter(|c| !c.sender.is_closed())
+            .count()
+    }
+
+    /// A connection with a free stream: an open one if any has room, else a new one.
+    async fn connection(&self) -> Result<Arc<Connection>, TransportError> {
+        if let Some(c) = self.least_loaded(true).await {
+            return Ok(c);
+        }
+        let mut state = self.connecting.lock().await;
+        // Another request may have connected while this one waited.
+        if let Some(c) = self.least_loaded(true).await {
+            return Ok(c);
+        }
+        let open = self.connection_count().await;
+        if open >= MAX_CONNECTIONS {
+            // Every connection is saturated: queue on the least loaded one.
+            drop(state);
+            return self
+                .least_loaded(false)
+                .await
+                .ok_or(TransportError::Connect("no connection".into()));
+        }
+        if let Some(at) = state.not_before
+            && Instant::now() < at
+        {
+            drop(state);
+            return self.least_loaded(false).await.ok_or_else(|| {
+                TransportError::Connect("reconnecting after failures (backoff)".into())
+            });
+        }
+        match self.connect().await {
+            Ok(connection) => {
+                state.failures = 0;
+                state.not_before = None;
+                let connection = Arc::new(connection);
+                let mut all = self.connections.write().await;
+                all.retain(|c| !c.sender.is_closed());
+                all.push(connection.clone());
+                Ok(connection)
+            }
+            Err(error) => {
+                state.failures += 1;
+                let backoff = Duration::from_millis(100 * (1u64 << state.failures.min(8)))
+                    .min(Duration::from_secs(30));
+                state.not_before = Some(Instant::now() + backoff);
+                tracing::warn!(%error, failures = state.failures, "APNs connect failed");
+                Err(error)
+            }
+        }
+    }
+
+    async fn least_loaded(&self, with_room: bool) -> Option<Arc<Connection>> {
+        let all = self.connections.read().await;
+        all.iter()
+            .filter(|c| !c.sender.is_closed())
+            .filter(|c| {
+                !with_room || c.in_flight.load(Ordering::Acquire) < self.streams_per_connection
+            })
+            .min_by_key(|c| c.in_flight.load(Ordering::Acquire))
+            .cloned()
+    }
+
+    async fn connect(&self) -> Result<Connection, TransportError> {
+        let e = &self.endpoint;
+        let tcp = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            tokio::net::TcpStream::connect((e.host.as_str(), e.port)),
+        )
+        .await
+        .map_err(|_| TransportError::Timeout)?
+        .map_err(|err| TransportError::Connect(err.to_string()))?;
+        let _ = tcp.set_nodelay(true);
+        let mut builder = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
+        builder
+            .keep_alive_interval(PING_INTERVAL)
+            .keep_alive_timeout(PING_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .timer(hyper_util::rt::TokioTimer::new());
+        let sender = if e.tls {
+            let name = rustls::pki_types::ServerName::try_from(e.host.clone())
+                .map_err(|err| TransportError::Connect(err.to_string()))?;
+            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
+                .connect(name, tcp)
+                .await
+                .map_err(|err| TransportError::Connect(err.to_string()))?;
+            if tls.get_ref().1.alpn_protocol() != Some(b"h2") {
+                return Err(TransportError::Connect(
+                    "the server did not negotiate h2".into(),
+                ));
+            }
+            let (sender, driver) = builder
+                .handshake(TokioIo::new(tls))
+                .await
+                .map_err(|err| TransportError::Connect(err.to_string()))?;
+            tokio::spawn(async move {
+                if let Err(error) = driver.await {
+                    tracing::debug!(%error, "APNs connection closed");
+                }
+            });
+            sender
+        } else {
+            // http:// means HTTP/2 cleartext with prior knowledge (tests).
+            let (sender, driver) = builder
+                .handshake(TokioIo::new(tcp))
+                .await
+                .map_err(|err| TransportError::Connect(err.to_string()))?;
+            tokio::spawn(async move {
+                if let Err(error) = driver.await {
+                    tracing::debug!(%error, "APNs connection closed");
+                }
+            });
+            sender
+        };
+        Ok(Connection {
+            sender,
+            in_flight: AtomicUsize::new(0),
+        })
+    }
+
+    /// Sends one request and reads the whole answer.
+    pub async fn send(
+        &self,
+        request: &ApnsRequest,
+        bearer: &str,
+    ) -> Result<(u16, http::HeaderMap, Bytes), TransportError> {
+        let connection = self.connection().await?;
+        let scheme = if self.endpoint.tls { "https" } else { "http" };
+        let mut builder = http::Request::post(format!(
+            "{scheme}://{}{}",
+            self.endpoint.authority, request.path
+        ))
+        .header("authorization", format!("bearer {bearer}"));
+        for (name, value) in &request.headers {
+            builder = builder.header(*name, value);
+        }
+        let http_request = builder
+            .body(Full::new(Bytes::from(request.body.clone())))
+            .map_err(|err| TransportError::Request(err.to_string()))?;
+        connection.in_flight.fetch_add(1, Ordering::AcqRel);
+        let result = tokio::time::timeout(REQUEST_TIMEOUT, async {
+            let mut sender = connection.sender.clone();
+            sender
+                .ready()
+                .await
+                .map_err(|err| TransportError::Request(err.to_string()))?;
+            let response = sender
+                .send_request(http_request)
+                .await
+                .map_err(|err| TransportError::Request(err.to_string()))?;
+            let (parts, body) = response.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|err| TransportError::Request(err.to_string()))?
+                .to_bytes();
+            Ok((parts.status.as_u16(), parts.headers, body))
+        })
+        .await
+        .unwrap_or(Err(TransportError::Timeout));
+        connection.in_flight.fetch_sub(1, Ordering::AcqRel);
+        result
+    }
+
+    /// Closes every connection (shutdown, last).
+    pub async fn close(&self) {
+        self.connections.write().await.clear();
+    }
+}
+
+/// What an APNs answer means.
+pub fn classify(status: u16, headers: &http::HeaderMap, body: &[u8]) -> Verdict {
+    let reason = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("reason").and_then(|r| r.as_str()).map(str::to_owned))
+        .unwrap_or_default();
+    let retry_after = headers
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()))
+        .unwrap_or(Duration::ZERO);
+    match (status, reason.as_str()) {
+        (200, _) => Verdict::Sent,
+        (410, _) | (400, "BadDeviceToken" | "Unregistered" | "DeviceTokenNotForTopic") => {
+            Verdict::Dead(if reason.is_empty() {
+                "Unregistered".into()
+            } else {
+                reason
+            })
+        }
+        // A stale provider token: retried at once with a fresh one.
+        (403, "ExpiredProviderToken") => Verdict::Retry {
+            reason,
+            not_before: retry_after,
+        },
+        (429, _) | (500..=599, _) => Verdict::Retry {
+            reason: if reason.is_empty() {
+                format!("http_{status}")
+            } else {
+                reason
+            },
+            not_before: retry_after,
+        },
+        _ => Verdict::Failed(if reason.is_empty() {
+            format!("http_{status}")
+        } else {
+            reason
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(reason: &str) -> Vec<u8> {
+        format!(r#"{{"reason":"{reason}"}}"#).into_bytes()
+    }
+
+    #[test]
+    fn dead_tokens_are_the_contract_four() {
+        let h = http::HeaderMap::new();
+        assert_eq!(
+            classify(410, &h, &body("Unregistered")),
+            Verdict::Dead("Unregistered".into())
+        );
+        for reason in ["BadDeviceToken", "Unregistered", "DeviceTokenNotForTopic"] {
+            assert_eq!(
+                classify(400, &h, &body(reason)),
+                Verdict::Dead(reason.into())
+            );
+        }
+        assert_eq!(
+            classify(400, &h, &body("BadCollapseId")),
+            Verdict::Failed("BadCollapseId".into())
+        );
+        assert_eq!(
+            classify(413, &h, &body("PayloadTooLarge")),
+            Verdict::Failed("PayloadTooLarge".into())
+        );
+    }
+
+    #[test]
+    fn throttling_and_server_errors_are_retried_with_retry_after() {
+        let mut h = http::HeaderMap::new();
+        h.insert("retry-after", http::HeaderValue::from_static("7"));
+        assert_eq!(
+            classify(429, &h, &body("TooManyRequests")),
+            Verdict::Retry {
+                reason: "TooManyRequests".into(),
+                not_before: Duration::from_secs(7)
+            }
+        );
+        assert!(matches!(
+            classify(503, &http::HeaderMap::new(), b""),
+            Verdict::Retry { .. }
+        ));
+        assert!(matches!(
+            classify(403, &h, &body("ExpiredProviderToken")),
+            Verdict::Retry { .. }
+        ));
+        assert!(matches!(
+            classify(403, &h, &body("InvalidProviderToken")),
+            Verdict::Failed(_)
+        ));
+    }
+}

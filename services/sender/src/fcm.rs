@@ -1,0 +1,337 @@
+//! FCM HTTP v1: `projects/<id>/messages:send` with an OAuth bearer from a service-account JSON (its
+//! `token_uri` honoured) or the GCE metadata server, via yup-oauth2, which caches the token until a
+//! minute before it expires.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use serde_json::Value;
+
+use crate::verdict::{Verdict, parse_retry_after};
+
+pub const SCOPE: &str = "https://www.googleapis.com/auth/firebase.messaging";
+/// Google asks for at least a minute before retrying a quota refusal.
+pub const QUOTA_MIN_DELAY: Duration = Duration::from_secs(60);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+type Authenticator = yup_oauth2::authenticator::Authenticator<HttpsConnector<HttpConnector>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FcmError {
+    #[error("GOOGLE_APPLICATION_CREDENTIALS: {0}")]
+    Credentials(String),
+    #[error("FCM client: {0}")]
+    Client(String),
+}
+
+/// Where the OAuth token comes from.
+#[derive(Debug, Clone)]
+pub enum TokenSource {
+    ServiceAccountFile(std::path::PathBuf),
+    /// The GCE metadata server at this host (`GCE_METADATA_HOST`, default metadata.google.internal).
+    Metadata {
+        host: String,
+    },
+}
+
+pub struct Fcm {
+    http: reqwest::Client,
+    send_url: String,
+    auth: Authenticator,
+    refresh: AtomicBool,
+    /// yup-oauth2 does not single-flight concurrent misses: one fetch at a time, the rest then hit
+    /// its cache.
+    fetching: tokio::sync::Mutex<()>,
+}
+
+impl Fcm {
+    /// `base` is `https://fcm.googleapis.com` unless redirected; `tls` carries the extra roots.
+    pub async fn new(
+        base: &str,
+        project_id: &str,
+        source: &TokenSource,
+        tls: &rustls::ClientConfig,
+    ) -> Result<Self, FcmError> {
+        let mut api_tls = tls.clone();
+        api_tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let http = reqwest::Client::builder()
+            .use_preconfigured_tls(api_tls)
+            .timeout(REQUEST_TIMEOUT)
+            .build()
+            .map_err(|e| FcmError::Client(e.to_string()))?;
+        // yup-oauth2 wants a hyper client; it must not pin ALPN itself.
+        let mut token_tls = tls.clone();
+        token_tls.alpn_protocols.clear();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(token_tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .build();
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(connector);
+        let builder = yup_oauth2::CustomHyperClientBuilder::from(client);
+        let auth = match source {
+            TokenSource::ServiceAccountFile(path) => {
+                let key = read_key(path).await?;
+                yup_oauth2::ServiceAccountAuthenticator::with_client(key, builder)
+                    .build()
+                    .await
+                    .map_err(|e| FcmError::Credentials(e.to_string()))?
+            }
+            TokenSource::Metadata { host } => {
+                let opts = yup_oauth2::ApplicationDefaultCredentialsFlowOpts {
+                    metadata_url: Some(format!(
+                        "http://{host}/computeMetadata/v1/instance/service-accounts/default/token"
+                    )),
+                };
+                match yup_oauth2::ApplicationDefaultCredentialsAuthenticator::with_client(opts, builder).await {
+                    yup_oauth2::authenticator::ApplicationDefaultCredentialsTypes::InstanceMetadata(b) => b
+                        .build()
+                        .await
+                        .map_err(|e| FcmError::Client(e.to_string()))?,
+                    yup_oauth2::authenticator::ApplicationDefaultCredentialsTypes::ServiceAccount(b) => b
+                        .build()
+                        .await
+                        .map_err(|e| FcmError::Credentials(e.to_string()))?,
+                }
+            }
+        };
+        Ok(Self {
+            http,
+            send_url: format!(
+                "{}/v1/projects/{project_id}/messages:send",
+                base.trim_end_matches('/')
+            ),
+            auth,
+            refresh: AtomicBool::new(false),
+            fetching: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    async fn bearer(&self) -> Result<String, String> {
+        let _one_at_a_time = self.fetching.lock().await;
+        let token = if self.refresh.swap(false, Ordering::AcqRel) {
+            self.auth.force_refreshed_token(&[SCOPE]).await
+        } else {
+            self.auth.token(&[SCOPE]).await
+        }
+        .map_err(|e| e.to_string())?;
+        token
+            .token()
+            .map(str::to_owned)
+            .ok_or_else(|| "no access token".to_owned())
+    }
+
+    /// Sends one message; `validate_only` asks FCM to check it without delivering.
+    pub async fn send(&self, mut message: Value, validate_only: bool) -> Verdict {
+        let bearer = match self.bearer().await {
+            Ok(b) => b,
+            Err(error) => {
+                tracing::warn!(%error, "FCM OAuth token unavailable");
+                return Verdict::Retry {
+                    reason: "oauth_token".into(),
+                    not_before: Duration::ZERO,
+                };
+            }
+        };
+        if validate_only {
+            message["validate_only"] = Value::Bool(true);
+        }
+        let response = match self
+            .http
+            .post(&self.send_url)
+            .bearer_auth(bearer)
+            .json(&message)
+            .send()
+            .await
+        {
+            Ok(r) => r,
+            Err(error) => {
+                tracing::warn!(error = %error.without_url(), "FCM request failed");
+                return Verdict::Retry {
+                    reason: "connection".into(),
+                    not_before: Duration::ZERO,
+                };
+            }
+        };
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
+        let body = response.bytes().await.unwrap_or_default();
+        let verdict = classify(status, retry_after, &body);
+        if status == 401 {
+            self.refresh.store(true, Ordering::Release);
+        }
+        verdict
+    }
+}
+
+async fn read_key(path: &Path) -> Result<yup_oauth2::ServiceAccountKey, FcmError> {
+    yup_oauth2::read_service_account_key(path)
+        .await
+        .map_err(|e| FcmError::Credentials(format!("{}: {e}", path.display())))
+}
+
+/// What an FCM answer means.
+pub fn classify(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
+    if status == 200 {
+        return Verdict::Sent;
+    }
+    let error = serde_json::from_slice::<Value>(body).ok();
+    let error = error.as_ref().and_then(|v| v.get("error"));
+    let grpc_status = error
+        .and_then(|e| e.get("status"))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let message = error
+        .and_then(|e| e.get("message"))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let error_code = error
+        .and_then(|e| e.get("details"))
+        .and_then(Value::as_array)
+        .and_then(|details| {
+            details
+                .iter()
+                .find_map(|d| d.get("errorCode").and_then(Value::as_str))
+        })
+        .unwrap_or("");
+    let reason = if !error_code.is_empty() {
+        error_code.to_owned()
+    } else if !grpc_status.is_empty() {
+        grpc_status.to_owned()
+    } else {
+        format!("http_{status}")
+    };
+    let names_the_token = message.to_ascii_lowercase().contains("registration token");
+    match status {
+        _ if error_code == "UNREGISTERED" => Verdict::Dead(reason),
+        400 if (error_code == "INVALID_ARGUMENT" || grpc_status == "INVALID_ARGUMENT")
+            && names_the_token =>
+        {
+            Verdict::Dead("INVALID_ARGUMENT".into())
+        }
+        429 => Verdict::Retry {
+            reason,
+            not_before: retry_after.unwrap_or(QUOTA_MIN_DELAY).max(QUOTA_MIN_DELAY),
+        },
+        // Our OAuth token went stale: refreshed for the next attempt.
+        401 if error_code.is_empty()
+            || grpc_status == "UNAUTHENTICATED" && error_code != "THIRD_PARTY_AUTH_ERROR" =>
+        {
+            Verdict::Retry {
+                reason,
+                not_before: Duration::ZERO,
+            }
+        }
+        500..=599 => Verdict::Retry {
+            reason,
+            not_before: retry_after.unwrap_or(Duration::ZERO),
+        },
+        _ => Verdict::Failed(reason),
+    }
+}
+
+/// A shared handle.
+pub type SharedFcm = Arc<Fcm>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body(status: &str, code: &str, message: &str) -> Vec<u8> {
+        serde_json::to_vec(&json!({ "error": { "code": 0, "message": message, "status": status,
+            "details": [{ "@type": "type.googleapis.com/google.firebase.fcm.v1.FcmError", "errorCode": code }] } }))
+        .unwrap()
+    }
+
+    #[test]
+    fn dead_tokens() {
+        assert_eq!(
+            classify(
+                404,
+                None,
+                &body(
+                    "NOT_FOUND",
+                    "UNREGISTERED",
+                    "Requested entity was not found."
+                )
+            ),
+            Verdict::Dead("UNREGISTERED".into())
+        );
+        assert_eq!(
+            classify(
+                400,
+                None,
+                &body(
+                    "INVALID_ARGUMENT",
+                    "INVALID_ARGUMENT",
+                    "The registration token is not a valid FCM registration token"
+                )
+            ),
+            Verdict::Dead("INVALID_ARGUMENT".into())
+        );
+        // A payload error is not a dead token.
+        assert_eq!(
+            classify(
+                400,
+                None,
+                &body(
+                    "INVALID_ARGUMENT",
+                    "INVALID_ARGUMENT",
+                    "Invalid value at 'message.android.ttl'"
+                )
+            ),
+            Verdict::Failed("INVALID_ARGUMENT".into())
+        );
+    }
+
+    #[test]
+    fn quota_and_server_errors_are_retried() {
+        let v = classify(
+            429,
+            Some(Duration::from_secs(5)),
+            &body("RESOURCE_EXHAUSTED", "QUOTA_EXCEEDED", "quota"),
+        );
+        assert_eq!(
+            v,
+            Verdict::Retry {
+                reason: "QUOTA_EXCEEDED".into(),
+                not_before: QUOTA_MIN_DELAY
+            }
+        );
+        let v = classify(429, Some(Duration::from_secs(90)), b"");
+        assert_eq!(
+            v,
+            Verdict::Retry {
+                reason: "http_429".into(),
+                not_before: Duration::from_secs(90)
+            }
+        );
+        assert!(
+            matches!(classify(503, Some(Duration::from_secs(3)), b""), Verdict::Retry { not_before, .. } if not_before == Duration::from_secs(3))
+        );
+        assert!(matches!(
+            classify(500, None, &body("INTERNAL", "INTERNAL", "x")),
+            Verdict::Retry { .. }
+        ));
+        assert!(matches!(
+            classify(
+                403,
+                None,
+                &body("PERMISSION_DENIED", "SENDER_ID_MISMATCH", "x")
+            ),
+            Verdict::Failed(_)
+        ));
+    }
+}

@@ -1,0 +1,293 @@
+//! Delivery lanes: claim due batches under a lease, re-read the device, call its provider, report
+//! the outcome. A lane renews the lease of every batch it holds; if the process dies, the leases
+//! lapse and another lane delivers.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use orca_push_proto::queue::v1 as queue_pb;
+use orca_push_proto::registry::v1 as registry_pb;
+use orca_push_storage::Clock;
+use orca_push_telemetry::TracedChannel;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::payload::Job;
+use crate::providers::{Providers, Target};
+use crate::verdict::{MAX_ATTEMPTS, Verdict, retry_delay};
+
+pub type QueueClient = queue_pb::queue_service_client::QueueServiceClient<TracedChannel>;
+pub type RegistryClient =
+    registry_pb::registry_service_client::RegistryServiceClient<TracedChannel>;
+
+/// Lanes per sender instance.
+pub const LANES: usize = 4;
+/// A batch's lease, renewed every third of it while a lane works on it.
+pub const LEASE_MS: u32 = 30_000;
+/// Deliveries one lane keeps in flight at once.
+pub const IN_FLIGHT_PER_LANE: usize = 256;
+/// How long a claim waits for due work before asking again.
+const CLAIM_WAIT_MS: u32 = 10_000;
+
+/// Aggregate counters (no labels that could carry personal data).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub sent: AtomicU64,
+    pub dead: AtomicU64,
+    pub failed: AtomicU64,
+    pub expired: AtomicU64,
+    pub retried: AtomicU64,
+    pub not_configured: AtomicU64,
+}
+
+pub struct Sender {
+    pub queue: QueueClient,
+    pub registry: RegistryClient,
+    pub providers: Providers,
+    pub clock: Arc<dyn Clock>,
+    pub counters: Counters,
+    pub instance: String,
+}
+
+fn now_ms(clock: &dyn Clock) -> i64 {
+    i64::try_from(clock.now_ms()).unwrap_or(i64::MAX)
+}
+
+/// What became of one attempt.
+enum Outcome {
+    Verdict(Verdict, Option<Target>),
+    Expired,
+    Gone(&'static str),
+}
+
+impl Sender {
+    /// Runs `LANES` lanes until `stop` (stop taking work), then lets in-flight deliveries finish
+    /// until `hard_stop`; whatever is still running then is dropped, its lease left to lapse.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken, hard_stop: CancellationToken) {
+        let lanes: Vec<_> = (0..LANES)
+            .map(|i| tokio::spawn(self.clone().lane(i, stop.clone(), hard_stop.clone())))
+            .collect();
+        for lane in lanes {
+            let _ = lane.await;
+        }
+        self.providers.close().await;
+    }
+
+    async fn lane(
+        self: Arc<Self>,
+        index: usize,
+        stop: CancellationToken,
+        hard_stop: CancellationToken,
+    ) {
+        let name = format!("{}/lane-{index}", self.instance);
+        let capacity = Arc::new(Semaphore::new(IN_FLIGHT_PER_LANE));
+        let mut in_flight = tokio::task::JoinSet::new();
+        loop {
+            // Wait for room before asking for more work.
+            let room = tokio::select! {
+                _ = stop.cancelled() => break,
+                permit = capacity.clone().acquire_owned() => match permit {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+            };
+            let want = (capacity.available_permits() + 1).min(64) as u32;
+            let mut queue = self.queue.clone();
+            let claimed = tokio::select! {
+                _ = stop.cancelled() => break,
+                r = queue.claim(queue_pb::ClaimRequest {
+                    lane: name.clone(),
+                    max_batches: want,
+                    lease_ms: LEASE_MS,
+                    wait_ms: CLAIM_WAIT_MS,
+                }) => r,
+            };
+            let batches = match claimed {
+                Ok(r) => r.into_inner().batches,
+                Err(status) => {
+                    tracing::warn!(lane = index, code = ?status.code(), "claim failed; retrying shortly");
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    }
+                }
+            };
+            let mut room = Some(room);
+            for batch in batches {
+                let permit = match room.take() {
+                    Some(p) => p,
+                    None => match capacity.clone().acquire_owned().await {
+                        Ok(p) => p,
+                        Err(_) => break,
+                    },
+                };
+                let sender = self.clone();
+                in_flight.spawn(async move {
+                    sender.deliver(Job::from_claim(batch)).await;
+                    drop(permit);
+                });
+            }
+            while in_flight.try_join_next().is_some() {}
+        }
+        // Stop taking work; finish what is in flight within the grace.
+        tokio::select! {
+            _ = async { while in_flight.join_next().await.is_some() {} } => {}
+            _ = hard_stop.cancelled() => {
+                tracing::warn!(lane = index, left = in_flight.len(), "grace over; leaving the rest to lease expiry");
+                in_flight.abort_all();
+            }
+        }
+    }
+
+    async fn deliver(&self, job: Job) {
+        let renewing = CancellationToken::new();
+        let renewer = tokio::spawn(renew_lease(
+            self.queue.clone(),
+            job.batch_id.clone(),
+            job.lease_token.clone(),
+            renewing.clone(),
+        ));
+        let outcome = self.attempt(&job).await;
+        renewing.cancel();
+        let _ = renewer.await;
+        if let Err(status) = self.report(&job, outcome).await {
+            // The lease lapses and another lane repeats the attempt.
+            tracing::warn!(code = ?status.code(), "could not record a delivery outcome");
+        }
+    }
+
+    async fn attempt(&self, job: &Job) -> Outcome {
+        if now_ms(&*self.clock) >= job.deadline_ms {
+            return Outcome::Expired;
+        }
+        // The registry is the truth: a device deleted, marked dead or given a new token since
+        // admission is seen here, before every attempt.
+        let devices = match self
+            .registry
+            .clone()
+            .get_devices_for_delivery(registry_pb::GetDevicesForDeliveryRequest {
+                registration_ids: vec![job.registration_id.clone()],
+            })
+            .await
+        {
+            Ok(r) => r.into_inner().devices,
+            Err(status) => {
+                return Outcome::Verdict(
+                    Verdict::Retry {
+                        reason: format!("registry_{:?}", status.code()),
+                        not_before: Duration::ZERO,
+                    },
+                    None,
+                );
+            }
+        };
+        let Some(device) = devices.into_iter().next() else {
+            return Outcome::Gone("registration_deleted");
+        };
+        if device.dead {
+            return Outcome::Gone("dead");
+        }
+        let target = Target::from_device(device);
+        let verdict = self
+            .providers
+            .send(job, &target, now_ms(&*self.clock), &self.counters)
+            .await;
+        Outcome::Verdict(verdict, Some(target))
+    }
+
+    async fn report(&self, job: &Job, outcome: Outcome) -> Result<(), tonic::Status> {
+        let complete = |outcome: queue_pb::Outcome, reason: String| queue_pb::CompleteRequest {
+            batch_id: job.batch_id.clone(),
+            lease_token: job.lease_token.clone(),
+            outcome: outcome as i32,
+            reason,
+        };
+        let c = &self.counters;
+        let request = match outcome {
+            Outcome::Expired => {
+                c.expired.fetch_add(1, Ordering::Relaxed);
+                complete(queue_pb::Outcome::Expired, "deadline".into())
+            }
+            Outcome::Gone("dead") => {
+                c.dead.fetch_add(1, Ordering::Relaxed);
+                complete(queue_pb::Outcome::Dead, "dead".into())
+            }
+            Outcome::Gone(reason) => {
+                c.failed.fetch_add(1, Ordering::Relaxed);
+                complete(queue_pb::Outcome::Failed, reason.into())
+            }
+            Outcome::Verdict(Verdict::Sent, _) => {
+                c.sent.fetch_add(1, Ordering::Relaxed);
+                complete(queue_pb::Outcome::Sent, "sent".into())
+            }
+            Outcome::Verdict(Verdict::Dead(reason), target) => {
+                c.dead.fetch_add(1, Ordering::Relaxed);
+                if let Some(target) = target {
+                    self.registry
+                        .clone()
+                        .mark_dead(target.mark_dead_request(&job.registration_id))
+                        .await?;
+                }
+                complete(queue_pb::Outcome::Dead, reason)
+            }
+            Outcome::Verdict(Verdict::Failed(reason), _) => {
+                c.failed.fetch_add(1, Ordering::Relaxed);
+                complete(queue_pb::Outcome::Failed, reason)
+            }
+            Outcome::Verdict(Verdict::Retry { reason, not_before }, _) => {
+                if job.attempt >= MAX_ATTEMPTS {
+                    c.failed.fetch_add(1, Ordering::Relaxed);
+                    complete(
+                        queue_pb::Outcome::Failed,
+                        format!("attempts_exhausted_{reason}"),
+                    )
+                } else {
+                    c.retried.fetch_add(1, Ordering::Relaxed);
+                    let delay = retry_delay(job.attempt, not_before);
+                    let at = now_ms(&*self.clock)
+                        + i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 2);
+                    let answer = self
+                        .queue
+                        .clone()
+                        .retry(queue_pb::RetryRequest {
+                            batch_id: job.batch_id.clone(),
+                            lease_token: job.lease_token.clone(),
+                            retry_at_ms: at,
+                            reason,
+                        })
+                        .await?
+                        .into_inner();
+                    if answer.expired {
+                        c.expired.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Ok(());
+                }
+            }
+        };
+        self.queue.clone().complete(request).await?;
+        Ok(())
+    }
+}
+
+async fn renew_lease(queue: QueueClient, batch_id: String, token: String, done: CancellationToken) {
+    let every = Duration::from_millis(u64::from(LEASE_MS) / 3);
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let renewed = queue
+            .clone()
+            .renew_lease(queue_pb::RenewLeaseRequest {
+                batch_id: batch_id.clone(),
+                lease_token: token.clone(),
+                lease_ms: LEASE_MS,
+            })
+            .await;
+        if !matches!(renewed, Ok(ref r) if r.get_ref().renewed) {
+            tracing::warn!("lost the lease of a batch in flight");
+            return;
+        }
+    }
+}

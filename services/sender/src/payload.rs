@@ -1,0 +1,315 @@
+//! The exact provider payloads of the contract's "Provider payloads": APNs headers and body, and the
+//! FCM HTTP v1 message, for alerts, summaries, silent alerts and dismissals.
+
+use orca_push_proto::queue::v1 as pb;
+use serde_json::{Map, Value, json};
+use sha2::{Digest as _, Sha256};
+
+/// What one delivery attempt sends, independent of the provider.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub batch_id: String,
+    pub lease_token: String,
+    pub registration_id: String,
+    pub host_fingerprint: String,
+    pub dismiss: bool,
+    pub attempt: u32,
+    pub deadline_ms: i64,
+    pub collapse_id: String,
+    pub silent: bool,
+    pub content: pb::DeliveryContent,
+    pub member_traceparents: Vec<String>,
+}
+
+impl Job {
+    pub fn from_claim(batch: pb::ClaimedBatch) -> Self {
+        Self {
+            dismiss: batch.kind == pb::Kind::Dismiss as i32,
+            batch_id: batch.batch_id,
+            lease_token: batch.lease_token,
+            registration_id: batch.registration_id,
+            host_fingerprint: batch.host_fingerprint,
+            attempt: batch.attempt,
+            deadline_ms: batch.deadline_ms,
+            collapse_id: batch.collapse_id,
+            silent: batch.silent,
+            content: batch.content.unwrap_or_default(),
+            member_traceparents: batch.member_traceparents,
+        }
+    }
+}
+
+/// The `orca` fields the phone reads, as JSON values (APNs keeps their types).
+fn orca_fields(job: &Job) -> Map<String, Value> {
+    let c = &job.content;
+    let mut orca = Map::new();
+    orca.insert("hostFingerprint".into(), json!(job.host_fingerprint));
+    if let Some(worktree) = &c.worktree_id {
+        orca.insert("worktreeId".into(), json!(worktree));
+    }
+    if let Some(id) = &c.notification_id {
+        orca.insert("notificationId".into(), json!(id));
+    }
+    orca.insert("notificationSeq".into(), json!(c.notification_seq));
+    orca.insert("notificationEpoch".into(), json!(c.notification_epoch));
+    orca.insert("source".into(), json!(c.source));
+    orca.insert("agentState".into(), json!(c.agent_state));
+    orca.insert("coalescedCount".into(), json!(c.coalesced_count));
+    if !c.summary_members.is_empty() {
+        orca.insert("summaryMembers".into(), summary_members(c));
+    }
+    if job.dismiss {
+        orca.insert("kind".into(), json!("dismiss"));
+    }
+    orca
+}
+
+fn summary_members(c: &pb::DeliveryContent) -> Value {
+    Value::Array(
+        c.summary_members
+            .iter()
+            .map(|m| {
+                json!({
+                    "notificationId": m.notification_id,
+                    "notificationEpoch": m.notification_epoch,
+                    "notificationSeq": m.notification_seq,
+                })
+            })
+            .collect(),
+    )
+}
+
+/// An APNs request: path, headers (without authorization) and body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApnsRequest {
+    pub path: String,
+    pub headers: Vec<(&'static str, String)>,
+    pub body: Vec<u8>,
+}
+
+/// The APNs request for `job` to `token`. `apns-expiration` is the event's fixed deadline.
+pub fn apns_request(job: &Job, token: &str, topic: &str) -> ApnsRequest {
+    let expiration = (job.deadline_ms / 1000).max(0).to_string();
+    let mut headers = vec![("apns-topic", topic.to_owned())];
+    let aps = if job.dismiss {
+        headers.push(("apns-push-type", "background".to_owned()));
+        headers.push(("apns-priority", "5".to_owned()));
+        headers.push(("apns-expiration", expiration));
+        json!({ "content-available": 1 })
+    } else {
+        headers.push(("apns-push-type", "alert".to_owned()));
+        headers.push(("apns-priority", "10".to_owned()));
+        headers.push(("apns-expiration", expiration));
+        headers.push(("apns-collapse-id", job.collapse_id.clone()));
+        let mut aps = Map::new();
+        aps.insert(
+            "alert".into(),
+            json!({ "title": job.content.title, "body": job.content.body }),
+        );
+        if !job.silent {
+            aps.insert("sound".into(), json!("default"));
+        }
+        aps.insert("thread-id".into(), json!(job.host_fingerprint));
+        Value::Object(aps)
+    };
+    let body = json!({ "aps": aps, "orca": Value::Object(orca_fields(job)) });
+    ApnsRequest {
+        path: format!("/3/device/{token}"),
+        headers,
+        body: serde_json::to_vec(&body).unwrap_or_default(),
+    }
+}
+
+/// FCM `collapse_key`: the first 32 hex characters of sha256(collapse id).
+pub fn fcm_collapse_key(collapse_id: &str) -> String {
+    let mut key = hex::encode(Sha256::digest(collapse_id.as_bytes()));
+    key.truncate(32);
+    key
+}
+
+/// The FCM HTTP v1 message for `job` to `token`, `now_ms` deciding the remaining lifetime.
+pub fn fcm_message(job: &Job, token: &str, now_ms: i64) -> Value {
+    let remaining_s = ((job.deadline_ms - now_ms).max(0) / 1000).clamp(0, 300);
+    // FCM data values are strings: numbers as text, summaryMembers as a JSON string, null omitted.
+    let data: Map<String, Value> = orca_fields(job)
+        .into_iter()
+        .filter_map(|(k, v)| match v {
+            Value::Null => None,
+            Value::String(s) => Some((k, Value::String(s))),
+            other => Some((k, Value::String(other.to_string()))),
+        })
+        .collect();
+    let mut android = Map::new();
+    android.insert("priority".into(), json!("HIGH"));
+    android.insert("ttl".into(), json!(format!("{remaining_s}s")));
+    let mut message = Map::new();
+    message.insert("token".into(), json!(token));
+    if !job.dismiss {
+        message.insert(
+            "notification".into(),
+            json!({ "title": job.content.title, "body": job.content.body }),
+        );
+        android.insert(
+            "collapse_key".into(),
+            json!(fcm_collapse_key(&job.collapse_id)),
+        );
+        android.insert(
+            "notification".into(),
+            json!({
+                "channel_id": if job.silent { "orca-desktop-silent" } else { "orca-desktop" },
+                "tag": job.collapse_id,
+            }),
+        );
+    }
+    message.insert("android".into(), Value::Object(android));
+    message.insert("data".into(), Value::Object(data));
+    json!({ "message": Value::Object(message) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub fn job(dismiss: bool, silent: bool, members: usize) -> Job {
+        let summary_members = if members > 1 {
+            (0..members)
+                .map(|i| pb::SummaryMember {
+                    notification_id: format!("n-{i}"),
+                    notification_epoch: "e".into(),
+                    notification_seq: i as u64,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Job {
+            batch_id: "b".into(),
+            lease_token: "l".into(),
+            registration_id: "r".into(),
+            host_fingerprint: "D20lU_8MD0R64gLt".into(),
+            dismiss,
+            attempt: 1,
+            deadline_ms: 1_800_000_300_000,
+            collapse_id: "c".repeat(64),
+            silent,
+            content: pb::DeliveryContent {
+                title: "Agent finished".into(),
+                body: "Refactor done".into(),
+                notification_id: Some("n-1".into()),
+                notification_seq: 12,
+                notification_epoch: "e".into(),
+                source: "agent-task-complete".into(),
+                agent_state: Some("finished".into()),
+                worktree_id: Some("wt".into()),
+                coalesced_count: members.max(1) as u32,
+                summary_members,
+            },
+            member_traceparents: Vec::new(),
+        }
+    }
+
+    fn header<'a>(r: &'a ApnsRequest, name: &str) -> Option<&'a str> {
+        r.headers
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn apns_alert_is_exactly_the_contract() {
+        let r = apns_request(&job(false, false, 1), "abcd", "com.stably.orca.mobile");
+        assert_eq!(r.path, "/3/device/abcd");
+        assert_eq!(header(&r, "apns-topic"), Some("com.stably.orca.mobile"));
+        assert_eq!(header(&r, "apns-push-type"), Some("alert"));
+        assert_eq!(header(&r, "apns-priority"), Some("10"));
+        assert_eq!(header(&r, "apns-expiration"), Some("1800000300"));
+        assert_eq!(
+            header(&r, "apns-collapse-id"),
+            Some("c".repeat(64).as_str())
+        );
+        let body: Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(
+            body,
+            json!({
+                "aps": { "alert": { "title": "Agent finished", "body": "Refactor done" }, "sound": "default", "thread-id": "D20lU_8MD0R64gLt" },
+                "orca": {
+                    "hostFingerprint": "D20lU_8MD0R64gLt", "worktreeId": "wt", "notificationId": "n-1",
+                    "notificationSeq": 12, "notificationEpoch": "e", "source": "agent-task-complete",
+                    "agentState": "finished", "coalescedCount": 1
+                }
+            })
+        );
+    }
+
+    #[test]
+    fn apns_silent_summary_and_dismissal() {
+        let r = apns_request(&job(false, true, 3), "abcd", "t");
+        let body: Value = serde_json::from_slice(&r.body).unwrap();
+        assert!(body["aps"].get("sound").is_none());
+        assert_eq!(body["orca"]["coalescedCount"], 3);
+        assert_eq!(
+            body["orca"]["summaryMembers"][2],
+            json!({ "notificationId": "n-2", "notificationEpoch": "e", "notificationSeq": 2 })
+        );
+        let d = apns_request(&job(true, false, 1), "abcd", "t");
+        assert_eq!(header(&d, "apns-push-type"), Some("background"));
+        assert_eq!(header(&d, "apns-priority"), Some("5"));
+        assert_eq!(header(&d, "apns-collapse-id"), None);
+        let body: Value = serde_json::from_slice(&d.body).unwrap();
+        assert_eq!(body["aps"], json!({ "content-available": 1 }));
+        assert_eq!(body["orca"]["kind"], "dismiss");
+    }
+
+    #[test]
+    fn fcm_alert_summary_silent_and_dismissal() {
+        let now = 1_800_000_300_000 - 120_500;
+        let m = fcm_message(&job(false, false, 2), "tok", now);
+        let msg = &m["message"];
+        assert_eq!(msg["token"], "tok");
+        assert_eq!(
+            msg["notification"],
+            json!({ "title": "Agent finished", "body": "Refactor done" })
+        );
+        assert_eq!(msg["android"]["priority"], "HIGH");
+        assert_eq!(msg["android"]["ttl"], "120s");
+        assert_eq!(
+            msg["android"]["collapse_key"],
+            fcm_collapse_key(&"c".repeat(64))
+        );
+        assert_eq!(msg["android"]["collapse_key"].as_str().unwrap().len(), 32);
+        assert_eq!(
+            msg["android"]["notification"],
+            json!({ "channel_id": "orca-desktop", "tag": "c".repeat(64) })
+        );
+        assert_eq!(msg["data"]["notificationSeq"], "12");
+        assert_eq!(msg["data"]["coalescedCount"], "2");
+        let members: Value =
+            serde_json::from_str(msg["data"]["summaryMembers"].as_str().unwrap()).unwrap();
+        assert_eq!(members.as_array().unwrap().len(), 2);
+        assert!(
+            msg["data"]
+                .as_object()
+                .unwrap()
+                .values()
+                .all(Value::is_string)
+        );
+        let silent = fcm_message(&job(false, true, 1), "tok", now);
+        assert_eq!(
+            silent["message"]["android"]["notification"]["channel_id"],
+            "orca-desktop-silent"
+        );
+        let d = fcm_message(&job(true, false, 1), "tok", now);
+        assert!(d["message"].get("notification").is_none());
+        assert!(d["message"]["android"].get("notification").is_none());
+        assert_eq!(d["message"]["data"]["kind"], "dismiss");
+        // The lifetime is capped at 300 s and never negative.
+        assert_eq!(
+            fcm_message(&job(false, false, 1), "t", 0)["message"]["android"]["ttl"],
+            "300s"
+        );
+        assert_eq!(
+            fcm_message(&job(false, false, 1), "t", i64::MAX / 2)["message"]["android"]["ttl"],
+            "0s"
+        );
+    }
+}

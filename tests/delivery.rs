@@ -1,0 +1,508 @@
+//! Delivery end to end: a real gateway delivering to mock APNs (HTTP/2 over TLS, JWT checked) and
+//! mock FCM (OAuth assertion checked), on SQLite and on PostgreSQL where storage matters.
+
+use std::time::Duration;
+
+use orca_push_host::HostKey;
+use orca_push_storage::Pool;
+use orca_push_tests::mock_apns::{Answer, MockApns};
+use orca_push_tests::mock_fcm::{FcmAnswer, MockFcm, fcm_error};
+use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends};
+use serde_json::{Value, json};
+
+const IOS: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90";
+const ANDROID: &str = "fcm-token:APA91bHun4MxP5egoKMwt2KZFBaFUH-1RYqx";
+const WAIT: Duration = Duration::from_secs(20);
+
+struct World {
+    apns: MockApns,
+    fcm: MockFcm,
+    gateway: Gateway,
+    raw: Raw,
+    auth: String,
+}
+
+impl World {
+    async fn start(backend: Backend, coalesce_ms: &str) -> Self {
+        let apns = MockApns::start().await;
+        let fcm = MockFcm::start().await;
+        let mut env = apns.env();
+        env.extend(fcm.env());
+        env.push(("ORCA_PUSH_COALESCE_MS".into(), coalesce_ms.into()));
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let gateway = Gateway::start_with(backend, &env).await;
+        let raw = Raw::new(&gateway);
+        let auth = bearer(&raw.login(&HostKey::from_secret([7u8; 32]), &[]).await);
+        Self {
+            apns,
+            fcm,
+            gateway,
+            raw,
+            auth,
+        }
+    }
+
+    async fn register_ios(&self, device: &str, token: &str) -> String {
+        self.register(json!({ "v": 1, "deviceId": device, "platform": "ios", "token": token, "apnsEnvironment": "production" }))
+            .await
+    }
+
+    async fn register_android(&self, device: &str, token: &str) -> String {
+        self.register(json!({ "v": 1, "deviceId": device, "platform": "android", "token": token }))
+            .await
+    }
+
+    async fn register(&self, body: Value) -> String {
+        let reply = self
+            .raw
+            .post("/v1/devices", &body, &[("authorization", &self.auth)])
+            .await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply.body["registrationId"].as_str().unwrap().to_owned()
+    }
+
+    async fn send(&self, ids: &[&str], notification: Value) -> Vec<String> {
+        let reply = self
+            .raw
+            .post(
+                "/v1/send",
+                &json!({ "v": 1, "registrationIds": ids, "notification": notification }),
+                &[("authorization", &self.auth)],
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply.body["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["status"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// The recipient's status in the queue's records.
+    async fn outcome(&self, registration_id: &str) -> Vec<String> {
+        let sql = "SELECT status FROM push_event_recipients WHERE registration_id = $1 ORDER BY created_at";
+        match orca_push_storage::open(&self.gateway.database, &orca_push_queue::STORAGE)
+            .await
+            .unwrap()
+        {
+            Pool::Sqlite(p) => sqlx::query_scalar(sql)
+                .bind(registration_id)
+                .fetch_all(&p)
+                .await
+                .unwrap(),
+            Pool::Postgres(p) => sqlx::query_scalar(sql)
+                .bind(registration_id)
+                .fetch_all(&p)
+                .await
+                .unwrap(),
+        }
+    }
+
+    async fn wait_outcome(&self, registration_id: &str, status: &str) {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let outcomes = self.outcome(registration_id).await;
+            if outcomes.last().is_some_and(|s| s == status) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "outcome {outcomes:?}, wanted {status}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn alert(seq: u64) -> Value {
+    json!({
+        "notificationId": format!("task-{seq}"), "notificationSeq": seq, "notificationEpoch": "epoch-1",
+        "source": "agent-task-complete", "agentState": "finished",
+        "title": "Agent finished", "body": "Refactor done", "worktreeId": "wt-1",
+    })
+}
+
+on_both_backends!(
+    an_alert_reaches_both_providers_exactly_as_the_contract_says,
+    a_burst_reaches_each_phone_as_one_summary,
+    dead_tokens_of_every_class_are_marked_and_answered_dead,
+);
+
+async fn an_alert_reaches_both_providers_exactly_as_the_contract_says(backend: Backend) {
+    let w = World::start(backend, "0").await;
+    let ios = w.register_ios("iphone", IOS).await;
+    let android = w.register_android("pixel", ANDROID).await;
+    assert_eq!(
+        w.send(&[&ios, &android], alert(1)).await,
+        ["queued", "queued"]
+    );
+
+    let call = w.apns.wait_for(IOS, 1, WAIT).await.remove(0);
+    assert_eq!(call.path, format!("/3/device/{IOS}"));
+    assert_eq!(call.headers["apns-topic"], "com.stably.orca.mobile");
+    assert_eq!(call.headers["apns-push-type"], "alert");
+    assert_eq!(call.headers["apns-priority"], "10");
+    let expiration: u64 = call.headers["apns-expiration"].parse().unwrap();
+    let now_s = orca_push_tests::now_ms() / 1000;
+    assert!(
+        (now_s + 290..=now_s + 300).contains(&expiration),
+        "deadline: five minutes after acceptance"
+    );
+    let collapse = &call.headers["apns-collapse-id"];
+    assert_eq!(collapse.len(), 64);
+    let fingerprint = HostKey::from_secret([7u8; 32]).fingerprint();
+    assert_eq!(
+        call.body,
+        json!({
+            "aps": { "alert": { "title": "Agent finished", "body": "Refactor done" }, "sound": "default", "thread-id": fingerprint },
+            "orca": {
+                "hostFingerprint": fingerprint, "worktreeId": "wt-1", "notificationId": "task-1",
+                "notificationSeq": 1, "notificationEpoch": "epoch-1", "source": "agent-task-complete",
+                "agentState": "finished", "coalescedCount": 1
+            }
+        })
+    );
+    assert_eq!(w.apns.rejected_jwts(), 0);
+
+    let message = w.fcm.wait_for(ANDROID, 1, WAIT).await.remove(0).message;
+    assert_eq!(message["token"], ANDROID);
+    assert_eq!(
+        message["notification"],
+        json!({ "title": "Agent finished", "body": "Refactor done" })
+    );
+    assert_eq!(message["android"]["priority"], "HIGH");
+    let ttl = message["android"]["ttl"]
+        .as_str()
+        .unwrap()
+        .trim_end_matches('s')
+        .parse::<u64>()
+        .unwrap();
+    assert!((290..=300).contains(&ttl), "{ttl}");
+    assert_eq!(
+        message["android"]["notification"],
+        json!({ "channel_id": "orca-desktop", "tag": collapse })
+    );
+    assert_eq!(
+        message["android"]["collapse_key"].as_str().unwrap().len(),
+        32
+    );
+    assert_eq!(
+        message["data"],
+        json!({
+            "hostFingerprint": fingerprint, "worktreeId": "wt-1", "notificationId": "task-1",
+            "notificationSeq": "1", "notificationEpoch": "epoch-1", "source": "agent-task-complete",
+            "agentState": "finished", "coalescedCount": "1"
+        })
+    );
+    w.wait_outcome(&ios, "sent").await;
+    w.wait_outcome(&android, "sent").await;
+}
+
+async fn a_burst_reaches_each_phone_as_one_summary(backend: Backend) {
+    let w = World::start(backend, "700").await;
+    let ios = w.register_ios("iphone", IOS).await;
+    let android = w.register_android("pixel", ANDROID).await;
+    for seq in 1..=3 {
+        let mut n = alert(seq);
+        if seq == 2 {
+            n["agentState"] = json!("needs-input");
+        }
+        w.send(&[&ios, &android], n).await;
+    }
+    let call = w.apns.wait_for(IOS, 1, WAIT).await.remove(0);
+    assert_eq!(
+        call.body["aps"]["alert"],
+        json!({ "title": "Orca", "body": "3 agents need attention" })
+    );
+    assert_eq!(call.body["orca"]["coalescedCount"], 3);
+    assert_eq!(
+        call.body["orca"]["notificationSeq"], 3,
+        "the latest event's routing fields"
+    );
+    assert_eq!(
+        call.body["orca"]["summaryMembers"],
+        json!([
+            { "notificationId": "task-1", "notificationEpoch": "epoch-1", "notificationSeq": 1 },
+            { "notificationId": "task-2", "notificationEpoch": "epoch-1", "notificationSeq": 2 },
+            { "notificationId": "task-3", "notificationEpoch": "epoch-1", "notificationSeq": 3 },
+        ])
+    );
+    let message = w.fcm.wait_for(ANDROID, 1, WAIT).await.remove(0).message;
+    assert_eq!(message["data"]["coalescedCount"], "3");
+    let members: Value =
+        serde_json::from_str(message["data"]["summaryMembers"].as_str().unwrap()).unwrap();
+    assert_eq!(members, call.body["orca"]["summaryMembers"]);
+    assert_eq!(
+        message["android"]["notification"]["tag"],
+        call.headers["apns-collapse-id"].as_str()
+    );
+    // One provider request per phone for the whole burst.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(w.apns.calls_for(IOS).len(), 1);
+    assert_eq!(w.fcm.calls_for(ANDROID).len(), 1);
+}
+
+async fn dead_tokens_of_every_class_are_marked_and_answered_dead(backend: Backend) {
+    let w = World::start(backend, "0").await;
+    let apns_cases = [
+        (Answer::status(410, Some("Unregistered")), "aa01"),
+        (Answer::status(400, Some("BadDeviceToken")), "aa02"),
+        (Answer::status(400, Some("Unregistered")), "aa03"),
+        (Answer::status(400, Some("DeviceTokenNotForTopic")), "aa04"),
+    ];
+    let mut ids = Vec::new();
+    for (i, (answer, token)) in apns_cases.into_iter().enumerate() {
+        w.apns.script(token, vec![answer]);
+        ids.push(w.register_ios(&format!("ios-{i}"), token).await);
+    }
+    let fcm_cases = [
+        (
+            fcm_error(
+                404,
+                "NOT_FOUND",
+                "UNREGISTERED",
+                "Requested entity was not found.",
+            ),
+            "f".repeat(40),
+        ),
+        (
+            fcm_error(
+                400,
+                "INVALID_ARGUMENT",
+                "INVALID_ARGUMENT",
+                "The registration token is not a valid FCM registration token",
+            ),
+            "g".repeat(40),
+        ),
+    ];
+    for (i, (answer, token)) in fcm_cases.into_iter().enumerate() {
+        w.fcm.script(&token, vec![answer]);
+        ids.push(w.register_android(&format!("android-{i}"), &token).await);
+    }
+    let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    assert!(
+        w.send(&id_refs, alert(1))
+            .await
+            .iter()
+            .all(|s| s == "queued")
+    );
+    for id in &ids {
+        w.wait_outcome(id, "dead").await;
+    }
+    // The next send to any of them answers `dead`, and the host sees it.
+    assert!(w.send(&id_refs, alert(2)).await.iter().all(|s| s == "dead"));
+    let devices = w
+        .raw
+        .get("/v1/devices", &[("authorization", &w.auth)])
+        .await;
+    assert!(
+        devices.body["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["dead"] == true)
+    );
+    // A token replaced after the send stays alive: re-registering revives the registration.
+    w.register_ios("ios-0", "bb01").await;
+    assert_eq!(w.send(&[&ids[0]], alert(3)).await, ["queued"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_alerts_and_dismissals_use_their_own_shapes() {
+    let w = World::start(Backend::Sqlite, "0").await;
+    let ios = w.register_ios("iphone", IOS).await;
+    let android = w.register_android("pixel", ANDROID).await;
+    let mut silent = alert(1);
+    silent["sound"] = json!(false);
+    w.send(&[&ios, &android], silent).await;
+    let call = w.apns.wait_for(IOS, 1, WAIT).await.remove(0);
+    assert!(call.body["aps"].get("sound").is_none());
+    assert_eq!(call.body["aps"]["alert"]["title"], "Agent finished");
+    let message = w.fcm.wait_for(ANDROID, 1, WAIT).await.remove(0).message;
+    assert_eq!(
+        message["android"]["notification"]["channel_id"],
+        "orca-desktop-silent"
+    );
+
+    let mut dismissal = alert(2);
+    dismissal["kind"] = json!("dismiss");
+    dismissal["notificationId"] = json!("task-1");
+    w.send(&[&ios, &android], dismissal).await;
+    let call = w.apns.wait_for(IOS, 2, WAIT).await.remove(1);
+    assert_eq!(call.headers["apns-push-type"], "background");
+    assert_eq!(call.headers["apns-priority"], "5");
+    assert!(!call.headers.contains_key("apns-collapse-id"));
+    assert_eq!(call.body["aps"], json!({ "content-available": 1 }));
+    assert_eq!(call.body["orca"]["kind"], "dismiss");
+    assert_eq!(call.body["orca"]["notificationId"], "task-1");
+    let message = w.fcm.wait_for(ANDROID, 2, WAIT).await.remove(1).message;
+    assert!(message.get("notification").is_none());
+    assert!(message["android"].get("notification").is_none());
+    assert_eq!(message["data"]["kind"], "dismiss");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_honoured_and_never_shortened() {
+    let w = World::start(Backend::Sqlite, "0").await;
+    let ios = w.register_ios("iphone", IOS).await;
+    w.apns.script(
+        IOS,
+        vec![Answer {
+            status: 429,
+            retry_after: Some(3),
+            reason: Some("TooManyRequests"),
+        }],
+    );
+    w.send(&[&ios], alert(1)).await;
+    let calls = w.apns.wait_for(IOS, 2, WAIT).await;
+    let gap = calls[1].at - calls[0].at;
+    assert!(gap >= Duration::from_millis(2900), "{gap:?}");
+    w.wait_outcome(&ios, "sent").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_are_retried_with_backoff_then_capped() {
+    let w = World::start(Backend::Sqlite, "0").await;
+    let ios = w.register_ios("iphone", IOS).await;
+    w.apns
+        .always(IOS, Answer::status(500, Some("InternalServerError")));
+    w.send(&[&ios], alert(1)).await;
+    let calls = w.apns.wait_for(IOS, 5, Duration::from_secs(40)).await;
+    // Backoff doubles: 1 s, 2 s, 4 s, 8 s between the five attempts.
+    for (i, pair) in calls.windows(2).enumerate() {
+        let gap = pair[1].at - pair[0].at;
+        assert!(
+            gap >= Duration::from_millis((1000 << i) - 100),
+            "attempt {}: {gap:?}",
+            i + 2
+        );
+    }
+    w.wait_outcome(&ios, "failed").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(w.apns.calls_for(IOS).len(), 5, "attempts are capped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_that_would_pass_its_deadline_expires_instead() {
+    let w = World::start(Backend::Sqlite, "0").await;
+    let ios = w.register_ios("iphone", IOS).await;
+    w.apns.script(
+        IOS,
+        vec![Answer {
+            status: 429,
+            retry_after: Some(10),
+            reason: Some("TooManyRequests"),
+        }],
+    );
+    let mut short = alert(1);
+    short["expiresAt"] = json!(orca_push_tests::now_ms() + 3_000);
+    w.send(&[&ios], short).await;
+    w.wait_outcome(&ios, "expired").await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(w.apns.calls_for(IOS).len(), 1, "no late send");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_tokens_are_reused_across_sends() {
+    let w = World::start(Backend::Sqlite, "0").await;
+    let ios = w.register_ios("iphone", IOS).await;
+    let android = w.register_android("pixel", ANDROID).await;
+    for seq in 0..5 {
+        w.send(&[&ios, &android], alert(seq)).await;
+    }
+    let calls = w.apns.wait_for(IOS, 5, WAIT).await;
+    assert!(
+        calls.iter().all(|c| c.jwt == calls[0].jwt),
+        "one ES256 token for every send"
+    );
+    w.fcm.wait_for(ANDROID, 5, WAIT).await;
+    assert_eq!(w.fcm.token_requests(), 1, "one OAuth token for every send");
+    assert_eq!(w.fcm.rejected_assertions(), 0);
+    assert_eq!(w.apns.connections(), 1, "one long-lived HTTP/2 connection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unconfigured_provider_fails_its_deliveries_and_not_the_others() {
+    let fcm = MockFcm::start().await;
+    let env: Vec<(String, String)> = fcm.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let gateway = Gateway::start_with(Backend::Sqlite, &env).await;
+    let raw = Raw::new(&gateway);
+    let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
+    let h = [("authorization", auth.as_str())];
+    let ios = raw
+        .post("/v1/devices", &json!({ "v": 1, "deviceId": "i", "platform": "ios", "token": IOS, "apnsEnvironment": "sandbox" }), &h)
+        .await
+        .body["registrationId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let android = raw
+        .post(
+            "/v1/devices",
+            &json!({ "v": 1, "deviceId": "a", "platform": "android", "token": ANDROID }),
+            &h,
+        )
+        .await
+        .body["registrationId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    raw.post(
+        "/v1/send",
+        &json!({ "v": 1, "registrationIds": [ios, android], "notification": alert(1) }),
+        &h,
+    )
+    .await;
+    fcm.wait_for(ANDROID, 1, WAIT).await;
+    let sql = "SELECT status FROM push_event_recipients WHERE registration_id = $1";
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let status: Option<String> =
+            match orca_push_storage::open(&gateway.database, &orca_push_queue::STORAGE)
+                .await
+                .unwrap()
+            {
+                Pool::Sqlite(p) => sqlx::query_scalar(sql)
+                    .bind(&ios)
+                    .fetch_optional(&p)
+                    .await
+                    .unwrap(),
+                Pool::Postgres(p) => sqlx::query_scalar(sql)
+                    .bind(&ios)
+                    .fetch_optional(&p)
+                    .await
+                    .unwrap(),
+            };
+        if status.as_deref() == Some("failed") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gateway.logs().contains("APNs is not configured"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fcm_retries_a_quota_refusal_no_sooner_than_a_minute() {
+    let w = World::start(Backend::Sqlite, "0").await;
+    let android = w.register_android("pixel", ANDROID).await;
+    w.fcm.script(
+        ANDROID,
+        vec![FcmAnswer {
+            status: 429,
+            body: json!({}),
+            retry_after: Some(1),
+        }],
+    );
+    w.send(&[&android], alert(1)).await;
+    w.fcm.wait_for(ANDROID, 1, WAIT).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        w.fcm.calls_for(ANDROID).len(),
+        1,
+        "Retry-After 1 s is raised to FCM's one-minute minimum"
+    );
+    assert_eq!(w.outcome(&android).await, ["pending"]);
+}

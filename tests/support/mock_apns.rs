@@ -1,0 +1,309 @@
+//! A mock APNs: HTTP/2 over TLS (its own CA), checking every provider token's ES256 signature with
+//! the public key, recording each request, answering what the test scripts per device token.
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+
+pub const TEAM_ID: &str = "TEAM123456";
+pub const KEY_ID: &str = "KEYID12345";
+
+/// One request as APNs received it.
+#[derive(Debug, Clone)]
+pub struct ApnsCall {
+    pub path: String,
+    pub token: String,
+    pub headers: HashMap<String, String>,
+    pub body: Value,
+    pub jwt: String,
+    pub at: Instant,
+}
+
+/// A scripted answer: status, optional Retry-After, reason.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub retry_after: Option<u64>,
+    pub reason: Option<&'static str>,
+}
+
+impl Answer {
+    pub fn status(status: u16, reason: Option<&'static str>) -> Self {
+        Self {
+            status,
+            retry_after: None,
+            reason,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    calls: Vec<ApnsCall>,
+    scripts: HashMap<String, VecDeque<Answer>>,
+    always: HashMap<String, Answer>,
+    rejected_jwts: usize,
+    connections: usize,
+    completed: usize,
+}
+
+pub struct MockApns {
+    pub url: String,
+    /// PEM of the CA the gateway must trust (ORCA_PUSH_CA_FILE).
+    pub ca_file: tempfile::NamedTempFile,
+    /// The .p8-style PKCS#8 PEM the gateway signs with (ORCA_PUSH_APNS_KEY).
+    pub key_pem: String,
+    state: Arc<Mutex<State>>,
+    latency: Arc<Mutex<Duration>>,
+}
+
+impl MockApns {
+    pub async fn start() -> Self {
+        let certified =
+            rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()])
+                .expect("self-signed certificate");
+        let mut ca_file = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut ca_file, certified.cert.pem().as_bytes()).unwrap();
+        let signing = rcgen::KeyPair::generate().expect("P-256 key");
+        let key_pem = signing.serialize_pem();
+        let verify_key =
+            jsonwebtoken::DecodingKey::from_ec_pem(signing.public_key_pem().as_bytes()).unwrap();
+
+        let cert_der = certified.cert.der().clone();
+        let key_der: rustls::pki_types::PrivateKeyDer<'static> = certified.signing_key.into();
+        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert_der], key_der)
+        .unwrap();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = Arc::new(Mutex::new(State::default()));
+        let latency = Arc::new(Mutex::new(Duration::ZERO));
+        let verify_key = Arc::new(verify_key);
+        {
+            let state = state.clone();
+            let latency = latency.clone();
+            tokio::spawn(async move {
+                while let Ok((tcp, _)) = listener.accept().await {
+                    let acceptor = acceptor.clone();
+                    let state = state.clone();
+                    let latency = latency.clone();
+                    let verify_key = verify_key.clone();
+                    tokio::spawn(async move {
+                        let Ok(tls) = acceptor.accept(tcp).await else {
+                            return;
+                        };
+                        state.lock().unwrap().connections += 1;
+                        let service = service_fn(move |request| {
+                            let state = state.clone();
+                            let latency = latency.clone();
+                            let verify_key = verify_key.clone();
+                            async move {
+                                Ok::<_, Infallible>(
+                                    handle(request, &state, &latency, &verify_key).await,
+                                )
+                            }
+                        });
+                        let mut builder =
+                            hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+                        builder.max_concurrent_streams(1000);
+                        let _ = builder.serve_connection(TokioIo::new(tls), service).await;
+                    });
+                }
+            });
+        }
+        Self {
+            url: format!("https://localhost:{port}"),
+            ca_file,
+            key_pem,
+            state,
+            latency,
+        }
+    }
+
+    /// Environment for a gateway that delivers here.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("ORCA_PUSH_APNS_URL".into(), self.url.clone()),
+            (
+                "ORCA_PUSH_CA_FILE".into(),
+                self.ca_file.path().display().to_string(),
+            ),
+            ("ORCA_PUSH_APNS_KEY".into(), self.key_pem.clone()),
+            ("ORCA_PUSH_APNS_KEY_ID".into(), KEY_ID.into()),
+            ("ORCA_PUSH_APPLE_TEAM_ID".into(), TEAM_ID.into()),
+        ]
+    }
+
+    /// The next answers for `token`, in order; then 200.
+    pub fn script(&self, token: &str, answers: Vec<Answer>) {
+        self.state
+            .lock()
+            .unwrap()
+            .scripts
+            .insert(token.to_owned(), answers.into());
+    }
+
+    /// The answer for `token`, every time.
+    pub fn always(&self, token: &str, answer: Answer) {
+        self.state
+            .lock()
+            .unwrap()
+            .always
+            .insert(token.to_owned(), answer);
+    }
+
+    pub fn set_latency(&self, latency: Duration) {
+        *self.latency.lock().unwrap() = latency;
+    }
+
+    pub fn calls(&self) -> Vec<ApnsCall> {
+        self.state.lock().unwrap().calls.clone()
+    }
+
+    pub fn calls_for(&self, token: &str) -> Vec<ApnsCall> {
+        self.calls()
+            .into_iter()
+            .filter(|c| c.token == token)
+            .collect()
+    }
+
+    pub fn rejected_jwts(&self) -> usize {
+        self.state.lock().unwrap().rejected_jwts
+    }
+
+    pub fn connections(&self) -> usize {
+        self.state.lock().unwrap().connections
+    }
+
+    /// Requests answered (their response sent) so far.
+    pub fn completed(&self) -> usize {
+        self.state.lock().unwrap().completed
+    }
+
+    /// Waits until `n` requests for `token` arrived, or panics after `within`.
+    pub async fn wait_for(&self, token: &str, n: usize, within: Duration) -> Vec<ApnsCall> {
+        let deadline = Instant::now() + within;
+        loop {
+            let calls = self.calls_for(token);
+            if calls.len() >= n {
+                return calls;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "APNs got {} of {n} requests for the token",
+                calls.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Claims {
+    #[allow(dead_code)]
+    iss: String,
+    iat: u64,
+}
+
+fn reply(status: u16, retry_after: Option<u64>, reason: Option<&str>) -> Response<Full<Bytes>> {
+    let mut builder = Response::builder()
+        .status(status)
+        .header("apns-id", "00000000-0000-0000-0000-000000000001");
+    if let Some(seconds) = retry_after {
+        builder = builder.header("retry-after", seconds.to_string());
+    }
+    let body = reason
+        .map(|r| format!(r#"{{"reason":"{r}"}}"#))
+        .unwrap_or_default();
+    builder.body(Full::new(Bytes::from(body))).unwrap()
+}
+
+async fn handle(
+    request: Request<Incoming>,
+    state: &Mutex<State>,
+    latency: &Mutex<Duration>,
+    verify_key: &jsonwebtoken::DecodingKey,
+) -> Response<Full<Bytes>> {
+    let (parts, body) = request.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let jwt = parts
+        .headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("bearer "))
+        .unwrap_or("")
+        .to_owned();
+    // The provider token: ES256, kid and team id as configured, iat recent.
+    let mut validation = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::ES256);
+    validation.required_spec_claims.clear();
+    validation.validate_exp = false;
+    validation.set_issuer(&[TEAM_ID]);
+    let valid = jsonwebtoken::decode::<Claims>(&jwt, verify_key, &validation).is_ok_and(|data| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        data.claims.iat <= now + 60 && now - data.claims.iat < 3600
+    }) && jsonwebtoken::decode_header(&jwt)
+        .is_ok_and(|h| h.kid.as_deref() == Some(KEY_ID));
+    if !valid {
+        state.lock().unwrap().rejected_jwts += 1;
+        return reply(403, None, Some("InvalidProviderToken"));
+    }
+    let token = parts
+        .uri
+        .path()
+        .strip_prefix("/3/device/")
+        .unwrap_or("")
+        .to_owned();
+    let headers = parts
+        .headers
+        .iter()
+        .filter(|(k, _)| k.as_str().starts_with("apns-"))
+        .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap_or("").to_owned()))
+        .collect();
+    let answer = {
+        let mut s = state.lock().unwrap();
+        s.calls.push(ApnsCall {
+            path: parts.uri.path().to_owned(),
+            token: token.clone(),
+            headers,
+            body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+            jwt,
+            at: Instant::now(),
+        });
+        s.scripts
+            .get_mut(&token)
+            .and_then(VecDeque::pop_front)
+            .or_else(|| s.always.get(&token).cloned())
+    };
+    let delay = *latency.lock().unwrap();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    state.lock().unwrap().completed += 1;
+    match answer {
+        Some(a) => reply(a.status, a.retry_after, a.reason),
+        None => reply(200, None, None),
+    }
+}

@@ -1,0 +1,273 @@
+//! A mock FCM: an OAuth token endpoint that verifies the service account's RS256 assertion with
+//! its public key, and `messages:send`, recording each message and answering per device token.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Form, Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde_json::{Value, json};
+
+pub const PROJECT: &str = "onorca-cloud";
+const SERVICE_ACCOUNT_KEY: &str = include_str!("../fixtures/service-account-key.pem");
+const SERVICE_ACCOUNT_PUBLIC: &str = include_str!("../fixtures/service-account-public.pem");
+pub const CLIENT_EMAIL: &str = "orca-cloud-push@onorca-cloud.iam.gserviceaccount.com";
+
+#[derive(Debug, Clone)]
+pub struct FcmCall {
+    pub token: String,
+    pub message: Value,
+    pub validate_only: bool,
+    pub at: Instant,
+}
+
+#[derive(Debug, Clone)]
+pub struct FcmAnswer {
+    pub status: u16,
+    pub body: Value,
+    pub retry_after: Option<u64>,
+}
+
+#[derive(Default)]
+struct Inner {
+    calls: Vec<FcmCall>,
+    token_requests: usize,
+    rejected_assertions: usize,
+    issued: Vec<String>,
+    scripts: HashMap<String, VecDeque<FcmAnswer>>,
+}
+
+#[derive(Clone)]
+struct Shared {
+    inner: Arc<Mutex<Inner>>,
+    token_uri: Arc<str>,
+}
+
+pub struct MockFcm {
+    pub url: String,
+    pub credentials: tempfile::NamedTempFile,
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl MockFcm {
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+        let token_uri = format!("{url}/token");
+        let inner = Arc::new(Mutex::new(Inner::default()));
+        let shared = Shared {
+            inner: inner.clone(),
+            token_uri: token_uri.clone().into(),
+        };
+        let app = axum::Router::new()
+            .route("/token", post(token))
+            .route("/v1/projects/{project}/messages:send", post(send))
+            .with_state(shared);
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        let mut credentials = tempfile::NamedTempFile::new().unwrap();
+        let json = json!({
+            "type": "service_account",
+            "project_id": PROJECT,
+            "private_key_id": "test-key",
+            "private_key": SERVICE_ACCOUNT_KEY,
+            "client_email": CLIENT_EMAIL,
+            "client_id": "1",
+            "auth_uri": "https://accounts.google.com/o/oauth2/auth",
+            "token_uri": token_uri,
+        });
+        std::io::Write::write_all(&mut credentials, json.to_string().as_bytes()).unwrap();
+        Self {
+            url,
+            credentials,
+            inner,
+        }
+    }
+
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("ORCA_PUSH_FCM_URL".into(), self.url.clone()),
+            (
+                "GOOGLE_APPLICATION_CREDENTIALS".into(),
+                self.credentials.path().display().to_string(),
+            ),
+        ]
+    }
+
+    pub fn script(&self, token: &str, answers: Vec<FcmAnswer>) {
+        self.inner
+            .lock()
+            .unwrap()
+            .scripts
+            .insert(token.to_owned(), answers.into());
+    }
+
+    pub fn calls_for(&self, token: &str) -> Vec<FcmCall> {
+        self.inner
+            .lock()
+            .unwrap()
+            .calls
+            .iter()
+            .filter(|c| c.token == token)
+            .cloned()
+            .collect()
+    }
+
+    pub fn token_requests(&self) -> usize {
+        self.inner.lock().unwrap().token_requests
+    }
+
+    pub fn rejected_assertions(&self) -> usize {
+        self.inner.lock().unwrap().rejected_assertions
+    }
+
+    pub async fn wait_for(&self, token: &str, n: usize, within: Duration) -> Vec<FcmCall> {
+        let deadline = Instant::now() + within;
+        loop {
+            let calls = self.calls_for(token);
+            if calls.len() >= n {
+                return calls;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "FCM got {} of {n} messages for the token",
+                calls.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// An FCM error body with the given status and errorCode.
+pub fn fcm_error(code: u16, status: &str, error_code: &str, message: &str) -> FcmAnswer {
+    FcmAnswer {
+        status: code,
+        retry_after: None,
+        body: json!({ "error": { "code": code, "message": message, "status": status,
+            "details": [{ "@type": "type.googleapis.com/google.firebase.fcm.v1.FcmError", "errorCode": error_code }] } }),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct TokenForm {
+    grant_type: String,
+    assertion: String,
+}
+
+#[derive(serde::Deserialize)]
+struct Assertion {
+    iss: String,
+    aud: String,
+    scope: String,
+    exp: i64,
+}
+
+/// Verifies the RS256 assertion over its segments exactly as sent: Google accepts padded base64url
+/// segments (yup-oauth2 sends them), which jsonwebtoken's `decode` refuses.
+fn verify_assertion(assertion: &str, token_uri: &str) -> bool {
+    use base64::Engine as _;
+    let parts: Vec<&str> = assertion.split('.').collect();
+    let [header, payload, signature] = parts[..] else {
+        return false;
+    };
+    let key = jsonwebtoken::DecodingKey::from_rsa_pem(SERVICE_ACCOUNT_PUBLIC.as_bytes()).unwrap();
+    let signing_input = format!("{header}.{payload}");
+    let signed = jsonwebtoken::crypto::verify(
+        signature.trim_end_matches('='),
+        signing_input.as_bytes(),
+        &key,
+        jsonwebtoken::Algorithm::RS256,
+    )
+    .unwrap_or(false);
+    let lenient = base64::engine::GeneralPurpose::new(
+        &base64::alphabet::URL_SAFE,
+        base64::engine::GeneralPurposeConfig::new()
+            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+    );
+    let Some(claims) = lenient
+        .decode(payload)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Assertion>(&b).ok())
+    else {
+        return false;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    signed
+        && claims.iss == CLIENT_EMAIL
+        && claims.aud == token_uri
+        && claims.scope.contains("firebase.messaging")
+        && claims.exp > now
+}
+
+async fn token(State(shared): State<Shared>, Form(form): Form<TokenForm>) -> Response {
+    let ok = form.grant_type == "urn:ietf:params:oauth:grant-type:jwt-bearer"
+        && verify_assertion(&form.assertion, &shared.token_uri);
+    let mut inner = shared.inner.lock().unwrap();
+    inner.token_requests += 1;
+    if !ok {
+        inner.rejected_assertions += 1;
+        return (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({ "error": "invalid_grant" })),
+        )
+            .into_response();
+    }
+    let access = format!("mock-access-{}", inner.issued.len());
+    inner.issued.push(access.clone());
+    axum::Json(json!({ "access_token": access, "expires_in": 3600, "token_type": "Bearer" }))
+        .into_response()
+}
+
+async fn send(
+    State(shared): State<Shared>,
+    Path(project): Path<String>,
+    headers: HeaderMap,
+    axum::Json(body): axum::Json<Value>,
+) -> Response {
+    let bearer = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+        .to_owned();
+    let mut inner = shared.inner.lock().unwrap();
+    if project != PROJECT || !inner.issued.contains(&bearer) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            axum::Json(json!({ "error": { "code": 401, "status": "UNAUTHENTICATED" } })),
+        )
+            .into_response();
+    }
+    let token = body["message"]["token"].as_str().unwrap_or("").to_owned();
+    inner.calls.push(FcmCall {
+        token: token.clone(),
+        validate_only: body["validate_only"] == Value::Bool(true),
+        message: body["message"].clone(),
+        at: Instant::now(),
+    });
+    match inner.scripts.get_mut(&token).and_then(VecDeque::pop_front) {
+        Some(answer) => {
+            let mut response = (
+                StatusCode::from_u16(answer.status).unwrap(),
+                axum::Json(answer.body),
+            )
+                .into_response();
+            if let Some(s) = answer.retry_after {
+                response
+                    .headers_mut()
+                    .insert("retry-after", s.to_string().parse().unwrap());
+            }
+            response
+        }
+        None => {
+            axum::Json(json!({ "name": format!("projects/{PROJECT}/messages/1") })).into_response()
+        }
+    }
+}
