@@ -506,3 +506,112 @@ async fn fcm_retries_a_quota_refusal_no_sooner_than_a_minute() {
     );
     assert_eq!(w.outcome(&android).await, ["pending"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fcm_tokens_come_from_the_metadata_server_without_a_service_account() {
+    let fcm = MockFcm::start().await;
+    let env = fcm.metadata_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let gateway = Gateway::start_with(Backend::Sqlite, &env).await;
+    let raw = Raw::new(&gateway);
+    let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
+    let h = [("authorization", auth.as_str())];
+    let id = raw
+        .post(
+            "/v1/devices",
+            &json!({ "v": 1, "deviceId": "a", "platform": "android", "token": ANDROID }),
+            &h,
+        )
+        .await
+        .body["registrationId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    raw.post(
+        "/v1/send",
+        &json!({ "v": 1, "registrationIds": [id], "notification": alert(1) }),
+        &h,
+    )
+    .await;
+    fcm.wait_for(ANDROID, 1, WAIT).await;
+    assert_eq!(fcm.metadata_requests(), 1);
+    assert_eq!(fcm.token_requests(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fcm_probe_is_a_validate_only_send() {
+    let fcm = MockFcm::start().await;
+    let output = tokio::process::Command::new(orca_push_tests::binary())
+        .args(["probe-fcm", "--token", ANDROID])
+        .envs(fcm.env())
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stdout).contains("fcm: ok"));
+    let calls = fcm.validate_only_calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].token, ANDROID);
+    // Credentials FCM refuses make the probe fail.
+    let broken = MockFcm::start().await;
+    let mut env = broken.env();
+    env.retain(|(k, _)| k != "ORCA_PUSH_FCM_URL");
+    env.push(("ORCA_PUSH_FCM_URL".into(), "http://127.0.0.1:9".into()));
+    let output = tokio::process::Command::new(orca_push_tests::binary())
+        .args(["probe-fcm", "--token", ANDROID])
+        .envs(env)
+        .env("RUST_LOG", "off")
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apns_opens_another_connection_only_when_the_open_ones_are_saturated() {
+    use orca_push_sender::apns::ApnsPool;
+    let apns = MockApns::start().await;
+    apns.set_latency(Duration::from_millis(300));
+    let roots = orca_push_sender::tls::root_store(Some(apns.ca_file.path())).unwrap();
+    let tls = orca_push_sender::tls::h2_client_config(roots).unwrap();
+    let pool = std::sync::Arc::new(ApnsPool::new(&apns.url, tls, 4).unwrap());
+    let token = orca_push_sender::apns::ProviderToken::new(
+        &apns.key_pem,
+        orca_push_tests::mock_apns::KEY_ID,
+        orca_push_tests::mock_apns::TEAM_ID,
+    )
+    .unwrap();
+    let bearer = token.bearer(false).unwrap();
+    let request = orca_push_sender::payload::ApnsRequest {
+        path: "/3/device/abcd".into(),
+        headers: vec![("apns-topic", "t".into())],
+        body: b"{}".to_vec(),
+    };
+    // Four at once fit one connection.
+    let four = (0..4).map(|_| pool.send(&request, &bearer));
+    assert!(
+        futures::future::join_all(four)
+            .await
+            .iter()
+            .all(|r| matches!(r, Ok((200, _, _))))
+    );
+    assert_eq!(apns.connections(), 1);
+    // Ten at once saturate it: more connections open, and are kept for later.
+    let ten = (0..10).map(|_| pool.send(&request, &bearer));
+    assert!(
+        futures::future::join_all(ten)
+            .await
+            .iter()
+            .all(|r| matches!(r, Ok((200, _, _))))
+    );
+    assert_eq!(apns.connections(), 3);
+    assert_eq!(pool.connection_count().await, 3);
+    let again = (0..4).map(|_| pool.send(&request, &bearer));
+    futures::future::join_all(again).await;
+    assert_eq!(
+        apns.connections(),
+        3,
+        "no new connection while open ones have room"
+    );
+}

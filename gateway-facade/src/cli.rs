@@ -36,6 +36,13 @@ enum Command {
     },
     /// Apply every service's database migrations, then exit.
     Migrate,
+    /// Deployment check: an FCM `validate_only` send with the configured credentials. Exits 0 when
+    /// FCM accepted the credentials (the token itself may be unknown to it).
+    ProbeFcm {
+        /// An FCM registration token to validate against (any well-formed one).
+        #[arg(long)]
+        token: String,
+    },
     /// The desktop host's side: keys, login, and (as they land) devices and sends.
     Host {
         #[command(subcommand)]
@@ -124,6 +131,28 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let _telemetry = init_telemetry("orca-push-migrate")?;
             topology::migrate(&config).await?;
             tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::ProbeFcm { token } => {
+            let config = Config::from_env()?;
+            let _telemetry = init_telemetry("orca-push-probe")?;
+            let providers = orca_push_sender::Providers::new(&config.providers)
+                .await
+                .context("providers")?;
+            let verdict = providers
+                .probe_fcm(&token)
+                .await
+                .ok_or_else(|| anyhow::anyhow!("FCM is not configured"))?;
+            use orca_push_sender::verdict::Verdict;
+            match verdict {
+                Verdict::Sent => println!("fcm: ok (validate_only accepted)"),
+                Verdict::Dead(reason) => {
+                    println!("fcm: ok (credentials accepted; probe token refused: {reason})")
+                }
+                Verdict::Retry { reason, .. } | Verdict::Failed(reason) => {
+                    anyhow::bail!("fcm probe failed: {reason}")
+                }
+            }
             Ok(())
         }
         Command::Host { command } => host(command).await,

@@ -106,6 +106,8 @@ pub struct Config {
     /// Listen address of a split-mode gRPC service, if set.
     pub grpc_addr: Option<SocketAddr>,
     pub providers: ProviderSettings,
+    /// Sender lease on a batch (ours: `ORCA_PUSH_LEASE_MS`).
+    pub lease_ms: u32,
 }
 
 impl Config {
@@ -197,6 +199,14 @@ impl Config {
             })
             .transpose()?;
         let providers = provider_settings(&get)?;
+        let lease_ms = match get("ORCA_PUSH_LEASE_MS") {
+            Some(v) => v
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1_000..=300_000).contains(n))
+                .ok_or_else(|| invalid("ORCA_PUSH_LEASE_MS", "must be milliseconds 1000-300000"))?,
+            None => orca_push_sender::lane::DEFAULT_LEASE_MS,
+        };
         Ok(Self {
             port,
             public_url,
@@ -207,6 +217,7 @@ impl Config {
             service_urls,
             grpc_addr,
             providers,
+            lease_ms,
         })
     }
 

@@ -90,6 +90,7 @@ pub async fn serve_all_in_one(
         registry_url.clone(),
         clock.clone(),
         instance_name("sender"),
+        config.lease_ms,
         drain.clone(),
         stop.clone(),
     ));
@@ -208,6 +209,7 @@ pub async fn serve_split(
                 config.require_url(ServiceName::Registry)?,
                 Arc::new(SystemClock),
                 instance_name("sender"),
+                config.lease_ms,
                 drain,
                 stop,
             )

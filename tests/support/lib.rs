@@ -58,11 +58,21 @@ async fn fresh_database(backend: Backend, data_dir: &std::path::Path) -> Databas
     }
 }
 
-/// One `orca-push` process and its log.
+/// One `orca-push` process, its log, and how to start it again.
 pub struct Process {
     child: tokio::process::Child,
     pub port: u16,
     logs: Arc<Mutex<Vec<String>>>,
+    recipe: Recipe,
+}
+
+#[derive(Clone)]
+struct Recipe {
+    args: Vec<String>,
+    database: DatabaseConfig,
+    data_dir: std::path::PathBuf,
+    env: Vec<(String, String)>,
+    marker: &'static str,
 }
 
 impl Process {
@@ -74,6 +84,27 @@ impl Process {
         env: &[(&str, &str)],
         marker: &'static str,
     ) -> Self {
+        let recipe = Recipe {
+            args: args.iter().map(|a| a.to_string()).collect(),
+            database: database.clone(),
+            data_dir: data_dir.to_owned(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            marker,
+        };
+        Self::spawn_recipe(recipe).await
+    }
+
+    async fn spawn_recipe(recipe: Recipe) -> Self {
+        let (args, database, data_dir, env, marker) = (
+            &recipe.args,
+            &recipe.database,
+            recipe.data_dir.as_path(),
+            &recipe.env,
+            recipe.marker,
+        );
         let mut command = tokio::process::Command::new(binary());
         command
             .args(args)
@@ -105,7 +136,51 @@ impl Process {
                 logs.lock().unwrap().join("\n")
             ),
         };
-        Self { child, port, logs }
+        Self {
+            child,
+            port,
+            logs,
+            recipe,
+        }
+    }
+
+    /// SIGKILL: no chance to clean up, as when a machine dies.
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+
+    /// SIGTERM, then the time it took the process to exit (or None after `within`).
+    pub async fn terminate(&mut self, within: Duration) -> Option<Duration> {
+        let pid = self.child.id()?;
+        let started = std::time::Instant::now();
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+        match tokio::time::timeout(within, self.child.wait()).await {
+            Ok(_) => Some(started.elapsed()),
+            Err(_) => None,
+        }
+    }
+
+    /// Starts the same command again (same database, environment and data folder).
+    pub async fn respawn(&mut self) {
+        let mut recipe = self.recipe.clone();
+        // A facade keeps its port, so the origin bound into challenges stays the same.
+        // Same port again, so every caller's URL stays right.
+        if recipe.marker == "facade listening" {
+            recipe.env.retain(|(k, _)| k != "PORT");
+            recipe.env.push(("PORT".into(), self.port.to_string()));
+        } else {
+            recipe.env.retain(|(k, _)| k != "ORCA_PUSH_GRPC_ADDR");
+            recipe.env.push((
+                "ORCA_PUSH_GRPC_ADDR".into(),
+                format!("127.0.0.1:{}", self.port),
+            ));
+        }
+        let old_logs = self.logs();
+        *self = Self::spawn_recipe(recipe).await;
+        self.logs.lock().unwrap().insert(0, old_logs);
     }
 
     pub fn logs(&self) -> String {
@@ -114,6 +189,11 @@ impl Process {
 
     pub fn pid(&self) -> Option<u32> {
         self.child.id()
+    }
+
+    /// `serve --service <name>`, or `serve` for the all-in-one process.
+    pub fn service(&self) -> &str {
+        self.recipe.args.get(2).map_or("all", String::as_str)
     }
 }
 
@@ -147,71 +227,72 @@ impl Gateway {
     /// The split topology: auth, registry, queue and sender each in its own process, and a facade
     /// process that reaches them over gRPC, all on one fresh database.
     pub async fn start_split(backend: Backend) -> Self {
+        Self::start_split_with(backend, &[]).await
+    }
+
+    /// The split topology, with `extra` in every process's environment.
+    pub async fn start_split_with(backend: Backend, extra: &[(&str, &str)]) -> Self {
         let data_dir = tempfile::tempdir().expect("temp dir");
         let database = fresh_database(backend, data_dir.path()).await;
-        let any = [("ORCA_PUSH_GRPC_ADDR", "127.0.0.1:0")];
-        let mut processes = Vec::new();
-        let mut urls = Vec::new();
-        for service in ["registry", "queue", "sender"] {
-            let p = Process::spawn(
-                &["serve", "--service", service],
-                &database,
-                data_dir.path(),
-                &any,
-                "gRPC service listening",
-            )
-            .await;
-            urls.push((service, format!("http://127.0.0.1:{}", p.port)));
-            processes.push(p);
-        }
-        let url = |name: &str| {
-            urls.iter()
-                .find(|(s, _)| *s == name)
-                .map(|(_, u)| u.clone())
-                .unwrap()
+        let dir = data_dir.path().to_owned();
+        let spawn = |service: &'static str, pairs: Vec<(String, String)>| {
+            let database = database.clone();
+            let dir = dir.clone();
+            let mut env: Vec<(String, String)> = extra
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            env.extend(pairs);
+            async move {
+                let env: Vec<(&str, &str)> =
+                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                let marker = if service == "facade" {
+                    "facade listening"
+                } else {
+                    "gRPC service listening"
+                };
+                Process::spawn(
+                    &["serve", "--service", service],
+                    &database,
+                    &dir,
+                    &env,
+                    marker,
+                )
+                .await
+            }
         };
-        let registry = url("registry");
+        let any = || vec![("ORCA_PUSH_GRPC_ADDR".to_owned(), "127.0.0.1:0".to_owned())];
+        let url = |p: &Process| format!("http://127.0.0.1:{}", p.port);
+        let registry = spawn("registry", any()).await;
+        let queue = spawn("queue", any()).await;
+        let (registry_url, queue_url) = (url(&registry), url(&queue));
+        let mut with_backends = any();
+        with_backends.push(("ORCA_PUSH_REGISTRY_URL".into(), registry_url.clone()));
+        with_backends.push(("ORCA_PUSH_QUEUE_URL".into(), queue_url.clone()));
+        let sender = spawn("sender", with_backends).await;
         // The facade's origin must be known before auth starts, so its port is picked here.
         let port = {
             let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
             probe.local_addr().unwrap().port()
         };
         let origin = format!("http://127.0.0.1:{port}");
-        let auth = Process::spawn(
-            &["serve", "--service", "auth"],
-            &database,
-            data_dir.path(),
-            &[
-                ("ORCA_PUSH_GRPC_ADDR", "127.0.0.1:0"),
-                ("ORCA_PUSH_REGISTRY_URL", &registry),
-                ("ORCA_PUSH_PUBLIC_URL", &origin),
-            ],
-            "gRPC service listening",
-        )
-        .await;
-        let auth_url = format!("http://127.0.0.1:{}", auth.port);
-        processes.push(auth);
-        let (queue, sender) = (url("queue"), url("sender"));
-        let facade = Process::spawn(
-            &["serve", "--service", "facade"],
-            &database,
-            data_dir.path(),
-            &[
-                ("PORT", &port.to_string()),
-                ("ORCA_PUSH_PUBLIC_URL", &origin),
-                ("ORCA_PUSH_AUTH_URL", &auth_url),
-                ("ORCA_PUSH_REGISTRY_URL", &registry),
-                ("ORCA_PUSH_QUEUE_URL", &queue),
-                ("ORCA_PUSH_SENDER_URL", &sender),
-            ],
-            "facade listening",
-        )
-        .await;
-        processes.push(facade);
+        let mut auth_env = any();
+        auth_env.push(("ORCA_PUSH_REGISTRY_URL".into(), registry_url.clone()));
+        auth_env.push(("ORCA_PUSH_PUBLIC_URL".into(), origin.clone()));
+        let auth = spawn("auth", auth_env).await;
+        let facade_env = vec![
+            ("PORT".to_owned(), port.to_string()),
+            ("ORCA_PUSH_PUBLIC_URL".to_owned(), origin.clone()),
+            ("ORCA_PUSH_AUTH_URL".to_owned(), url(&auth)),
+            ("ORCA_PUSH_REGISTRY_URL".to_owned(), registry_url),
+            ("ORCA_PUSH_QUEUE_URL".to_owned(), queue_url),
+            ("ORCA_PUSH_SENDER_URL".to_owned(), url(&sender)),
+        ];
+        let facade = spawn("facade", facade_env).await;
         let gateway = Self {
             base: origin,
             database,
-            processes,
+            processes: vec![registry, queue, sender, auth, facade],
             _data_dir: data_dir,
         };
         gateway.wait_ready().await;
@@ -229,6 +310,14 @@ impl Gateway {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         panic!("gateway never became ready; log:\n{}", self.logs());
+    }
+
+    /// The process running `service` ("all" for the all-in-one process).
+    pub fn process(&mut self, service: &str) -> &mut Process {
+        self.processes
+            .iter_mut()
+            .find(|p| p.service() == service)
+            .unwrap_or_else(|| panic!("no {service} process"))
     }
 
     pub fn data_dir(&self) -> &std::path::Path {

@@ -35,6 +35,7 @@ pub struct FcmAnswer {
 struct Inner {
     calls: Vec<FcmCall>,
     token_requests: usize,
+    metadata_requests: usize,
     rejected_assertions: usize,
     issued: Vec<String>,
     scripts: HashMap<String, VecDeque<FcmAnswer>>,
@@ -64,6 +65,10 @@ impl MockFcm {
         };
         let app = axum::Router::new()
             .route("/token", post(token))
+            .route(
+                "/computeMetadata/v1/instance/service-accounts/default/token",
+                axum::routing::get(metadata_token),
+            )
             .route("/v1/projects/{project}/messages:send", post(send))
             .with_state(shared);
         tokio::spawn(async move {
@@ -96,6 +101,32 @@ impl MockFcm {
                 self.credentials.path().display().to_string(),
             ),
         ]
+    }
+
+    /// Environment for a gateway that gets its token from this mock's metadata server instead.
+    pub fn metadata_env(&self) -> Vec<(String, String)> {
+        vec![
+            ("ORCA_PUSH_FCM_URL".into(), self.url.clone()),
+            (
+                "GCE_METADATA_HOST".into(),
+                self.url.trim_start_matches("http://").to_owned(),
+            ),
+        ]
+    }
+
+    pub fn metadata_requests(&self) -> usize {
+        self.inner.lock().unwrap().metadata_requests
+    }
+
+    pub fn validate_only_calls(&self) -> Vec<FcmCall> {
+        self.inner
+            .lock()
+            .unwrap()
+            .calls
+            .iter()
+            .filter(|c| c.validate_only)
+            .cloned()
+            .collect()
     }
 
     pub fn script(&self, token: &str, answers: Vec<FcmAnswer>) {
@@ -222,6 +253,19 @@ async fn token(State(shared): State<Shared>, Form(form): Form<TokenForm>) -> Res
     let access = format!("mock-access-{}", inner.issued.len());
     inner.issued.push(access.clone());
     axum::Json(json!({ "access_token": access, "expires_in": 3600, "token_type": "Bearer" }))
+        .into_response()
+}
+
+/// The GCE metadata server's token endpoint: only with `Metadata-Flavor: Google`.
+async fn metadata_token(State(shared): State<Shared>, headers: HeaderMap) -> Response {
+    if headers.get("metadata-flavor").and_then(|v| v.to_str().ok()) != Some("Google") {
+        return StatusCode::FORBIDDEN.into_response();
+    }
+    let mut inner = shared.inner.lock().unwrap();
+    inner.metadata_requests += 1;
+    let access = format!("mock-metadata-{}", inner.issued.len());
+    inner.issued.push(access.clone());
+    axum::Json(json!({ "access_token": access, "expires_in": 3599, "token_type": "Bearer" }))
         .into_response()
 }
 

@@ -23,8 +23,9 @@ pub type RegistryClient =
 
 /// Lanes per sender instance.
 pub const LANES: usize = 4;
-/// A batch's lease, renewed every third of it while a lane works on it.
-pub const LEASE_MS: u32 = 30_000;
+/// A batch's lease by default (`ORCA_PUSH_LEASE_MS`), renewed every third of it while a lane works
+/// on it. It bounds how long the work of a killed sender waits before another lane takes it.
+pub const DEFAULT_LEASE_MS: u32 = 30_000;
 /// Deliveries one lane keeps in flight at once.
 pub const IN_FLIGHT_PER_LANE: usize = 256;
 /// How long a claim waits for due work before asking again.
@@ -48,6 +49,7 @@ pub struct Sender {
     pub clock: Arc<dyn Clock>,
     pub counters: Counters,
     pub instance: String,
+    pub lease_ms: u32,
 }
 
 fn now_ms(clock: &dyn Clock) -> i64 {
@@ -99,7 +101,7 @@ impl Sender {
                 r = queue.claim(queue_pb::ClaimRequest {
                     lane: name.clone(),
                     max_batches: want,
-                    lease_ms: LEASE_MS,
+                    lease_ms: self.lease_ms,
                     wait_ms: CLAIM_WAIT_MS,
                 }) => r,
             };
@@ -146,6 +148,7 @@ impl Sender {
             self.queue.clone(),
             job.batch_id.clone(),
             job.lease_token.clone(),
+            self.lease_ms,
             renewing.clone(),
         ));
         let outcome = self.attempt(&job).await;
@@ -270,8 +273,14 @@ impl Sender {
     }
 }
 
-async fn renew_lease(queue: QueueClient, batch_id: String, token: String, done: CancellationToken) {
-    let every = Duration::from_millis(u64::from(LEASE_MS) / 3);
+async fn renew_lease(
+    queue: QueueClient,
+    batch_id: String,
+    token: String,
+    lease_ms: u32,
+    done: CancellationToken,
+) {
+    let every = Duration::from_millis(u64::from(lease_ms) / 3);
     loop {
         tokio::select! {
             _ = done.cancelled() => return,
@@ -282,7 +291,7 @@ async fn renew_lease(queue: QueueClient, batch_id: String, token: String, done: 
             .renew_lease(queue_pb::RenewLeaseRequest {
                 batch_id: batch_id.clone(),
                 lease_token: token.clone(),
-                lease_ms: LEASE_MS,
+                lease_ms,
             })
             .await;
         if !matches!(renewed, Ok(ref r) if r.get_ref().renewed) {

@@ -49,6 +49,7 @@ pub async fn serve(
     registry_url: String,
     clock: Arc<dyn Clock>,
     instance: String,
+    lease_ms: u32,
     drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
@@ -59,6 +60,7 @@ pub async fn serve(
         clock,
         counters: Default::default(),
         instance,
+        lease_ms,
     });
     let hard_stop = CancellationToken::new();
     {
