@@ -615,3 +615,31 @@ async fn apns_opens_another_connection_only_when_the_open_ones_are_saturated() {
         "no new connection while open ones have room"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_device_is_re_read_before_every_attempt() {
+    let w = World::start(Backend::Sqlite, "800").await;
+    let replaced = w.register_ios("iphone", IOS).await;
+    let deleted = w.register_ios("ipad", "dd01").await;
+    w.send(&[&replaced, &deleted], alert(1)).await;
+    // While the alerts wait in their window, one phone gets a new token and the other is removed.
+    w.register_ios("iphone", "ee02").await;
+    let reply = w
+        .raw
+        .delete(
+            &format!("/v1/devices/{deleted}"),
+            &[("authorization", &w.auth)],
+        )
+        .await;
+    assert_eq!(reply.status, 204);
+    w.apns.wait_for("ee02", 1, WAIT).await;
+    w.wait_outcome(&deleted, "failed").await;
+    assert!(
+        w.apns.calls_for(IOS).is_empty(),
+        "the replaced token gets nothing"
+    );
+    assert!(
+        w.apns.calls_for("dd01").is_empty(),
+        "the deleted device gets nothing"
+    );
+}
