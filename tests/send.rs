@@ -139,7 +139,8 @@ async fn results_follow_first_seen_order_one_per_distinct_id(backend: Backend) {
 }
 
 async fn queued_means_event_recipient_and_payload_are_committed(backend: Backend) {
-    let gateway = Gateway::start(backend).await;
+    // A long window, so nothing is delivered (and its payload cleared) before the test looks.
+    let gateway = Gateway::start_with(backend, &[("ORCA_PUSH_COALESCE_MS", "60000")]).await;
     let host = Host::new(&gateway).await;
     let ids = [host.register("a").await, host.register("b").await];
     let reply = host.send(&[&ids[0], &ids[1]], notification(1)).await;
@@ -298,7 +299,8 @@ async fn the_send_schema_is_strict(backend: Backend) {
 }
 
 async fn batch_sizes(gateway: &Gateway) -> Vec<i64> {
-    let sql = "SELECT CAST(member_count AS BIGINT) FROM push_delivery_batches WHERE state IN ('open', 'pending') ORDER BY created_at";
+    // Every batch, whatever the sender has done with it since (member counts do not change).
+    let sql = "SELECT CAST(member_count AS BIGINT) FROM push_delivery_batches ORDER BY created_at";
     match orca_push_storage::open(&gateway.database, &orca_push_queue::STORAGE)
         .await
         .unwrap()
@@ -327,9 +329,23 @@ async fn a_burst_to_one_phone_is_one_batch_and_a_full_batch_splits(backend: Back
         host.send(&[&a], short(seq)).await;
     }
     assert_eq!(batch_sizes(&gateway).await, vec![32, 8]);
-    // The full one is due at once; the rest waits for its window.
+    // The full one is due at once (the sender has taken it); the rest waits for its window.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while queue_count(
+        &gateway,
+        "SELECT COUNT(*) FROM push_delivery_batches WHERE member_count = 32 AND attempts >= 1",
+    )
+    .await
+        != 1
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the full batch was never handed out"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     assert_eq!(
-        queue_count(&gateway, "SELECT COUNT(*) FROM push_delivery_batches WHERE member_count = 32 AND available_at < window_ends_at + 1 AND available_at < created_at + 60000").await,
+        queue_count(&gateway, "SELECT COUNT(*) FROM push_delivery_batches WHERE member_count = 8 AND state = 'open' AND attempts = 0").await,
         1
     );
 }
@@ -355,8 +371,16 @@ async fn a_dismissal_over_http_takes_back_the_pending_alert(backend: Backend) {
         queue_count(&gateway, "SELECT COUNT(*) FROM push_dismissed_events").await,
         1
     );
-    // Only the dismissal itself waits for delivery, and it is due at once.
-    assert_eq!(batch_sizes(&gateway).await, vec![1]);
+    // The alert's batch is left empty and cancelled; the dismissal goes alone.
+    assert_eq!(batch_sizes(&gateway).await, vec![0, 1]);
+    assert_eq!(
+        queue_count(
+            &gateway,
+            "SELECT COUNT(*) FROM push_delivery_batches WHERE state = 'cancelled'"
+        )
+        .await,
+        1
+    );
     assert_eq!(
         queue_count(
             &gateway,

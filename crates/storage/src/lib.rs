@@ -3,6 +3,7 @@
 //! tests can drive. Services embed and run their own migrations; this crate never touches a table.
 
 pub mod clock;
+pub mod health;
 #[cfg(feature = "testing")]
 pub mod testing;
 

@@ -37,8 +37,6 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
 
 /// How often expired challenges and long-dead sessions are pruned.
 const PRUNE_EVERY: Duration = Duration::from_secs(60);
-/// How often the database is pinged for the health status.
-const HEALTH_EVERY: Duration = Duration::from_secs(5);
 
 /// What the auth service needs to run.
 #[derive(Debug, Clone)]
@@ -93,13 +91,27 @@ pub async fn serve(
     health
         .set_service_status(HEALTH_NAME, ServingStatus::Serving)
         .await;
-    tokio::spawn(maintain(
-        auth.clone(),
-        registry,
-        pool_for_health,
-        health.clone(),
-        shutdown.clone(),
-    ));
+    {
+        let auth = auth.clone();
+        tokio::spawn(orca_push_storage::health::follow_database(
+            pool_for_health,
+            health.clone(),
+            HEALTH_NAME,
+            PRUNE_EVERY,
+            move || {
+                let (auth, registry) = (auth.clone(), registry.clone());
+                async move {
+                    if let Err(error) = auth.prune().await {
+                        tracing::warn!(%error, "auth prune failed");
+                    }
+                    if let Err(error) = auth.prune_hosts(&registry).await {
+                        tracing::warn!(%error, "host prune failed");
+                    }
+                }
+            },
+            shutdown.clone(),
+        ));
+    }
 
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
@@ -110,39 +122,4 @@ pub async fn serve(
             shutdown.cancelled_owned(),
         )
         .await
-}
-
-/// Keeps the health status in step with the database, and prunes on a slower beat.
-async fn maintain(
-    auth: Arc<HostAuth<AnyAuthStore>>,
-    registry: RegistryClient,
-    pool: Pool,
-    health: tonic_health::server::HealthReporter,
-    shutdown: CancellationToken,
-) {
-    let mut ticker = tokio::time::interval(HEALTH_EVERY);
-    let mut last_prune = tokio::time::Instant::now();
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
-        let status = match pool.ping().await {
-            Ok(()) => ServingStatus::Serving,
-            Err(error) => {
-                tracing::warn!(%error, "auth database unreachable; reporting not serving");
-                ServingStatus::NotServing
-            }
-        };
-        health.set_service_status(HEALTH_NAME, status).await;
-        if status == ServingStatus::Serving && last_prune.elapsed() >= PRUNE_EVERY {
-            last_prune = tokio::time::Instant::now();
-            if let Err(error) = auth.prune().await {
-                tracing::warn!(%error, "auth prune failed");
-            }
-            if let Err(error) = auth.prune_hosts(&registry).await {
-                tracing::warn!(%error, "host prune failed");
-            }
-        }
-    }
 }

@@ -35,7 +35,6 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     max_connections: 24,
 };
 
-const HEALTH_EVERY: Duration = Duration::from_secs(5);
 const CLEANUP_EVERY: Duration = Duration::from_secs(60);
 
 pub async fn open_and_migrate(
@@ -82,7 +81,32 @@ pub async fn serve(
     health
         .set_service_status(HEALTH_NAME, ServingStatus::Serving)
         .await;
-    tokio::spawn(maintain(queue.clone(), pool, health, shutdown.clone()));
+    {
+        let queue = queue.clone();
+        tokio::spawn(orca_push_storage::health::follow_database(
+            pool,
+            health,
+            HEALTH_NAME,
+            CLEANUP_EVERY,
+            move || {
+                let queue = queue.clone();
+                async move {
+                    match queue.cleanup().await {
+                        Ok(c) => tracing::debug!(
+                            expired = c.expired_batches,
+                            cleared = c.cleared_payloads,
+                            deleted_events = c.deleted_events,
+                            deleted_batches = c.deleted_batches,
+                            deleted_fences = c.deleted_fences,
+                            "queue cleanup"
+                        ),
+                        Err(error) => tracing::warn!(%error, "queue cleanup failed"),
+                    }
+                }
+            },
+            shutdown.clone(),
+        ));
+    }
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
         .add_service(health_service)
@@ -92,45 +116,6 @@ pub async fn serve(
             shutdown.cancelled_owned(),
         )
         .await
-}
-
-/// Health follows the database; cleanup runs once a minute, bounded per pass.
-async fn maintain(
-    queue: Arc<DeliveryQueue<AnyQueueStore>>,
-    pool: Pool,
-    health: tonic_health::server::HealthReporter,
-    shutdown: CancellationToken,
-) {
-    let mut ticker = tokio::time::interval(HEALTH_EVERY);
-    let mut last_cleanup = tokio::time::Instant::now();
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
-        let status = match pool.ping().await {
-            Ok(()) => ServingStatus::Serving,
-            Err(error) => {
-                tracing::warn!(%error, "queue database unreachable; reporting not serving");
-                ServingStatus::NotServing
-            }
-        };
-        health.set_service_status(HEALTH_NAME, status).await;
-        if status == ServingStatus::Serving && last_cleanup.elapsed() >= CLEANUP_EVERY {
-            last_cleanup = tokio::time::Instant::now();
-            match queue.cleanup().await {
-                Ok(c) => tracing::debug!(
-                    expired = c.expired_batches,
-                    cleared = c.cleared_payloads,
-                    deleted_events = c.deleted_events,
-                    deleted_batches = c.deleted_batches,
-                    deleted_fences = c.deleted_fences,
-                    "queue cleanup"
-                ),
-                Err(error) => tracing::warn!(%error, "queue cleanup failed"),
-            }
-        }
-    }
 }
 
 /// Another replica committed work that may be due: wake this replica's waiting claims.

@@ -32,8 +32,6 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     max_connections: 16,
 };
 
-const HEALTH_EVERY: Duration = Duration::from_secs(5);
-
 pub async fn open_and_migrate(
     database: &DatabaseConfig,
 ) -> Result<Pool, orca_push_storage::OpenError> {
@@ -57,7 +55,14 @@ pub async fn serve(
     health
         .set_service_status(HEALTH_NAME, ServingStatus::Serving)
         .await;
-    tokio::spawn(report_health(pool, health, shutdown.clone()));
+    tokio::spawn(orca_push_storage::health::follow_database(
+        pool,
+        health,
+        HEALTH_NAME,
+        Duration::MAX,
+        orca_push_storage::health::nothing,
+        shutdown.clone(),
+    ));
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
         .add_service(health_service)
@@ -67,26 +72,4 @@ pub async fn serve(
             shutdown.cancelled_owned(),
         )
         .await
-}
-
-async fn report_health(
-    pool: Pool,
-    health: tonic_health::server::HealthReporter,
-    shutdown: CancellationToken,
-) {
-    let mut ticker = tokio::time::interval(HEALTH_EVERY);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
-        let status = match pool.ping().await {
-            Ok(()) => ServingStatus::Serving,
-            Err(error) => {
-                tracing::warn!(%error, "registry database unreachable; reporting not serving");
-                ServingStatus::NotServing
-            }
-        };
-        health.set_service_status(HEALTH_NAME, status).await;
-    }
 }
