@@ -14,6 +14,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={}", root.join(proto).display());
     }
     let descriptors = protox::compile(PROTOS, [&root])?;
+    // Kept for gRPC server reflection, so grpcurl can list and call every service.
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(
+        out.join("descriptors.bin"),
+        prost::Message::encode_to_vec(&descriptors),
+    )?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

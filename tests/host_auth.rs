@@ -343,6 +343,7 @@ async fn a_bad_setting_stops_start_up_with_one_line_naming_it() {
     let output = tokio::process::Command::new(orca_push_tests::binary())
         .args(["serve", "--service", "facade"])
         .env("PORT", "0")
+        .env("ORCA_PUSH_INTERNAL_KEY", orca_push_tests::INTERNAL_KEY)
         .env_remove("ORCA_PUSH_AUTH_URL")
         .output()
         .await

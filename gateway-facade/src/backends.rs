@@ -2,17 +2,13 @@
 
 use std::time::Duration;
 
+use orca_push_internal_auth::{InternalChannel, InternalKey};
 use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
 use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
 use orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient;
-use orca_push_telemetry::{TracedChannel, traced_channel};
-use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-
-/// How long one gRPC call from the facade may take before the caller gets a 503.
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One service as the facade sees it: its client channel and the name its health is reported under.
 #[derive(Clone)]
@@ -20,27 +16,22 @@ pub struct ServiceEndpoint {
     pub name: &'static str,
     /// The gRPC health service name to check ("" for the server as a whole).
     pub health_name: &'static str,
-    pub channel: TracedChannel,
+    pub channel: InternalChannel,
 }
 
 impl ServiceEndpoint {
-    /// A lazily connecting channel, so services may start in any order.
+    /// A lazily connecting channel, so services may start in any order. Calls carry the facade's
+    /// internal token for `name`.
     pub fn connect(
         name: &'static str,
         health_name: &'static str,
         url: &str,
+        key: &InternalKey,
     ) -> Result<Self, tonic::transport::Error> {
-        let channel: Channel = Endpoint::from_shared(url.to_owned())?
-            .connect_timeout(Duration::from_secs(3))
-            .timeout(CALL_TIMEOUT)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_while_idle(true)
-            .connect_lazy();
         Ok(Self {
             name,
             health_name,
-            channel: traced_channel(channel),
+            channel: orca_push_internal_auth::channel(url, key, "facade", name)?,
         })
     }
 
@@ -67,9 +58,9 @@ impl ServiceEndpoint {
 /// The facade's view of the four services.
 #[derive(Clone)]
 pub struct Backends {
-    pub auth: AuthServiceClient<TracedChannel>,
-    pub registry: RegistryServiceClient<TracedChannel>,
-    pub queue: QueueServiceClient<TracedChannel>,
+    pub auth: AuthServiceClient<InternalChannel>,
+    pub registry: RegistryServiceClient<InternalChannel>,
+    pub queue: QueueServiceClient<InternalChannel>,
     /// Every service `/ready` checks.
     pub endpoints: Vec<ServiceEndpoint>,
 }
@@ -84,13 +75,18 @@ pub struct BackendUrls {
 }
 
 impl Backends {
-    pub fn connect(urls: &BackendUrls) -> Result<Self, tonic::transport::Error> {
-        let auth = ServiceEndpoint::connect("auth", orca_push_auth::HEALTH_NAME, &urls.auth)?;
-        let registry =
-            ServiceEndpoint::connect("registry", orca_push_registry::HEALTH_NAME, &urls.registry)?;
-        let queue = ServiceEndpoint::connect("queue", orca_push_queue::HEALTH_NAME, &urls.queue)?;
+    pub fn connect(urls: &BackendUrls, key: &InternalKey) -> Result<Self, tonic::transport::Error> {
+        let auth = ServiceEndpoint::connect("auth", orca_push_auth::HEALTH_NAME, &urls.auth, key)?;
+        let registry = ServiceEndpoint::connect(
+            "registry",
+            orca_push_registry::HEALTH_NAME,
+            &urls.registry,
+            key,
+        )?;
+        let queue =
+            ServiceEndpoint::connect("queue", orca_push_queue::HEALTH_NAME, &urls.queue, key)?;
         let sender =
-            ServiceEndpoint::connect("sender", orca_push_sender::HEALTH_NAME, &urls.sender)?;
+            ServiceEndpoint::connect("sender", orca_push_sender::HEALTH_NAME, &urls.sender, key)?;
         Ok(Self {
             auth: AuthServiceClient::new(auth.channel.clone()),
             registry: RegistryServiceClient::new(registry.channel.clone()),

@@ -36,6 +36,19 @@ enum Command {
     },
     /// Apply every service's database migrations, then exit.
     Migrate,
+    /// Print a token an internal team (or grpcurl) can call a service with. Reads
+    /// ORCA_PUSH_INTERNAL_KEY, the key the services check tokens with.
+    InternalToken {
+        /// The service to call: auth, registry, queue or sender.
+        #[arg(long, value_parser = ["auth", "registry", "queue", "sender"])]
+        audience: String,
+        /// Who is calling (a team or tool name); services log it, never the token.
+        #[arg(long)]
+        subject: String,
+        /// Lifetime in seconds (at most a day).
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+        ttl: u64,
+    },
     /// Deployment check: an FCM `validate_only` send with the configured credentials. Exits 0 when
     /// FCM accepted the credentials (the token itself may be unknown to it).
     ProbeFcm {
@@ -131,6 +144,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let _telemetry = init_telemetry("orca-push-migrate")?;
             topology::migrate(&config).await?;
             tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::InternalToken {
+            audience,
+            subject,
+            ttl,
+        } => {
+            let key = Config::from_env()?.require_internal_key()?;
+            println!(
+                "{}",
+                orca_push_internal_auth::mint(
+                    &key,
+                    &subject,
+                    &audience,
+                    std::time::Duration::from_secs(ttl)
+                )
+            );
             Ok(())
         }
         Command::ProbeFcm { token } => {

@@ -108,6 +108,8 @@ pub struct Config {
     pub providers: ProviderSettings,
     /// Sender lease on a batch (ours: `ORCA_PUSH_LEASE_MS`).
     pub lease_ms: u32,
+    /// Signs and checks internal gRPC tokens; required in split mode.
+    pub internal_key: Option<orca_push_internal_auth::InternalKey>,
 }
 
 impl Config {
@@ -199,6 +201,12 @@ impl Config {
             })
             .transpose()?;
         let providers = provider_settings(&get)?;
+        let internal_key = get("ORCA_PUSH_INTERNAL_KEY")
+            .map(|secret| {
+                orca_push_internal_auth::InternalKey::from_secret(&secret)
+                    .map_err(|e| invalid("ORCA_PUSH_INTERNAL_KEY", e.to_string()))
+            })
+            .transpose()?;
         let lease_ms = match get("ORCA_PUSH_LEASE_MS") {
             Some(v) => v
                 .parse::<u32>()
@@ -218,6 +226,7 @@ impl Config {
             grpc_addr,
             providers,
             lease_ms,
+            internal_key,
         })
     }
 
@@ -226,6 +235,18 @@ impl Config {
         self.public_url
             .clone()
             .unwrap_or_else(|| format!("http://127.0.0.1:{bound_port}"))
+    }
+
+    /// Split-mode processes must share the key that signs their calls to each other.
+    pub fn require_internal_key(
+        &self,
+    ) -> Result<orca_push_internal_auth::InternalKey, ConfigError> {
+        self.internal_key.clone().ok_or_else(|| {
+            invalid(
+                "ORCA_PUSH_INTERNAL_KEY",
+                "required in split mode: the secret (32+ bytes) every service signs its gRPC calls with",
+            )
+        })
     }
 
     /// A split-mode auth service cannot know the facade's port: the origin must be configured.
@@ -426,6 +447,7 @@ mod tests {
             ("ORCA_PUSH_APNS_URL", "api.push.apple.com"),
             ("ORCA_PUSH_CA_FILE", "/no/such/file.pem"),
             ("GOOGLE_APPLICATION_CREDENTIALS", "/no/such/sa.json"),
+            ("ORCA_PUSH_INTERNAL_KEY", "too-short"),
         ] {
             let err = config(&[(var, value)]).expect_err(value);
             assert_eq!(err.variable, var, "{value}");

@@ -13,6 +13,7 @@ use crate::app::{AppState, router};
 use crate::backends::{BackendUrls, Backends};
 use crate::config::{Config, Mode, ServiceName};
 use crate::limits::Limits;
+use orca_push_internal_auth::InternalKey;
 
 /// Applies every service's migrations.
 pub async fn migrate(config: &Config) -> anyhow::Result<()> {
@@ -43,6 +44,11 @@ pub async fn serve_all_in_one(
     let stop = CancellationToken::new();
     let shutdown = stop.clone();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    // One process talking to itself: a fresh key unless one is configured (for internal teams).
+    let key = config
+        .internal_key
+        .clone()
+        .unwrap_or_else(InternalKey::generate);
     let mut tasks = tokio::task::JoinSet::new();
 
     let auth_pool = orca_push_auth::open_and_migrate(&config.database)
@@ -57,6 +63,7 @@ pub async fn serve_all_in_one(
         registry_listener,
         registry_pool,
         clock.clone(),
+        key.clone(),
         shutdown.clone(),
     ));
     let origin = config.gateway_origin(listener.local_addr()?.port());
@@ -65,7 +72,8 @@ pub async fn serve_all_in_one(
         auth_pool,
         origin,
         clock.clone(),
-        orca_push_auth::registry_client(&registry_url).context("registry channel")?,
+        orca_push_auth::registry_client(&registry_url, &key).context("registry channel")?,
+        key.clone(),
         shutdown.clone(),
     ));
     let queue_pool = orca_push_queue::open_and_migrate(&config.database)
@@ -77,6 +85,7 @@ pub async fn serve_all_in_one(
         queue_pool,
         clock.clone(),
         config.coalesce_ms,
+        key.clone(),
         shutdown.clone(),
     ));
     let providers = orca_push_sender::Providers::new(&config.providers)
@@ -91,16 +100,20 @@ pub async fn serve_all_in_one(
         clock.clone(),
         instance_name("sender"),
         config.lease_ms,
+        key.clone(),
         drain.clone(),
         stop.clone(),
     ));
 
-    let backends = Backends::connect(&BackendUrls {
-        auth: auth_url,
-        registry: registry_url,
-        queue: queue_url,
-        sender: sender_url,
-    })
+    let backends = Backends::connect(
+        &BackendUrls {
+            auth: auth_url,
+            registry: registry_url,
+            queue: queue_url,
+            sender: sender_url,
+        },
+        &key,
+    )
     .context("service channels")?;
     let state = AppState::serving(backends, Limits::new(config.trusted_proxy_hops));
     let facade = serve_facade(listener, state, drain.clone(), stop.clone());
@@ -135,17 +148,21 @@ pub async fn serve_split(
     drain: CancellationToken,
 ) -> anyhow::Result<()> {
     let shutdown = drain.clone();
+    let key = config.require_internal_key()?;
     if service == ServiceName::Facade {
         let listener = bind(SocketAddr::from(([0, 0, 0, 0], config.port))).await?;
         let state = match config.mode {
             Mode::Validation => AppState::validation(),
             Mode::Serve => AppState::serving(
-                Backends::connect(&BackendUrls {
-                    auth: config.require_url(ServiceName::Auth)?,
-                    registry: config.require_url(ServiceName::Registry)?,
-                    queue: config.require_url(ServiceName::Queue)?,
-                    sender: config.require_url(ServiceName::Sender)?,
-                })
+                Backends::connect(
+                    &BackendUrls {
+                        auth: config.require_url(ServiceName::Auth)?,
+                        registry: config.require_url(ServiceName::Registry)?,
+                        queue: config.require_url(ServiceName::Queue)?,
+                        sender: config.require_url(ServiceName::Sender)?,
+                    },
+                    &key,
+                )
                 .context("service channels")?,
                 Limits::new(config.trusted_proxy_hops),
             ),
@@ -171,8 +188,9 @@ pub async fn serve_split(
                 pool,
                 config.require_public_url()?,
                 Arc::new(SystemClock),
-                orca_push_auth::registry_client(&config.require_url(ServiceName::Registry)?)
+                orca_push_auth::registry_client(&config.require_url(ServiceName::Registry)?, &key)
                     .context("registry channel")?,
+                key,
                 shutdown,
             )
             .await?
@@ -181,7 +199,7 @@ pub async fn serve_split(
             let pool = orca_push_registry::open_and_migrate(&config.database)
                 .await
                 .context("registry database")?;
-            orca_push_registry::serve(listener, pool, Arc::new(SystemClock), shutdown).await?
+            orca_push_registry::serve(listener, pool, Arc::new(SystemClock), key, shutdown).await?
         }
         ServiceName::Queue => {
             let pool = orca_push_queue::open_and_migrate(&config.database)
@@ -192,6 +210,7 @@ pub async fn serve_split(
                 pool,
                 Arc::new(SystemClock),
                 config.coalesce_ms,
+                key,
                 shutdown,
             )
             .await?
@@ -210,6 +229,7 @@ pub async fn serve_split(
                 Arc::new(SystemClock),
                 instance_name("sender"),
                 config.lease_ms,
+                key,
                 drain,
                 stop,
             )

@@ -28,12 +28,15 @@ fn rss_bytes() -> u64 {
 async fn a_million_distinct_ips_leave_memory_bounded() {
     // No service is reached: each request is charged to its IP's bucket, then refused for its body.
     let nowhere = "http://127.0.0.1:9".to_owned();
-    let backends = Backends::connect(&BackendUrls {
-        auth: nowhere.clone(),
-        registry: nowhere.clone(),
-        queue: nowhere.clone(),
-        sender: nowhere,
-    })
+    let backends = Backends::connect(
+        &BackendUrls {
+            auth: nowhere.clone(),
+            registry: nowhere.clone(),
+            queue: nowhere.clone(),
+            sender: nowhere,
+        },
+        &orca_push_internal_auth::InternalKey::generate(),
+    )
     .unwrap();
     let limits = Limits::new(0);
     let app = router(AppState::serving(backends, limits.clone()));

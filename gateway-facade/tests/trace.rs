@@ -37,20 +37,25 @@ async fn one_trace_spans_the_http_request_and_the_grpc_call() {
     let auth_url = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = CancellationToken::new();
     let nowhere = "http://127.0.0.1:9".to_owned();
+    let key = orca_push_internal_auth::InternalKey::generate();
     tokio::spawn(orca_push_auth::serve(
         listener,
         pool,
         "http://127.0.0.1:8080".into(),
         Arc::new(SystemClock),
-        orca_push_auth::registry_client(&nowhere).unwrap(),
+        orca_push_auth::registry_client(&nowhere, &key).unwrap(),
+        key.clone(),
         shutdown.clone(),
     ));
-    let backends = Backends::connect(&BackendUrls {
-        auth: auth_url,
-        registry: nowhere.clone(),
-        queue: nowhere.clone(),
-        sender: nowhere,
-    })
+    let backends = Backends::connect(
+        &BackendUrls {
+            auth: auth_url,
+            registry: nowhere.clone(),
+            queue: nowhere.clone(),
+            sender: nowhere,
+        },
+        &key,
+    )
     .unwrap();
     let app = router(AppState::serving(backends, Limits::new(0)));
 

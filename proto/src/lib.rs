@@ -19,6 +19,22 @@ pub mod registry {
     }
 }
 
+/// Every orca-push proto, encoded, for server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptors.bin"));
+
+/// The reflection service every server exposes: our protos and gRPC health.
+pub fn reflection_service() -> Result<
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+    tonic_reflection::server::Error,
+> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+}
+
 /// Metadata key carrying the contract's error code (`invalid_proof`, `session_expired`, ...) on a
 /// failed call, so the facade can answer the exact public `{"error": ...}` without parsing messages.
 pub const ERROR_CODE_METADATA: &str = "x-orca-error";

@@ -27,6 +27,9 @@ pub fn binary() -> std::path::PathBuf {
     target_dir.join(format!("orca-push-e2e{}", std::env::consts::EXE_SUFFIX))
 }
 
+/// The key split-mode test fleets share (ORCA_PUSH_INTERNAL_KEY).
+pub const INTERNAL_KEY: &str = "test-internal-key-0123456789abcdef-0123456789";
+
 /// A running gateway: one process, or several in split mode. Killed when dropped.
 pub struct Gateway {
     processes: Vec<Process>,
@@ -114,6 +117,7 @@ impl Process {
             .env_remove("ORCA_PUSH_DATABASE_URL")
             .env_remove("ORCA_PUSH_PUBLIC_URL")
             .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
+            .env_remove("ORCA_PUSH_INTERNAL_KEY")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -238,10 +242,9 @@ impl Gateway {
         let spawn = |service: &'static str, pairs: Vec<(String, String)>| {
             let database = database.clone();
             let dir = dir.clone();
-            let mut env: Vec<(String, String)> = extra
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
+            let mut env: Vec<(String, String)> =
+                vec![("ORCA_PUSH_INTERNAL_KEY".into(), INTERNAL_KEY.into())];
+            env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
             env.extend(pairs);
             async move {
                 let env: Vec<(&str, &str)> =

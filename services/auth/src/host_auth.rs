@@ -22,11 +22,7 @@ pub trait DeviceDirectory: Send + Sync {
     ) -> impl std::future::Future<Output = Result<Vec<String>, tonic::Status>> + Send;
 }
 
-impl DeviceDirectory
-    for orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient<
-        orca_push_telemetry::TracedChannel,
-    >
-{
+impl DeviceDirectory for crate::RegistryClient {
     async fn hosts_still_registered(
         &self,
         hosts: Vec<String>,

@@ -28,6 +28,9 @@ pub use store::{AnyAuthStore, AuthStore, PgAuthStore, SqliteAuthStore};
 /// The name the auth service reports its health under.
 pub const HEALTH_NAME: &str = "orca.push.auth.v1.AuthService";
 
+/// The audience internal tokens for this service name.
+pub const AUDIENCE: &str = "auth";
+
 pub const STORAGE: ServiceStorage = ServiceStorage {
     sqlite_file: "auth.sqlite",
     postgres_schema: "push_auth",
@@ -49,18 +52,17 @@ pub struct AuthConfig {
 /// The auth service's client of the registry (for host pruning).
 pub type RegistryClient =
     orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient<
-        orca_push_telemetry::TracedChannel,
+        orca_push_internal_auth::InternalChannel,
     >;
 
-/// A lazily connecting, traced registry client.
-pub fn registry_client(url: &str) -> Result<RegistryClient, tonic::transport::Error> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
-        .connect_timeout(Duration::from_secs(3))
-        .timeout(Duration::from_secs(10))
-        .connect_lazy();
-    Ok(RegistryClient::new(orca_push_telemetry::traced_channel(
-        channel,
-    )))
+/// A lazily connecting, traced, token-carrying registry client.
+pub fn registry_client(
+    url: &str,
+    key: &orca_push_internal_auth::InternalKey,
+) -> Result<RegistryClient, tonic::transport::Error> {
+    Ok(RegistryClient::new(orca_push_internal_auth::channel(
+        url, key, "auth", "registry",
+    )?))
 }
 
 /// Opens the database and applies this service's migrations.
@@ -79,6 +81,7 @@ pub async fn serve(
     gateway_origin: String,
     clock: Arc<dyn Clock>,
     registry: RegistryClient,
+    key: orca_push_internal_auth::InternalKey,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let pool_for_health = pool.clone();
@@ -115,11 +118,24 @@ pub async fn serve(
 
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .layer(orca_push_internal_auth::RequireToken::new(key, AUDIENCE))
         .add_service(health_service)
+        .add_optional_service(reflection())
         .add_service(AuthServiceServer::new(AuthGrpc::new(auth)))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled_owned(),
         )
         .await
+}
+
+/// Server reflection (behind the internal token like every method but health).
+fn reflection() -> Option<
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+> {
+    orca_push_proto::reflection_service()
+        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
+        .ok()
 }

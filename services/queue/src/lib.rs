@@ -28,6 +28,9 @@ pub use store::{AnyQueueStore, QueueStore};
 /// The name the queue reports its health under.
 pub const HEALTH_NAME: &str = "orca.push.queue.v1.QueueService";
 
+/// The audience internal tokens for this service name.
+pub const AUDIENCE: &str = "queue";
+
 pub const STORAGE: ServiceStorage = ServiceStorage {
     sqlite_file: "queue.sqlite",
     postgres_schema: "push_queue",
@@ -74,6 +77,7 @@ pub async fn serve(
     pool: Pool,
     clock: Arc<dyn Clock>,
     coalesce_ms: u64,
+    key: orca_push_internal_auth::InternalKey,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let queue = delivery_queue(pool.clone(), clock, coalesce_ms, &shutdown);
@@ -109,7 +113,9 @@ pub async fn serve(
     }
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .layer(orca_push_internal_auth::RequireToken::new(key, AUDIENCE))
         .add_service(health_service)
+        .add_optional_service(reflection())
         .add_service(QueueServiceServer::new(QueueGrpc::new(queue)))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
@@ -143,4 +149,15 @@ async fn listen_for_replicas(pool: sqlx::PgPool, wake: Arc<Notify>, shutdown: Ca
             }
         }
     }
+}
+
+/// Server reflection (behind the internal token like every method but health).
+fn reflection() -> Option<
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+> {
+    orca_push_proto::reflection_service()
+        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
+        .ok()
 }

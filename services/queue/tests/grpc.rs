@@ -19,14 +19,18 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = CancellationToken::new();
+    let key = orca_push_internal_auth::InternalKey::generate();
     tokio::spawn(orca_push_queue::serve(
         listener,
         pool,
         Arc::new(SystemClock),
         0,
+        key.clone(),
         shutdown.clone(),
     ));
-    let mut client = QueueServiceClient::connect(url).await.unwrap();
+    let mut client = QueueServiceClient::new(
+        orca_push_internal_auth::channel(&url, &key, "test", "queue").unwrap(),
+    );
 
     let notification = pb::Notification {
         notification_id: Some("n-1".into()),

@@ -25,6 +25,9 @@ pub use store::{AnyRegistryStore, RegistryStore};
 /// The name the registry reports its health under.
 pub const HEALTH_NAME: &str = "orca.push.registry.v1.RegistryService";
 
+/// The audience internal tokens for this service name.
+pub const AUDIENCE: &str = "registry";
+
 pub const STORAGE: ServiceStorage = ServiceStorage {
     sqlite_file: "registry.sqlite",
     postgres_schema: "push_registry",
@@ -45,6 +48,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     pool: Pool,
     clock: Arc<dyn Clock>,
+    key: orca_push_internal_auth::InternalKey,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let registry = Arc::new(DeviceRegistry::new(
@@ -65,11 +69,24 @@ pub async fn serve(
     ));
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .layer(orca_push_internal_auth::RequireToken::new(key, AUDIENCE))
         .add_service(health_service)
+        .add_optional_service(reflection())
         .add_service(RegistryServiceServer::new(RegistryGrpc::new(registry)))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled_owned(),
         )
         .await
+}
+
+/// Server reflection (behind the internal token like every method but health).
+fn reflection() -> Option<
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+> {
+    orca_push_proto::reflection_service()
+        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
+        .ok()
 }

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use orca_push_internal_auth::InternalChannel;
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
 use orca_push_storage::Clock;
-use orca_push_telemetry::TracedChannel;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
@@ -17,9 +17,9 @@ use crate::payload::Job;
 use crate::providers::{Providers, Target};
 use crate::verdict::{MAX_ATTEMPTS, Verdict, retry_delay};
 
-pub type QueueClient = queue_pb::queue_service_client::QueueServiceClient<TracedChannel>;
+pub type QueueClient = queue_pb::queue_service_client::QueueServiceClient<InternalChannel>;
 pub type RegistryClient =
-    registry_pb::registry_service_client::RegistryServiceClient<TracedChannel>;
+    registry_pb::registry_service_client::RegistryServiceClient<InternalChannel>;
 
 /// Lanes per sender instance.
 pub const LANES: usize = 4;

@@ -21,22 +21,14 @@ use tokio_util::sync::CancellationToken;
 pub use lane::{QueueClient, RegistryClient, Sender};
 pub use providers::{ApnsCredentials, ProviderConfig, Providers};
 
+/// The audience internal tokens for this service name.
+pub const AUDIENCE: &str = "sender";
+
 /// The sender reports its health as the server as a whole.
 pub const HEALTH_NAME: &str = "";
 
 /// How long in-flight deliveries may run after SIGTERM: the platform's grace, less a margin.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(8);
-
-/// A lazily connecting, traced client of `url`.
-pub fn channel(url: &str) -> Result<orca_push_telemetry::TracedChannel, tonic::transport::Error> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
-        .connect_timeout(Duration::from_secs(3))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_while_idle(true)
-        .connect_lazy();
-    Ok(orca_push_telemetry::traced_channel(channel))
-}
 
 /// Runs the sender: its gRPC health server on `listener`, and the lanes. `drain` stops taking work;
 /// in-flight deliveries then get `DRAIN_GRACE`; when the lanes are done the sender cancels
@@ -50,12 +42,20 @@ pub async fn serve(
     clock: Arc<dyn Clock>,
     instance: String,
     lease_ms: u32,
+    key: orca_push_internal_auth::InternalKey,
     drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let sender = Arc::new(Sender {
-        queue: QueueClient::new(channel(&queue_url)?),
-        registry: RegistryClient::new(channel(&registry_url)?),
+        queue: QueueClient::new(orca_push_internal_auth::channel(
+            &queue_url, &key, "sender", "queue",
+        )?),
+        registry: RegistryClient::new(orca_push_internal_auth::channel(
+            &registry_url,
+            &key,
+            "sender",
+            "registry",
+        )?),
         providers,
         clock,
         counters: Default::default(),
@@ -83,9 +83,17 @@ pub async fn serve(
         })
     };
     let (_health, health_service) = tonic_health::server::health_reporter();
+    let reflection = orca_push_proto::reflection_service()
+        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
+        .ok();
     let server = tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .layer(orca_push_internal_auth::RequireToken::new(
+            key.clone(),
+            AUDIENCE,
+        ))
         .add_service(health_service)
+        .add_optional_service(reflection)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled_owned(),

@@ -1,0 +1,323 @@
+//! Internal gRPC calls carry a short-lived HS256 token naming the caller (`sub`) and the service
+//! called (`aud`). Every service refuses a call without one, with another audience, or expired,
+//! with UNAUTHENTICATED; only gRPC health checks are open, because probes need them.
+//!
+//! The key is `ORCA_PUSH_INTERNAL_KEY` (required in split mode) or generated per process when all
+//! in one. Never log a token or the key.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use rand::RngCore as _;
+use serde::{Deserialize, Serialize};
+
+/// Tokens services mint for each other live this long, and are re-minted a minute before.
+pub const SERVICE_TOKEN_TTL: Duration = Duration::from_secs(300);
+const REMINT_BEFORE: Duration = Duration::from_secs(60);
+/// Health checks are the one open method.
+const OPEN_PREFIX: &str = "/grpc.health.v1.Health/";
+
+/// The shared signing key. Debug never shows it.
+#[derive(Clone)]
+pub struct InternalKey(Arc<Vec<u8>>);
+
+impl std::fmt::Debug for InternalKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InternalKey(<redacted>)")
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KeyError {
+    #[error("must be at least 32 bytes of secret (e.g. `openssl rand -base64 48`)")]
+    TooShort,
+}
+
+impl InternalKey {
+    /// A random key for a process that talks only to itself (all in one).
+    pub fn generate() -> Self {
+        let mut bytes = vec![0u8; 48];
+        rand::rngs::OsRng.fill_bytes(&mut bytes);
+        Self(Arc::new(bytes))
+    }
+
+    /// The configured secret, as text (base64 or not: its bytes are the key).
+    pub fn from_secret(secret: &str) -> Result<Self, KeyError> {
+        let secret = secret.trim();
+        if secret.len() < 32 {
+            return Err(KeyError::TooShort);
+        }
+        Ok(Self(Arc::new(secret.as_bytes().to_vec())))
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Claims {
+    /// The caller: a service name or an internal team.
+    pub sub: String,
+    /// The service called.
+    pub aud: String,
+    pub iat: u64,
+    pub exp: u64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Refusal {
+    #[error("no internal token")]
+    Missing,
+    #[error("internal token expired")]
+    Expired,
+    #[error("internal token for another service")]
+    WrongAudience,
+    #[error("invalid internal token")]
+    Invalid,
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A token for `subject` to call `audience`, valid from `iat` to `exp` (Unix seconds).
+pub fn mint_between(
+    key: &InternalKey,
+    subject: &str,
+    audience: &str,
+    iat: u64,
+    exp: u64,
+) -> String {
+    let claims = Claims {
+        sub: subject.to_owned(),
+        aud: audience.to_owned(),
+        iat,
+        exp,
+    };
+    jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(&key.0),
+    )
+    .unwrap_or_default()
+}
+
+/// A token for `subject` to call `audience` for `ttl`.
+pub fn mint(key: &InternalKey, subject: &str, audience: &str, ttl: Duration) -> String {
+    let now = now_s();
+    mint_between(key, subject, audience, now, now + ttl.as_secs())
+}
+
+/// Checks a token for `audience`.
+pub fn verify(key: &InternalKey, token: &str, audience: &str) -> Result<Claims, Refusal> {
+    let mut validation = Validation::new(Algorithm::HS256);
+    validation.set_audience(&[audience]);
+    validation.leeway = 0;
+    validation.set_required_spec_claims(&["exp", "aud", "sub"]);
+    jsonwebtoken::decode::<Claims>(token, &DecodingKey::from_secret(&key.0), &validation)
+        .map(|data| data.claims)
+        .map_err(|error| match error.kind() {
+            jsonwebtoken::errors::ErrorKind::ExpiredSignature => Refusal::Expired,
+            jsonwebtoken::errors::ErrorKind::InvalidAudience => Refusal::WrongAudience,
+            _ => Refusal::Invalid,
+        })
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// Server side: refuse any call but health without a valid token for this service.
+#[derive(Debug, Clone)]
+pub struct RequireToken {
+    key: InternalKey,
+    audience: &'static str,
+}
+
+impl RequireToken {
+    pub fn new(key: InternalKey, audience: &'static str) -> Self {
+        Self { key, audience }
+    }
+}
+
+impl<S> tower::Layer<S> for RequireToken {
+    type Service = RequireTokenService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RequireTokenService {
+            inner,
+            check: self.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RequireTokenService<S> {
+    inner: S,
+    check: RequireToken,
+}
+
+/// Who called, for handlers that care (set when the token was valid).
+#[derive(Debug, Clone)]
+pub struct Caller(pub String);
+
+impl<S, B, R> tower::Service<http::Request<B>> for RequireTokenService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+    R: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        if request.uri().path().starts_with(OPEN_PREFIX) {
+            return Box::pin(self.inner.call(request));
+        }
+        let token = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let verdict = match token {
+            None => Err(Refusal::Missing),
+            Some(token) => verify(&self.check.key, token, self.check.audience),
+        };
+        match verdict {
+            Ok(claims) => {
+                request.extensions_mut().insert(Caller(claims.sub));
+                Box::pin(self.inner.call(request))
+            }
+            Err(refusal) => {
+                let status = tonic::Status::unauthenticated(refusal.to_string());
+                Box::pin(async move { Ok(status.into_http::<R>()) })
+            }
+        }
+    }
+}
+
+/// Client side: every call carries a token for `audience`, re-minted before it expires.
+#[derive(Clone)]
+pub struct AttachToken<S> {
+    inner: S,
+    minter: Arc<Minter>,
+}
+
+struct Minter {
+    key: InternalKey,
+    subject: String,
+    audience: String,
+    cached: Mutex<Option<(http::HeaderValue, SystemTime)>>,
+}
+
+impl Minter {
+    fn header(&self) -> http::HeaderValue {
+        let mut cached = self.cached.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((value, expires)) = cached.as_ref()
+            && SystemTime::now() + REMINT_BEFORE < *expires
+        {
+            return value.clone();
+        }
+        let token = mint(&self.key, &self.subject, &self.audience, SERVICE_TOKEN_TTL);
+        let mut value = http::HeaderValue::from_str(&format!("Bearer {token}"))
+            .unwrap_or_else(|_| http::HeaderValue::from_static(""));
+        value.set_sensitive(true);
+        *cached = Some((value.clone(), SystemTime::now() + SERVICE_TOKEN_TTL));
+        value
+    }
+}
+
+impl<S, B> tower::Service<http::Request<B>> for AttachToken<S>
+where
+    S: tower::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        request
+            .headers_mut()
+            .insert(http::header::AUTHORIZATION, self.minter.header());
+        self.inner.call(request)
+    }
+}
+
+/// A traced channel whose calls carry tokens from `subject` for `audience`.
+pub type InternalChannel = AttachToken<orca_push_telemetry::TracedChannel>;
+
+/// A lazily connecting, traced, token-carrying channel to `url`.
+pub fn channel(
+    url: &str,
+    key: &InternalKey,
+    subject: &str,
+    audience: &str,
+) -> Result<InternalChannel, tonic::transport::Error> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(40))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_while_idle(true)
+        .connect_lazy();
+    Ok(AttachToken {
+        inner: orca_push_telemetry::traced_channel(channel),
+        minter: Arc::new(Minter {
+            key: key.clone(),
+            subject: subject.to_owned(),
+            audience: audience.to_owned(),
+            cached: Mutex::new(None),
+        }),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_is_good_for_its_audience_only_until_it_expires() {
+        let key = InternalKey::generate();
+        let token = mint(&key, "support", "queue", Duration::from_secs(60));
+        assert_eq!(verify(&key, &token, "queue").unwrap().sub, "support");
+        assert_eq!(
+            verify(&key, &token, "registry"),
+            Err(Refusal::WrongAudience)
+        );
+        let now = now_s();
+        let expired = mint_between(&key, "support", "queue", now - 120, now - 60);
+        assert_eq!(verify(&key, &expired, "queue"), Err(Refusal::Expired));
+        assert_eq!(
+            verify(&InternalKey::generate(), &token, "queue"),
+            Err(Refusal::Invalid)
+        );
+        assert_eq!(verify(&key, "not-a-token", "queue"), Err(Refusal::Invalid));
+        let mut tampered = token.clone();
+        tampered.insert(tampered.len() - 5, 'x');
+        assert!(verify(&key, &tampered, "queue").is_err());
+    }
+
+    #[test]
+    fn configured_keys_must_be_long_enough() {
+        assert_eq!(
+            InternalKey::from_secret("short").unwrap_err(),
+            KeyError::TooShort
+        );
+        assert!(InternalKey::from_secret(&"k".repeat(32)).is_ok());
+        assert_eq!(
+            format!("{:?}", InternalKey::generate()),
+            "InternalKey(<redacted>)"
+        );
+    }
+}
