@@ -164,6 +164,7 @@ async fn trace_http(request: Request, next: Next) -> Response {
         otel.status_code = tracing::field::Empty,
     );
     set_parent_from_headers(&span, request.headers());
+    let started = std::time::Instant::now();
     async move {
         let response = next.run(request).await;
         let status = response.status();
@@ -172,6 +173,11 @@ async fn trace_http(request: Request, next: Next) -> Response {
         if status.is_server_error() {
             span.record("otel.status_code", "ERROR");
         }
+        let status = status.as_u16().to_string();
+        metrics::counter!("orca_push_http_requests_total", "route" => route.clone(), "status" => status.clone())
+            .increment(1);
+        metrics::histogram!("orca_push_http_request_duration_seconds", "route" => route, "status" => status)
+            .record(started.elapsed().as_secs_f64());
         response
     }
     .instrument(span)

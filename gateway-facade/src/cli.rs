@@ -128,6 +128,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let _telemetry = init_telemetry(name)?;
             let shutdown = CancellationToken::new();
             tokio::spawn(cancel_on_signal(shutdown.clone()));
+            let metrics = crate::metrics::install()?;
+            crate::metrics::serve(config.metrics_addr, metrics, shutdown.clone()).await?;
             match service {
                 None => {
                     let addr = std::net::SocketAddr::from(([0, 0, 0, 0], config.port));

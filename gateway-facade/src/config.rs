@@ -108,6 +108,8 @@ pub struct Config {
     pub providers: ProviderSettings,
     /// Sender lease on a batch (ours: `ORCA_PUSH_LEASE_MS`).
     pub lease_ms: u32,
+    /// Where `/metrics` is served.
+    pub metrics_addr: SocketAddr,
     /// Signs and checks internal gRPC tokens; required in split mode.
     pub internal_key: Option<orca_push_internal_auth::InternalKey>,
 }
@@ -201,6 +203,15 @@ impl Config {
             })
             .transpose()?;
         let providers = provider_settings(&get)?;
+        let metrics_addr = match get("ORCA_PUSH_METRICS_ADDR") {
+            Some(v) => v.parse::<SocketAddr>().map_err(|_| {
+                invalid(
+                    "ORCA_PUSH_METRICS_ADDR",
+                    "must be an address like 127.0.0.1:9464",
+                )
+            })?,
+            None => SocketAddr::from(([127, 0, 0, 1], 9464)),
+        };
         let internal_key = get("ORCA_PUSH_INTERNAL_KEY")
             .map(|secret| {
                 orca_push_internal_auth::InternalKey::from_secret(&secret)
@@ -226,6 +237,7 @@ impl Config {
             grpc_addr,
             providers,
             lease_ms,
+            metrics_addr,
             internal_key,
         })
     }
@@ -448,6 +460,7 @@ mod tests {
             ("ORCA_PUSH_CA_FILE", "/no/such/file.pem"),
             ("GOOGLE_APPLICATION_CREDENTIALS", "/no/such/sa.json"),
             ("ORCA_PUSH_INTERNAL_KEY", "too-short"),
+            ("ORCA_PUSH_METRICS_ADDR", "everywhere"),
         ] {
             let err = config(&[(var, value)]).expect_err(value);
             assert_eq!(err.variable, var, "{value}");

@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod json;
 pub mod limits;
+pub mod metrics;
 pub mod routes;
 pub mod topology;
 

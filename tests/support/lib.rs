@@ -66,6 +66,7 @@ pub struct Process {
     child: tokio::process::Child,
     pub port: u16,
     logs: Arc<Mutex<Vec<String>>>,
+    metrics_port: Arc<Mutex<Option<u16>>>,
     recipe: Recipe,
 }
 
@@ -114,6 +115,7 @@ impl Process {
             .env("PORT", "0")
             .env("ORCA_PUSH_DATA_DIR", data_dir)
             .env("RUST_LOG", "info")
+            .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
             .env_remove("ORCA_PUSH_DATABASE_URL")
             .env_remove("ORCA_PUSH_PUBLIC_URL")
             .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
@@ -132,7 +134,14 @@ impl Process {
         let stderr = child.stderr.take().expect("stderr");
         let logs = Arc::new(Mutex::new(Vec::new()));
         let (port_tx, port_rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(collect_logs(stderr, logs.clone(), marker, port_tx));
+        let metrics_port = Arc::new(Mutex::new(None));
+        tokio::spawn(collect_logs(
+            stderr,
+            logs.clone(),
+            marker,
+            port_tx,
+            metrics_port.clone(),
+        ));
         let port = match tokio::time::timeout(Duration::from_secs(60), port_rx).await {
             Ok(Ok(port)) => port,
             _ => panic!(
@@ -145,7 +154,18 @@ impl Process {
             port,
             logs,
             recipe,
+            metrics_port,
         }
+    }
+
+    /// Where this process serves `/metrics`.
+    pub fn metrics_url(&self) -> String {
+        let port = self
+            .metrics_port
+            .lock()
+            .unwrap()
+            .expect("metrics listening");
+        format!("http://127.0.0.1:{port}/metrics")
     }
 
     /// SIGKILL: no chance to clean up, as when a machine dies.
@@ -352,10 +372,18 @@ async fn collect_logs(
     logs: Arc<Mutex<Vec<String>>>,
     marker: &'static str,
     port_tx: tokio::sync::oneshot::Sender<u16>,
+    metrics_port: Arc<Mutex<Option<u16>>>,
 ) {
     let mut port_tx = Some(port_tx);
     let mut lines = tokio::io::BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
+        if line.contains("metrics listening") {
+            *metrics_port.lock().unwrap() = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse().ok());
+        }
         if line.contains(marker)
             && let Some(port) = line
                 .split_whitespace()

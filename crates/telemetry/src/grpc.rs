@@ -76,6 +76,11 @@ where
             rpc.grpc.status_code = tracing::field::Empty,
         );
         set_parent_from_headers(&span, request.headers());
+        let labels = [
+            ("service", service.to_owned()),
+            ("method", method.to_owned()),
+        ];
+        let started = std::time::Instant::now();
         let future = {
             let _entered = span.enter();
             self.inner.call(request)
@@ -83,9 +88,25 @@ where
         Box::pin(
             async move {
                 let result = future.await;
-                if let Ok(response) = &result {
-                    tracing::Span::current().record("rpc.grpc.status_code", status_code(response));
-                }
+                let code = match &result {
+                    Ok(response) => status_code(response),
+                    Err(_) => 2, // UNKNOWN: the transport failed
+                };
+                tracing::Span::current().record("rpc.grpc.status_code", code);
+                let [(_, service), (_, method)] = labels;
+                metrics::counter!(
+                    "orca_push_grpc_server_calls_total",
+                    "service" => service.clone(),
+                    "method" => method.clone(),
+                    "code" => code.to_string()
+                )
+                .increment(1);
+                metrics::histogram!(
+                    "orca_push_grpc_server_duration_seconds",
+                    "service" => service,
+                    "method" => method
+                )
+                .record(started.elapsed().as_secs_f64());
                 result
             }
             .instrument(span),

@@ -39,6 +39,8 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
 };
 
 const CLEANUP_EVERY: Duration = Duration::from_secs(60);
+/// How often the depth gauges are refreshed.
+const DEPTH_EVERY: Duration = Duration::from_secs(5);
 
 pub async fn open_and_migrate(
     database: &DatabaseConfig,
@@ -81,6 +83,23 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let queue = delivery_queue(pool.clone(), clock, coalesce_ms, &shutdown);
+    metrics::counter!("orca_push_lease_expiries_total").increment(0);
+    for kind in ["alert", "dismiss"] {
+        metrics::counter!("orca_push_quota_refusals_total", "kind" => kind).increment(0);
+    }
+    {
+        let queue = queue.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(DEPTH_EVERY);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = ticker.tick() => queue.record_depth().await,
+                }
+            }
+        });
+    }
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_service_status(HEALTH_NAME, ServingStatus::Serving)

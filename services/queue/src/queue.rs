@@ -57,6 +57,14 @@ impl<S: QueueStore> DeliveryQueue<S> {
         if enqueued.next_due_at.is_some() {
             self.wake.notify_waiters();
         }
+        if enqueued
+            .statuses
+            .iter()
+            .any(|(_, s)| *s == crate::model::AdmissionStatus::RateLimited)
+        {
+            metrics::counter!("orca_push_quota_refusals_total", "kind" => admission.kind.as_str())
+                .increment(1);
+        }
         Ok(enqueued)
     }
 
@@ -87,6 +95,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             if !batches.is_empty() {
                 for batch in batches.iter().filter(|b| b.recovered) {
                     tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
+                    metrics::counter!("orca_push_lease_expiries_total").increment(1);
                 }
                 return Ok(batches);
             }
@@ -182,6 +191,22 @@ impl<S: QueueStore> DeliveryQueue<S> {
 
     pub async fn depth(&self) -> Result<Depth, QueueError> {
         self.store.depth(now(&*self.clock)).await
+    }
+
+    /// Publishes the depth gauges (aggregate, no labels beyond the state).
+    pub async fn record_depth(&self) {
+        match self.depth().await {
+            Ok(depth) => {
+                metrics::gauge!("orca_push_queue_batches", "state" => "waiting")
+                    .set(depth.waiting as f64);
+                metrics::gauge!("orca_push_queue_batches", "state" => "due").set(depth.due as f64);
+                metrics::gauge!("orca_push_queue_batches", "state" => "leased")
+                    .set(depth.leased as f64);
+                metrics::gauge!("orca_push_queue_oldest_due_age_seconds")
+                    .set(depth.oldest_due_age_ms as f64 / 1000.0);
+            }
+            Err(error) => tracing::warn!(%error, "queue depth unavailable"),
+        }
     }
 
     pub async fn cleanup(&self) -> Result<Cleaned, QueueError> {

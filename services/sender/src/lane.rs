@@ -206,26 +206,40 @@ impl Sender {
             outcome: outcome as i32,
             reason,
         };
+        let provider = match &outcome {
+            Outcome::Verdict(_, Some(target)) => target.provider(),
+            _ => "none",
+        };
+        let delivered = |outcome: &'static str| {
+            metrics::counter!("orca_push_deliveries_total", "provider" => provider, "outcome" => outcome).increment(1);
+        };
         let c = &self.counters;
         let request = match outcome {
             Outcome::Expired => {
                 c.expired.fetch_add(1, Ordering::Relaxed);
+                delivered("expired");
                 complete(queue_pb::Outcome::Expired, "deadline".into())
             }
             Outcome::Gone("dead") => {
                 c.dead.fetch_add(1, Ordering::Relaxed);
+                delivered("dead");
                 complete(queue_pb::Outcome::Dead, "dead".into())
             }
             Outcome::Gone(reason) => {
                 c.failed.fetch_add(1, Ordering::Relaxed);
+                delivered("failed");
                 complete(queue_pb::Outcome::Failed, reason.into())
             }
             Outcome::Verdict(Verdict::Sent, _) => {
                 c.sent.fetch_add(1, Ordering::Relaxed);
+                delivered("sent");
                 complete(queue_pb::Outcome::Sent, "sent".into())
             }
             Outcome::Verdict(Verdict::Dead(reason), target) => {
                 c.dead.fetch_add(1, Ordering::Relaxed);
+                delivered("dead");
+                metrics::counter!("orca_push_dead_tokens_total", "provider" => provider)
+                    .increment(1);
                 if let Some(target) = target {
                     self.registry
                         .clone()
@@ -236,17 +250,21 @@ impl Sender {
             }
             Outcome::Verdict(Verdict::Failed(reason), _) => {
                 c.failed.fetch_add(1, Ordering::Relaxed);
+                delivered("failed");
                 complete(queue_pb::Outcome::Failed, reason)
             }
             Outcome::Verdict(Verdict::Retry { reason, not_before }, _) => {
                 if job.attempt >= MAX_ATTEMPTS {
                     c.failed.fetch_add(1, Ordering::Relaxed);
+                    delivered("failed");
                     complete(
                         queue_pb::Outcome::Failed,
                         format!("attempts_exhausted_{reason}"),
                     )
                 } else {
                     c.retried.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("orca_push_delivery_retries_total", "provider" => provider)
+                        .increment(1);
                     let delay = retry_delay(job.attempt, not_before);
                     let at = now_ms(&*self.clock)
                         + i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 2);
@@ -263,6 +281,7 @@ impl Sender {
                         .into_inner();
                     if answer.expired {
                         c.expired.fetch_add(1, Ordering::Relaxed);
+                        delivered("expired");
                     }
                     return Ok(());
                 }

@@ -62,6 +62,7 @@ pub async fn serve(
         instance,
         lease_ms,
     });
+    Providers::register_metrics();
     let hard_stop = CancellationToken::new();
     {
         let drain = drain.clone();

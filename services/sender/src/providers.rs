@@ -93,6 +93,15 @@ impl Target {
         }
     }
 
+    /// The provider's name for metrics.
+    pub fn provider(&self) -> &'static str {
+        if self.platform == registry_pb::Platform::Ios as i32 {
+            "apns"
+        } else {
+            "fcm"
+        }
+    }
+
     /// Marks dead exactly what was sent: a token replaced meanwhile stays alive.
     pub fn mark_dead_request(&self, registration_id: &str) -> registry_pb::MarkDeadRequest {
         registry_pb::MarkDeadRequest {
@@ -172,21 +181,41 @@ impl Providers {
     }
 
     pub async fn send(&self, job: &Job, target: &Target, now: i64, counters: &Counters) -> Verdict {
-        if target.platform == registry_pb::Platform::Ios as i32 {
+        let started = std::time::Instant::now();
+        let verdict = if target.platform == registry_pb::Platform::Ios as i32 {
             self.send_apns(job, target, counters).await
         } else {
             let Some(fcm) = &self.fcm else {
                 counters.not_configured.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("orca_push_provider_not_configured_total", "provider" => "fcm")
+                    .increment(1);
                 tracing::error!("FCM delivery failed: FCM is not configured");
                 return Verdict::Failed("fcm_not_configured".into());
             };
             fcm.send(fcm_message(job, &target.token, now), false).await
+        };
+        metrics::histogram!("orca_push_provider_request_duration_seconds", "provider" => target.provider())
+            .record(started.elapsed().as_secs_f64());
+        verdict
+    }
+
+    /// Registers every delivery family at zero, so a scrape shows them before the first event.
+    pub fn register_metrics() {
+        for provider in ["apns", "fcm"] {
+            metrics::counter!("orca_push_delivery_retries_total", "provider" => provider)
+                .increment(0);
+            metrics::counter!("orca_push_dead_tokens_total", "provider" => provider).increment(0);
+            metrics::counter!("orca_push_provider_not_configured_total", "provider" => provider)
+                .increment(0);
+            metrics::counter!("orca_push_deliveries_total", "provider" => provider, "outcome" => "sent").increment(0);
         }
     }
 
     async fn send_apns(&self, job: &Job, target: &Target, counters: &Counters) -> Verdict {
         let Some(apns) = &self.apns else {
             counters.not_configured.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("orca_push_provider_not_configured_total", "provider" => "apns")
+                .increment(1);
             tracing::error!("APNs delivery failed: APNs is not configured");
             return Verdict::Failed("apns_not_configured".into());
         };
