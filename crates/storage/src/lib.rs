@@ -145,3 +145,15 @@ async fn open_postgres(url: &str, service: &ServiceStorage) -> Result<PgPool, Op
     }
     Ok(pool)
 }
+
+/// A client span for one storage operation, with the OpenTelemetry database conventions. It names
+/// the operation, never its arguments.
+pub fn db_span(system: &'static str, operation: &'static str) -> tracing::Span {
+    tracing::info_span!(
+        "db",
+        otel.name = operation,
+        otel.kind = "client",
+        db.system = system,
+        db.operation.name = operation,
+    )
+}

@@ -47,6 +47,17 @@ pub fn resource(service_name: &str, instance_id: &str) -> Resource {
 pub fn init(
     provider: SdkTracerProvider,
 ) -> Result<TelemetryGuard, tracing_subscriber::util::TryInitError> {
+    init_with_log_writer(provider, std::io::stderr)
+}
+
+/// [`init`], with logs going to `writer` (tests read them back).
+pub fn init_with_log_writer<W>(
+    provider: SdkTracerProvider,
+    writer: W,
+) -> Result<TelemetryGuard, tracing_subscriber::util::TryInitError>
+where
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
+{
     install_propagator();
     let tracer = provider.tracer("orca-push");
     opentelemetry::global::set_tracer_provider(provider.clone());
@@ -56,7 +67,7 @@ pub fn init(
         .with(filter)
         .with(
             tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
+                .with_writer(writer)
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
         )
         .with(tracing_opentelemetry::layer().with_tracer(tracer))

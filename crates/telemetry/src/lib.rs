@@ -9,7 +9,7 @@ mod grpc;
 mod init;
 
 pub use grpc::{GrpcClientLayer, GrpcServerLayer, TracedChannel, traced_channel};
-pub use init::{TelemetryGuard, init, install_propagator, resource};
+pub use init::{TelemetryGuard, init, init_with_log_writer, install_propagator, resource};
 
 use opentelemetry::propagation::{Extractor, Injector};
 
@@ -58,4 +58,29 @@ pub fn inject_current_context(headers: &mut http::HeaderMap) {
 pub fn set_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) {
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
     let _ = span.set_parent(extract_context(headers));
+}
+
+/// The span context a W3C `traceparent` names, for linking a span to another trace.
+pub fn span_context_from_traceparent(
+    traceparent: &str,
+) -> Option<opentelemetry::trace::SpanContext> {
+    use opentelemetry::trace::TraceContextExt as _;
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        "traceparent",
+        http::HeaderValue::from_str(traceparent).ok()?,
+    );
+    let context = extract_context(&headers);
+    let span_context = context.span().span_context().clone();
+    span_context.is_valid().then_some(span_context)
+}
+
+/// Links `span` to each trace named by `traceparents` (a delivery to the admissions it carries).
+pub fn link_traces<'a>(span: &tracing::Span, traceparents: impl IntoIterator<Item = &'a String>) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    for traceparent in traceparents {
+        if let Some(context) = span_context_from_traceparent(traceparent) {
+            span.add_link(context);
+        }
+    }
 }

@@ -138,12 +138,17 @@ impl AnyAuthStore {
 }
 
 macro_rules! delegate {
-    ($self:ident, $store:ident => $call:expr) => {
+    ($self:ident, $s:ident => $target:ident . $method:ident ( $($arg:expr),* )) => {{
+        use tracing::Instrument as _;
         match $self {
-            AnyAuthStore::Sqlite($store) => $call.await,
-            AnyAuthStore::Postgres($store) => $call.await,
+            AnyAuthStore::Sqlite($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("sqlite", stringify!($method)))
+                .await,
+            AnyAuthStore::Postgres($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("postgresql", stringify!($method)))
+                .await,
         }
-    };
+    }};
 }
 
 impl AuthStore for AnyAuthStore {

@@ -979,12 +979,17 @@ impl AnyQueueStore {
 }
 
 macro_rules! delegate {
-    ($self:ident, $s:ident => $call:expr) => {
+    ($self:ident, $s:ident => $target:ident . $method:ident ( $($arg:expr),* )) => {{
+        use tracing::Instrument as _;
         match $self {
-            AnyQueueStore::Sqlite($s) => $call.await,
-            AnyQueueStore::Postgres($s) => $call.await,
+            AnyQueueStore::Sqlite($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("sqlite", stringify!($method)))
+                .await,
+            AnyQueueStore::Postgres($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("postgresql", stringify!($method)))
+                .await,
         }
-    };
+    }};
 }
 
 impl QueueStore for AnyQueueStore {

@@ -371,12 +371,17 @@ impl AnyRegistryStore {
 }
 
 macro_rules! delegate {
-    ($self:ident, $s:ident => $call:expr) => {
+    ($self:ident, $s:ident => $target:ident . $method:ident ( $($arg:expr),* )) => {{
+        use tracing::Instrument as _;
         match $self {
-            AnyRegistryStore::Sqlite($s) => $call.await,
-            AnyRegistryStore::Postgres($s) => $call.await,
+            AnyRegistryStore::Sqlite($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("sqlite", stringify!($method)))
+                .await,
+            AnyRegistryStore::Postgres($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("postgresql", stringify!($method)))
+                .await,
         }
-    };
+    }};
 }
 
 impl RegistryStore for AnyRegistryStore {

@@ -161,6 +161,7 @@ impl Fcm {
             }
         };
         let status = response.status().as_u16();
+        tracing::Span::current().record("http.response.status_code", status);
         let retry_after = response
             .headers()
             .get("retry-after")

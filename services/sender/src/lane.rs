@@ -12,6 +12,7 @@ use orca_push_proto::registry::v1 as registry_pb;
 use orca_push_storage::Clock;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::payload::Job;
 use crate::providers::{Providers, Target};
@@ -143,6 +144,19 @@ impl Sender {
     }
 
     async fn deliver(&self, job: Job) {
+        // Its own trace, linked to the trace of every event it carries.
+        let span = tracing::info_span!(
+            "delivery",
+            otel.name = "deliver batch",
+            otel.kind = "consumer",
+            orca.members = job.member_traceparents.len(),
+            orca.attempt = job.attempt,
+        );
+        orca_push_telemetry::link_traces(&span, &job.member_traceparents);
+        self.deliver_in_span(job).instrument(span).await;
+    }
+
+    async fn deliver_in_span(&self, job: Job) {
         let renewing = CancellationToken::new();
         let renewer = tokio::spawn(renew_lease(
             self.queue.clone(),

@@ -181,6 +181,45 @@ impl Providers {
     }
 
     pub async fn send(&self, job: &Job, target: &Target, now: i64, counters: &Counters) -> Verdict {
+        use tracing::Instrument as _;
+        let provider = target.provider();
+        let span = tracing::info_span!(
+            "provider",
+            otel.name = if provider == "apns" {
+                "POST apns"
+            } else {
+                "POST fcm"
+            },
+            otel.kind = "client",
+            orca.provider = provider,
+            http.response.status_code = tracing::field::Empty,
+            orca.verdict = tracing::field::Empty,
+            orca.reason = tracing::field::Empty,
+        );
+        let verdict = self
+            .send_in_span(job, target, now, counters)
+            .instrument(span.clone())
+            .await;
+        let (kind, reason) = match &verdict {
+            Verdict::Sent => ("sent", ""),
+            Verdict::Dead(r) => ("dead", r.as_str()),
+            Verdict::Retry { reason, .. } => ("retry", reason.as_str()),
+            Verdict::Failed(r) => ("failed", r.as_str()),
+        };
+        span.record("orca.verdict", kind);
+        if !reason.is_empty() {
+            span.record("orca.reason", reason);
+        }
+        verdict
+    }
+
+    async fn send_in_span(
+        &self,
+        job: &Job,
+        target: &Target,
+        now: i64,
+        counters: &Counters,
+    ) -> Verdict {
         let started = std::time::Instant::now();
         let verdict = if target.platform == registry_pb::Platform::Ios as i32 {
             self.send_apns(job, target, counters).await
@@ -234,6 +273,7 @@ impl Providers {
         };
         match pool.send(&request, &bearer).await {
             Ok((status, headers, body)) => {
+                tracing::Span::current().record("http.response.status_code", status);
                 let verdict = crate::apns::classify(status, &headers, &body);
                 if matches!(&verdict, Verdict::Retry { reason, .. } if reason == "ExpiredProviderToken")
                 {

@@ -1,0 +1,206 @@
+//! One alert through the whole gateway, in process, with spans captured by the SDK's in-memory
+//! exporter and logs by a buffer: the span tree an SRE follows from request to provider, and no
+//! token, title, body, session token or fingerprint (beyond 4 characters) in any span or log.
+
+use std::io::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opentelemetry::trace::{SpanKind, TraceId};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use orca_push_host::HostKey;
+use orca_push_tests::mock_apns::MockApns;
+use orca_push_tests::{Raw, bearer};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Default)]
+struct LogBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuffer {
+    type Writer = LogBuffer;
+    fn make_writer(&'a self) -> LogBuffer {
+        self.clone()
+    }
+}
+
+fn attribute(span: &SpanData, key: &str) -> Option<String> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| kv.value.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
+    let exporter = InMemorySpanExporter::default();
+    let provider = SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    let logs = LogBuffer::default();
+    let _telemetry =
+        orca_push_telemetry::init_with_log_writer(provider.clone(), logs.clone()).unwrap();
+
+    let apns = MockApns::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut vars = apns.env();
+    vars.push((
+        "ORCA_PUSH_DATA_DIR".into(),
+        dir.path().display().to_string(),
+    ));
+    vars.push(("ORCA_PUSH_COALESCE_MS".into(), "0".into()));
+    let config = orca_push::Config::from_lookup(|k| {
+        vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    })
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+    let drain = CancellationToken::new();
+    let gateway = tokio::spawn(orca_push::topology::serve_all_in_one(
+        Arc::new(config),
+        listener,
+        drain.clone(),
+    ));
+
+    let raw = Raw {
+        http: reqwest::Client::new(),
+        base,
+    };
+    for _ in 0..100 {
+        if raw.get("/ready", &[]).await.status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let key = HostKey::generate();
+    let session = raw.login(&key, &[]).await;
+    let auth = bearer(&session);
+    let token = "deadbeefcafe0042d00d";
+    let id = raw
+        .post(
+            "/v1/devices",
+            &json!({ "v": 1, "deviceId": "phone-marker-7", "platform": "ios", "token": token, "apnsEnvironment": "sandbox" }),
+            &[("authorization", &auth)],
+        )
+        .await
+        .body["registrationId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (title, body) = ("MARKER-TITLE-5f3e91", "MARKER-BODY-0a77c2");
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let reply = raw
+        .post(
+            "/v1/send",
+            &json!({ "v": 1, "registrationIds": [id], "notification": {
+                "notificationId": "n-1", "notificationSeq": 1, "notificationEpoch": "e-1",
+                "source": "agent-task-complete", "agentState": "finished", "title": title, "body": body } }),
+            &[("authorization", &auth), ("traceparent", traceparent)],
+        )
+        .await;
+    assert_eq!(reply.body["results"][0]["status"], "queued");
+    apns.wait_for(token, 1, Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    provider.force_flush().unwrap();
+    let spans = exporter.get_finished_spans().unwrap();
+
+    // The request's trace: facade, then every gRPC hop as client and server, then SQL.
+    let trace_id = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
+    let request: Vec<&SpanData> = spans
+        .iter()
+        .filter(|s| s.span_context.trace_id() == trace_id)
+        .collect();
+    let find = |kind: SpanKind, name: &str| {
+        request
+            .iter()
+            .copied()
+            .find(|s| s.span_kind == kind && s.name == name)
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {kind:?} span {name} in {:#?}",
+                    request.iter().map(|s| &s.name).collect::<Vec<_>>()
+                )
+            })
+    };
+    let http = find(SpanKind::Server, "POST /v1/send");
+    assert_eq!(attribute(http, "http.route").as_deref(), Some("/v1/send"));
+    for (service, method) in [
+        ("orca.push.auth.v1.AuthService", "Authenticate"),
+        (
+            "orca.push.registry.v1.RegistryService",
+            "ResolveRegistrations",
+        ),
+        ("orca.push.queue.v1.QueueService", "Enqueue"),
+    ] {
+        let name = format!("{service}/{method}");
+        let client = find(SpanKind::Client, &name);
+        let server = find(SpanKind::Server, &name);
+        assert_eq!(
+            server.parent_span_id,
+            client.span_context.span_id(),
+            "{name}"
+        );
+        assert_eq!(attribute(server, "rpc.system").as_deref(), Some("grpc"));
+        assert_eq!(attribute(server, "rpc.service").as_deref(), Some(service));
+        assert_eq!(attribute(server, "rpc.method").as_deref(), Some(method));
+        // The SQL work of the service is a child of its server span.
+        assert!(
+            request
+                .iter()
+                .any(|s| s.parent_span_id == server.span_context.span_id()
+                    && attribute(s, "db.system").as_deref() == Some("sqlite")),
+            "{name} has a db child span"
+        );
+    }
+
+    // Delivery: its own trace, linked to the request's, with the provider call as its child.
+    let delivery = spans
+        .iter()
+        .find(|s| {
+            s.name == "deliver batch"
+                && s.links
+                    .iter()
+                    .any(|l| l.span_context.trace_id() == trace_id)
+        })
+        .expect("a delivery span linked to the request's trace");
+    let call = spans
+        .iter()
+        .find(|s| s.name == "POST apns" && s.parent_span_id == delivery.span_context.span_id())
+        .expect("the provider call is a child of the delivery");
+    assert_eq!(call.span_kind, SpanKind::Client);
+    assert_eq!(attribute(call, "orca.provider").as_deref(), Some("apns"));
+    assert_eq!(
+        attribute(call, "http.response.status_code").as_deref(),
+        Some("200")
+    );
+    assert_eq!(attribute(call, "orca.verdict").as_deref(), Some("sent"));
+
+    // Nothing personal anywhere.
+    let everything = format!("{spans:?}");
+    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let fingerprint = key.fingerprint();
+    for secret in [
+        token,
+        title,
+        body,
+        session.as_str(),
+        &fingerprint[..5],
+        &apns.key_pem[30..60],
+    ] {
+        assert!(!everything.contains(secret), "{secret} in a span");
+        assert!(!logged.contains(secret), "{secret} in the logs");
+    }
+    drain.cancel();
+    let _ = logs.0.lock().unwrap().flush();
+    let _ = tokio::time::timeout(Duration::from_secs(10), gateway).await;
+}
