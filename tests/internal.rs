@@ -224,3 +224,29 @@ async fn the_cli_mints_tokens_with_the_shared_key() {
         String::from_utf8_lossy(&output.stderr).starts_with("orca-push: ORCA_PUSH_INTERNAL_KEY")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_follows_the_services_and_healthz_only_the_process() {
+    let mut gateway = Gateway::start_split(Backend::Sqlite).await;
+    let raw = orca_push_tests::Raw::new(&gateway);
+    assert_eq!(raw.get("/ready", &[]).await.status, 200);
+    gateway.process("queue").kill().await;
+    // Readiness is cached for a second; then the dead queue shows.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let ready = raw.get("/ready", &[]).await;
+    assert_eq!(
+        (ready.status, ready.error()),
+        (503, Some("dependency_unavailable"))
+    );
+    assert_eq!(
+        raw.get("/healthz", &[]).await.status,
+        200,
+        "the process itself is alive"
+    );
+    gateway.process("queue").respawn().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while raw.get("/ready", &[]).await.status != 200 {
+        assert!(std::time::Instant::now() < deadline, "never ready again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -125,7 +125,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 ServiceName::Queue => "orca-push-queue",
                 ServiceName::Sender => "orca-push-sender",
             });
-            let _telemetry = init_telemetry(name)?;
+            let _telemetry = init_telemetry(&config, name)?;
             let shutdown = CancellationToken::new();
             tokio::spawn(cancel_on_signal(shutdown.clone()));
             let metrics = crate::metrics::install()?;
@@ -143,7 +143,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Migrate => {
             let config = Config::from_env()?;
-            let _telemetry = init_telemetry("orca-push-migrate")?;
+            let _telemetry = init_telemetry(&config, "orca-push-migrate")?;
             topology::migrate(&config).await?;
             tracing::info!("migrations applied");
             Ok(())
@@ -167,7 +167,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::ProbeFcm { token } => {
             let config = Config::from_env()?;
-            let _telemetry = init_telemetry("orca-push-probe")?;
+            let _telemetry = init_telemetry(&config, "orca-push-probe")?;
             let providers = orca_push_sender::Providers::new(&config.providers)
                 .await
                 .context("providers")?;
@@ -191,11 +191,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-fn init_telemetry(service_name: &str) -> anyhow::Result<orca_push_telemetry::TelemetryGuard> {
+fn init_telemetry(
+    config: &Config,
+    service_name: &str,
+) -> anyhow::Result<orca_push_telemetry::TelemetryGuard> {
     let instance = format!("{}-{}", hostname(), std::process::id());
-    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
-        .with_resource(orca_push_telemetry::resource(service_name, &instance))
-        .build();
+    let name = config.otel_service_name.as_deref().unwrap_or(service_name);
+    let provider = orca_push_telemetry::tracer_provider(
+        orca_push_telemetry::resource(name, &instance),
+        config.otlp_endpoint.as_deref(),
+    )
+    .context("OTEL_EXPORTER_OTLP_ENDPOINT")?;
     orca_push_telemetry::init(provider).context("telemetry")
 }
 

@@ -110,6 +110,10 @@ pub struct Config {
     pub lease_ms: u32,
     /// Where `/metrics` is served.
     pub metrics_addr: SocketAddr,
+    /// OTLP/gRPC collector for spans, from the standard `OTEL_*` variables; None: no export.
+    pub otlp_endpoint: Option<String>,
+    /// `OTEL_SERVICE_NAME`, if set, names the service in exported spans.
+    pub otel_service_name: Option<String>,
     /// Signs and checks internal gRPC tokens; required in split mode.
     pub internal_key: Option<orca_push_internal_auth::InternalKey>,
 }
@@ -212,6 +216,26 @@ impl Config {
             })?,
             None => SocketAddr::from(([127, 0, 0, 1], 9464)),
         };
+        let otlp_endpoint = match get("OTEL_TRACES_EXPORTER").as_deref() {
+            Some("none") => None,
+            Some("otlp") | None => get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                .or_else(|| get("OTEL_EXPORTER_OTLP_ENDPOINT")),
+            Some(_) => {
+                return Err(invalid(
+                    "OTEL_TRACES_EXPORTER",
+                    "only `otlp` or `none` are supported",
+                ));
+            }
+        };
+        if let Some(endpoint) = &otlp_endpoint
+            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+        {
+            return Err(invalid(
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "must be an http(s):// URL of an OTLP/gRPC collector",
+            ));
+        }
+        let otel_service_name = get("OTEL_SERVICE_NAME");
         let internal_key = get("ORCA_PUSH_INTERNAL_KEY")
             .map(|secret| {
                 orca_push_internal_auth::InternalKey::from_secret(&secret)
@@ -238,6 +262,8 @@ impl Config {
             providers,
             lease_ms,
             metrics_addr,
+            otlp_endpoint,
+            otel_service_name,
             internal_key,
         })
     }

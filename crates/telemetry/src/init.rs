@@ -42,6 +42,26 @@ pub fn resource(service_name: &str, instance_id: &str) -> Resource {
         .build()
 }
 
+/// Where spans go: always created and propagated; exported by OTLP/gRPC to `otlp_endpoint` when
+/// one is configured (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`). The
+/// exporter also honours the standard `OTEL_EXPORTER_OTLP_HEADERS`/`_TIMEOUT`/`_COMPRESSION`.
+/// Call inside the Tokio runtime: the exporter's gRPC client needs it.
+pub fn tracer_provider(
+    resource: Resource,
+    otlp_endpoint: Option<&str>,
+) -> Result<SdkTracerProvider, opentelemetry_otlp::ExporterBuildError> {
+    use opentelemetry_otlp::WithExportConfig as _;
+    let mut builder = SdkTracerProvider::builder().with_resource(resource);
+    if let Some(endpoint) = otlp_endpoint {
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint)
+            .build()?;
+        builder = builder.with_batch_exporter(exporter);
+    }
+    Ok(builder.build())
+}
+
 /// Installs the process's subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`) and
 /// spans to `provider`. Fails if a subscriber is already installed.
 pub fn init(

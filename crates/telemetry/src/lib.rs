@@ -9,7 +9,9 @@ mod grpc;
 mod init;
 
 pub use grpc::{GrpcClientLayer, GrpcServerLayer, TracedChannel, traced_channel};
-pub use init::{TelemetryGuard, init, init_with_log_writer, install_propagator, resource};
+pub use init::{
+    TelemetryGuard, init, init_with_log_writer, install_propagator, resource, tracer_provider,
+};
 
 use opentelemetry::propagation::{Extractor, Injector};
 

@@ -1,0 +1,85 @@
+//! OTLP export when the standard variables ask for it: a real gateway process sends its spans to an
+//! OTLP/gRPC receiver running in this test, under the service's name.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use orca_push_host::HostKey;
+use orca_push_tests::{Backend, Gateway, Raw};
+
+#[derive(Clone, Default)]
+struct Receiver(Arc<Mutex<Vec<(String, String)>>>);
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut got = self.0.lock().unwrap();
+        for resource_spans in request.into_inner().resource_spans {
+            let service = resource_spans
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref())
+                .map(|v| format!("{:?}", v.value))
+                .unwrap_or_default();
+            for scope in resource_spans.scope_spans {
+                for span in scope.spans {
+                    got.push((service.clone(), span.name));
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_by_otlp_when_the_environment_asks() {
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(receiver.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let gateway = Gateway::start_with(
+        Backend::Sqlite,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_SERVICE_NAME", "orca-push-under-test"),
+        ],
+    )
+    .await;
+    Raw::new(&gateway).login(&HostKey::generate(), &[]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = receiver.0.lock().unwrap().clone();
+        if got.iter().any(|(_, name)| name == "POST /v1/host/session")
+            && got
+                .iter()
+                .any(|(_, name)| name == "orca.push.auth.v1.AuthService/CreateSession")
+        {
+            assert!(
+                got.iter()
+                    .all(|(service, _)| service.contains("orca-push-under-test")),
+                "{got:?}"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "spans received: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
