@@ -118,6 +118,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve { service } => {
             let config = Arc::new(Config::from_env()?);
+            // Split-mode settings are checked before anything starts, so a misconfiguration is one
+            // line and nothing else.
+            if service.is_some() {
+                config.require_internal_key()?;
+            }
             let name = service.map_or("orca-push", |s| match s {
                 ServiceName::Facade => "orca-push-facade",
                 ServiceName::Auth => "orca-push-auth",
