@@ -250,12 +250,19 @@ impl Limits {
         if let Ok(permit) = self.lookups.try_acquire() {
             return Ok(permit);
         }
+        // Counted out on drop, so a request cancelled while waiting (client gone) frees its place.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let waiting = Waiting(&self.waiting);
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= LOOKUP_QUEUE {
-            self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(ApiError::Busy);
         }
         let permit = tokio::time::timeout(LOOKUP_WAIT, self.lookups.acquire()).await;
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        drop(waiting);
         match permit {
             Ok(Ok(permit)) => Ok(permit),
             _ => Err(ApiError::Busy),
@@ -370,6 +377,27 @@ mod tests {
         drop(held);
         let admitted = waiting.await;
         assert!(admitted.iter().all(Result::is_ok));
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_waiter_frees_its_place_in_the_queue() {
+        let limits = Limits::new(0);
+        let _held: Vec<_> =
+            futures::future::join_all((0..LOOKUP_CONCURRENCY).map(|_| limits.admit_lookup()))
+                .await
+                .into_iter()
+                .map(Result::unwrap)
+                .collect();
+        // A full queue of waiters whose clients all go away...
+        for _ in 0..LOOKUP_QUEUE {
+            let waiter = limits.admit_lookup();
+            tokio::pin!(waiter);
+            assert!(futures::poll!(waiter.as_mut()).is_pending());
+        }
+        // ...leaves no ghost behind: the next one waits rather than being told `busy` at once.
+        let next = limits.admit_lookup();
+        tokio::pin!(next);
+        assert!(futures::poll!(next.as_mut()).is_pending());
     }
 
     #[tokio::test(start_paused = true)]

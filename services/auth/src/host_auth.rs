@@ -48,6 +48,8 @@ pub const LAST_SEEN_INTERVAL_MS: u64 = 60_000;
 /// A host with no contact for an hour and no registrations is pruned.
 pub const HOST_IDLE_MS: u64 = 60 * 60 * 1000;
 const HOST_PRUNE_BATCH: i64 = 500;
+/// Pages of stale hosts one prune pass reads at most.
+const HOST_PRUNE_PAGES: usize = 20;
 /// Session tokens: 32 random bytes, unpadded base64url.
 pub const SESSION_TOKEN_LEN: usize = 43;
 const CHALLENGE_ID_MAX: usize = 128;
@@ -106,6 +108,8 @@ pub struct HostAuth<S> {
     store: S,
     gateway_origin: String,
     clock: Arc<dyn Clock>,
+    /// The fingerprint the host prune stopped after.
+    prune_cursor: std::sync::Mutex<String>,
 }
 
 impl<S: AuthStore> HostAuth<S> {
@@ -114,6 +118,7 @@ impl<S: AuthStore> HostAuth<S> {
             store,
             gateway_origin,
             clock,
+            prune_cursor: std::sync::Mutex::new(String::new()),
         }
     }
 
@@ -287,11 +292,21 @@ impl<S: AuthStore> HostAuth<S> {
     pub async fn prune_hosts(&self, directory: &impl DeviceDirectory) -> Result<u64, AuthError> {
         let cutoff = self.clock.now_ms().saturating_sub(HOST_IDLE_MS);
         let mut pruned = 0;
-        loop {
-            let stale = self.store.stale_hosts(cutoff, HOST_PRUNE_BATCH).await?;
-            if stale.is_empty() {
+        // Resume where the last pass stopped; a pass reads a bounded number of pages.
+        let mut after = self
+            .prune_cursor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for _ in 0..HOST_PRUNE_PAGES {
+            let stale = self
+                .store
+                .stale_hosts(cutoff, &after, HOST_PRUNE_BATCH)
+                .await?;
+            let Some(last) = stale.last().cloned() else {
+                after.clear();
                 break;
-            }
+            };
             let keep = directory
                 .hosts_still_registered(stale.clone())
                 .await
@@ -302,10 +317,13 @@ impl<S: AuthStore> HostAuth<S> {
                 .cloned()
                 .collect();
             pruned += self.store.delete_stale_hosts(&doomed, cutoff).await?;
-            if (stale.len() as i64) < HOST_PRUNE_BATCH || doomed.is_empty() {
+            if (stale.len() as i64) < HOST_PRUNE_BATCH {
+                after.clear();
                 break;
             }
+            after = last;
         }
+        *self.prune_cursor.lock().unwrap_or_else(|p| p.into_inner()) = after;
         if pruned > 0 {
             tracing::info!(pruned, "pruned idle hosts without devices");
         }

@@ -97,10 +97,12 @@ pub trait AuthStore: Send + Sync + 'static {
         stale_before_ms: u64,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// Hosts whose last contact is at or before `before_ms`, at most `limit`.
+    /// Hosts whose last contact is at or before `before_ms`, in fingerprint order after `after`,
+    /// at most `limit` (keyset pages, so hosts that are kept never hide the rest).
     fn stale_hosts(
         &self,
         before_ms: u64,
+        after: &str,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send;
 
@@ -175,8 +177,13 @@ impl AuthStore for AnyAuthStore {
     ) -> Result<(), sqlx::Error> {
         delegate!(self, s => s.touch_host(fp, now_ms, stale_before_ms))
     }
-    async fn stale_hosts(&self, before_ms: u64, limit: i64) -> Result<Vec<String>, sqlx::Error> {
-        delegate!(self, s => s.stale_hosts(before_ms, limit))
+    async fn stale_hosts(
+        &self,
+        before_ms: u64,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, sqlx::Error> {
+        delegate!(self, s => s.stale_hosts(before_ms, after, limit))
     }
     async fn delete_stale_hosts(
         &self,
@@ -359,12 +366,13 @@ macro_rules! auth_store {
             Ok(())
         }
 
-        async fn stale_hosts(&self, before_ms: u64, limit: i64) -> Result<Vec<String>, sqlx::Error> {
+        async fn stale_hosts(&self, before_ms: u64, after: &str, limit: i64) -> Result<Vec<String>, sqlx::Error> {
             sqlx::query_scalar(
-                "SELECT host_fingerprint FROM push_hosts WHERE last_seen_at <= $1 \
-                 ORDER BY last_seen_at LIMIT $2",
+                "SELECT host_fingerprint FROM push_hosts WHERE last_seen_at <= $1 AND host_fingerprint > $2 \
+                 ORDER BY host_fingerprint LIMIT $3",
             )
             .bind(db_time(before_ms))
+            .bind(after)
             .bind(limit)
             .fetch_all(&self.pool)
             .await

@@ -474,3 +474,46 @@ async fn idle_hosts_without_devices_are_pruned_after_an_hour(backend: Backend) {
     h.clock.advance(2);
     assert_eq!(h.auth.prune_hosts(&directory).await.unwrap(), 0);
 }
+
+/// Keeps every host but one.
+struct KeepAllBut(String);
+
+impl orca_push_auth::DeviceDirectory for KeepAllBut {
+    async fn hosts_still_registered(
+        &self,
+        hosts: Vec<String>,
+    ) -> Result<Vec<String>, tonic::Status> {
+        Ok(hosts.into_iter().filter(|h| *h != self.0).collect())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hosts_kept_for_their_devices_never_hide_the_ones_to_prune() {
+    let h = harness(Backend::Sqlite).await;
+    // More than one page (500) of hosts.
+    let mut hosts: Vec<Host> = (0..520u16)
+        .map(|i| {
+            let mut secret = [1u8; 32];
+            secret[..2].copy_from_slice(&i.to_be_bytes());
+            Host {
+                secret,
+                public: hp::public_key(&secret),
+            }
+        })
+        .collect();
+    for host in &hosts {
+        login(&h, host).await;
+    }
+    hosts.sort_by_key(Host::fingerprint);
+    // The one host without devices sorts last, behind a full page of hosts that are kept.
+    let doomed = hosts.last().unwrap().fingerprint();
+    h.clock.advance(orca_push_auth::HOST_IDLE_MS);
+    assert_eq!(
+        h.auth
+            .prune_hosts(&KeepAllBut(doomed.clone()))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(h.auth.store().host_last_seen_for_test(&doomed).await, None);
+}

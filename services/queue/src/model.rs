@@ -93,10 +93,18 @@ fn json_len(value: &Option<String>) -> i64 {
     })
 }
 
-/// Bytes one member adds to a summary's `summaryMembers` (counted as FCM's escaped JSON string,
-/// the larger of the two providers' encodings).
+/// Bytes one member adds to a summary's `summaryMembers`, exactly as FCM carries it (a JSON string
+/// inside the JSON message, so every quote and backslash is escaped twice: the larger of the two
+/// providers' encodings), with the longest possible sequence and the separating comma.
 pub fn member_bytes(notification_id: &str, epoch: &str) -> i64 {
-    (notification_id.len() + epoch.len()) as i64 + 100
+    let entry = serde_json::json!({
+        "notificationId": notification_id,
+        "notificationEpoch": epoch,
+        "notificationSeq": MAX_SAFE_INTEGER,
+    })
+    .to_string();
+    let nested = serde_json::to_string(&entry).map_or(entry.len() * 2, |s| s.len() - 2);
+    nested as i64 + 1
 }
 
 /// Whether a summary with these totals still fits the provider payload with its envelope.
@@ -366,6 +374,14 @@ mod tests {
             single_collapse_id("D20lU_8MD0R64gLt", "e", None),
             "host:D20lU_8MD0R64gLt"
         );
+    }
+
+    #[test]
+    fn member_bytes_count_double_escaping() {
+        let plain = member_bytes("abc", "e");
+        assert!((90..=110).contains(&plain), "{plain}");
+        // Every quote costs 3 more bytes inside FCM's summaryMembers string (\\\").
+        assert_eq!(member_bytes("a\"c", "e") - plain, 3);
     }
 
     #[test]

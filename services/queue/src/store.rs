@@ -229,6 +229,24 @@ macro_rules! queue_store {
                 Ok(())
             }
 
+            /// True (and the row locked for the rest of the transaction) while this lease still holds
+            /// the batch: a no-op write, so a concurrent claim or answer waits rather than interleaves.
+            async fn hold_lease(
+                tx: &mut <$store as Backend>::Tx,
+                batch_id: &str,
+                token: &str,
+            ) -> Result<bool, sqlx::Error> {
+                let held = sqlx::query(
+                    "UPDATE push_delivery_batches SET lease_token = lease_token \
+                     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'",
+                )
+                .bind(batch_id)
+                .bind(token)
+                .execute(&mut **tx)
+                .await?;
+                Ok(held.rows_affected() == 1)
+            }
+
             /// A new batch for one member.
             #[allow(clippy::too_many_arguments)]
             async fn open_batch(
@@ -284,12 +302,13 @@ macro_rules! queue_store {
                     "SELECT batch_id, member_count, members_bytes, routing_bytes, window_ends_at \
                      FROM push_delivery_batches \
                      WHERE registration_id = $1 AND host_fingerprint = $2 AND kind = 'alert' \
-                     AND state = 'open' AND coalescible = 1 AND window_ends_at > $3 \
+                     AND state = 'open' AND coalescible = 1 AND window_ends_at > $3 AND member_count < $4 \
                      ORDER BY created_at DESC LIMIT 1",
                 )
                 .bind(registration_id)
                 .bind(&a.host_fingerprint)
                 .bind(now)
+                .bind(MAX_BATCH_MEMBERS)
                 .fetch_optional(&mut **tx)
                 .await?;
                 if let Some(row) = open {
@@ -301,11 +320,14 @@ macro_rules! queue_store {
                     if summary_fits(members, routing) {
                         // A batch that is full is due at once; the burst goes on in a new batch.
                         let due = if count >= MAX_BATCH_MEMBERS { now } else { window_ends_at };
-                        sqlx::query(
+                        // Guarded by its state: on PostgreSQL a lane may have claimed the window
+                        // since it was read (claims take no host lock); then the member opens a
+                        // new window instead of joining work already handed out.
+                        let joined = sqlx::query(
                             "UPDATE push_delivery_batches SET member_count = $2, members_bytes = $3, \
                              routing_bytes = $4, window_ends_at = $5, available_at = $5, silent = $6, \
                              deadline = CASE WHEN deadline < $7 THEN $7 ELSE deadline END \
-                             WHERE batch_id = $1",
+                             WHERE batch_id = $1 AND state = 'open' AND member_count = $8",
                         )
                         .bind(&batch_id)
                         .bind(count)
@@ -314,19 +336,23 @@ macro_rules! queue_store {
                         .bind(due)
                         .bind(flag(silent))
                         .bind(deadline)
+                        .bind(count - 1)
                         .execute(&mut **tx)
                         .await?;
-                        return Ok((batch_id, due));
+                        if joined.rows_affected() == 1 {
+                            return Ok((batch_id, due));
+                        }
+                    } else {
+                        // Out of payload room: this window closes now and the member opens the next.
+                        sqlx::query(
+                            "UPDATE push_delivery_batches SET window_ends_at = $2, available_at = $2 \
+                             WHERE batch_id = $1 AND state = 'open'",
+                        )
+                        .bind(&batch_id)
+                        .bind(now)
+                        .execute(&mut **tx)
+                        .await?;
                     }
-                    // Out of payload room: this window closes now and the member opens the next.
-                    sqlx::query(
-                        "UPDATE push_delivery_batches SET window_ends_at = $2, available_at = $2 \
-                         WHERE batch_id = $1",
-                    )
-                    .bind(&batch_id)
-                    .bind(now)
-                    .execute(&mut **tx)
-                    .await?;
                 }
                 let due = now + coalesce_ms;
                 let batch_id =
@@ -348,7 +374,7 @@ macro_rules! queue_store {
                        AND kind = 'alert' AND notification_epoch = $3 AND notification_id = $4 \
                        AND notification_seq < $5) \
                      AND batch_id IN (SELECT batch_id FROM push_delivery_batches \
-                       WHERE registration_id = $1 AND state IN ('open', 'pending'))",
+                       WHERE registration_id = $1 AND state IN ('open', 'pending', 'leased'))",
                 )
                 .bind(registration_id)
                 .bind(&a.host_fingerprint)
@@ -364,7 +390,7 @@ macro_rules! queue_store {
                 sqlx::query(
                     "UPDATE push_delivery_batches SET member_count = (SELECT COUNT(*) FROM push_event_recipients r \
                        WHERE r.batch_id = push_delivery_batches.batch_id AND r.status = 'pending') \
-                     WHERE registration_id = $1 AND state IN ('open', 'pending')",
+                     WHERE registration_id = $1 AND state IN ('open', 'pending', 'leased')",
                 )
                 .bind(registration_id)
                 .execute(&mut **tx)
@@ -585,7 +611,7 @@ macro_rules! queue_store {
                         continue;
                     }
                     let member_rows = sqlx::query(
-                        "SELECT e.notification_epoch, e.notification_seq, e.payload_json, e.trace_parent \
+                        "SELECT e.event_id, e.notification_epoch, e.notification_seq, e.payload_json, e.trace_parent \
                          FROM push_event_recipients r JOIN push_events e ON e.event_id = r.event_id \
                          WHERE r.batch_id = $1 AND r.status = 'pending' \
                          ORDER BY e.accepted_at, e.notification_seq",
@@ -599,6 +625,17 @@ macro_rules! queue_store {
                             .try_get::<Option<String>, _>("payload_json")?
                             .and_then(|json| serde_json::from_str::<Content>(&json).ok())
                         else {
+                            // Its payload was cleared at its own deadline: it expired, and must not
+                            // be reported as sent with the rest of the batch.
+                            sqlx::query(
+                                "UPDATE push_event_recipients SET status = 'expired', updated_at = $3 \
+                                 WHERE event_id = $1 AND batch_id = $2 AND status = 'pending'",
+                            )
+                            .bind(m.try_get::<String, _>("event_id")?)
+                            .bind(&batch_id)
+                            .bind(now)
+                            .execute(&mut *tx)
+                            .await?;
                             continue;
                         };
                         members.push(Member {
@@ -677,15 +714,7 @@ macro_rules! queue_store {
                 now: i64,
             ) -> Result<bool, QueueError> {
                 let mut tx = self.begin_claim().await?;
-                let held: Option<String> = sqlx::query_scalar(
-                    "SELECT batch_id FROM push_delivery_batches \
-                     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'",
-                )
-                .bind(batch_id)
-                .bind(token)
-                .fetch_optional(&mut *tx)
-                .await?;
-                if held.is_none() {
+                if !Self::hold_lease(&mut tx, batch_id, token).await? {
                     return Ok(false);
                 }
                 Self::finish_batch(&mut tx, batch_id, outcome.as_str(), reason, now).await?;
@@ -702,17 +731,14 @@ macro_rules! queue_store {
                 now: i64,
             ) -> Result<RetryResult, QueueError> {
                 let mut tx = self.begin_claim().await?;
-                let deadline: Option<i64> = sqlx::query_scalar(
-                    "SELECT deadline FROM push_delivery_batches \
-                     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'",
-                )
-                .bind(batch_id)
-                .bind(token)
-                .fetch_optional(&mut *tx)
-                .await?;
-                let Some(deadline) = deadline else {
+                if !Self::hold_lease(&mut tx, batch_id, token).await? {
                     return Ok(RetryResult::LeaseLost);
-                };
+                }
+                let deadline: i64 =
+                    sqlx::query_scalar("SELECT deadline FROM push_delivery_batches WHERE batch_id = $1")
+                        .bind(batch_id)
+                        .fetch_one(&mut *tx)
+                        .await?;
                 // A retry is never moved earlier to fit the deadline: it expires instead.
                 if at >= deadline {
                     Self::expire_batch(&mut tx, batch_id, now).await?;
@@ -816,9 +842,22 @@ macro_rules! queue_store {
                 .await?;
                 for batch_id in overdue {
                     let mut tx = self.begin_claim().await?;
-                    Self::expire_batch(&mut tx, &batch_id, now).await?;
+                    // Still overdue and not being worked on: an admission or a lane may have moved
+                    // it since the list was read.
+                    let still = sqlx::query(
+                        "UPDATE push_delivery_batches SET last_reason = 'deadline' WHERE batch_id = $1 \
+                         AND deadline <= $2 AND (state IN ('open', 'pending') \
+                           OR (state = 'leased' AND available_at <= $2))",
+                    )
+                    .bind(&batch_id)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                    if still.rows_affected() == 1 {
+                        Self::expire_batch(&mut tx, &batch_id, now).await?;
+                        cleaned.expired_batches += 1;
+                    }
                     tx.commit().await?;
-                    cleaned.expired_batches += 1;
                 }
                 cleaned.cleared_payloads = sqlx::query(
                     "UPDATE push_events SET payload_json = NULL WHERE event_id IN (SELECT event_id \

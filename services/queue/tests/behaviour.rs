@@ -132,6 +132,7 @@ on_both_backends!(
     cleanup_clears_payloads_and_forgets_after_24_hours,
     silent_recipients_are_delivered_silently,
     a_new_recipient_of_a_known_event_is_enqueued_without_quota,
+    a_dismissal_stops_an_alert_in_flight_from_being_retried,
 );
 
 async fn quota_is_300_alerts_and_300_dismissals_per_rolling_15_minutes(backend: Backend) {
@@ -742,4 +743,38 @@ async fn a_new_recipient_of_a_known_event_is_enqueued_without_quota(backend: Bac
         .unwrap()
         .unwrap();
     assert_eq!(record.recipients.len(), 2);
+}
+
+async fn a_dismissal_stops_an_alert_in_flight_from_being_retried(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    let a5 = alert(5, &["r1"]);
+    h.admit(&a5).await;
+    let in_flight = h.claim_all().await.pop().unwrap();
+    // The dismissal arrives while the alert is at the provider, which then asks for a retry.
+    h.admit(&dismiss(&a5, 6, &["r1"])).await;
+    let dismissal = h.claim_all().await.pop().unwrap();
+    assert_eq!(dismissal.kind, Kind::Dismiss);
+    let retried = h
+        .queue
+        .retry(
+            &in_flight.batch_id,
+            &in_flight.lease_token,
+            T0 as i64 + 1_000,
+            "http_503",
+        )
+        .await
+        .unwrap();
+    assert_eq!(retried, RetryResult::Scheduled);
+    h.clock.advance(1_000);
+    assert!(
+        h.claim_all().await.is_empty(),
+        "the dismissed alert is not delivered again"
+    );
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 5)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients[0].status, "cancelled");
 }

@@ -60,12 +60,22 @@ impl ProviderToken {
         })
     }
 
-    /// The cached token, or a fresh one when it is 50 minutes old or `force`d.
+    /// The cached token, or a fresh one when it is 50 minutes old.
     pub fn bearer(&self, force: bool) -> Result<String, ApnsError> {
+        self.bearer_replacing(force.then_some(""))
+    }
+
+    /// After APNs refused `stale` as expired: a fresh token, minted once however many requests
+    /// saw the refusal (APNs throttles re-signing with TooManyProviderTokenUpdates).
+    pub fn refresh_after(&self, stale: &str) -> Result<String, ApnsError> {
+        self.bearer_replacing(Some(stale))
+    }
+
+    fn bearer_replacing(&self, stale: Option<&str>) -> Result<String, ApnsError> {
         let mut cached = self.cached.lock().unwrap_or_else(|p| p.into_inner());
-        if !force
-            && let Some((token, at)) = cached.as_ref()
+        if let Some((token, at)) = cached.as_ref()
             && at.elapsed() < TOKEN_REFRESH
+            && stale.is_none_or(|s| !s.is_empty() && s != token)
         {
             return Ok(token.clone());
         }

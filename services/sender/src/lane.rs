@@ -267,8 +267,10 @@ impl Sender {
                 delivered("failed");
                 complete(queue_pb::Outcome::Failed, reason)
             }
-            Outcome::Verdict(Verdict::Retry { reason, not_before }, _) => {
-                if job.attempt >= MAX_ATTEMPTS {
+            Outcome::Verdict(Verdict::Retry { reason, not_before }, target) => {
+                // Only provider attempts count towards the cap: a registry outage (no target was
+                // read) retries until the deadline instead.
+                if job.attempt >= MAX_ATTEMPTS && target.is_some() {
                     c.failed.fetch_add(1, Ordering::Relaxed);
                     delivered("failed");
                     complete(
