@@ -50,13 +50,14 @@ impl FromRequestParts<AppState> for AuthenticatedHost {
         };
         let answer = {
             let _permit = limits.admit_lookup().await?;
-            backends
-                .auth
-                .clone()
-                .authenticate(pb::AuthenticateRequest {
+            orca_push_internal_auth::retry_unavailable(|| {
+                let mut auth = backends.auth.clone();
+                let request = pb::AuthenticateRequest {
                     session_token: token.to_owned(),
-                })
-                .await
+                };
+                async move { auth.authenticate(request).await }
+            })
+            .await
         };
         match answer {
             Ok(response) => {

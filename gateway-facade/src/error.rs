@@ -129,7 +129,11 @@ impl From<tonic::Status> for ApiError {
             tonic::Code::Unauthenticated => Self::InvalidToken,
             tonic::Code::NotFound => Self::NotFound,
             tonic::Code::ResourceExhausted => Self::RateLimited,
-            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => Self::DependencyUnavailable,
+            // A replica that went away mid-call: the caller may retry.
+            tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled => Self::DependencyUnavailable,
             code => {
                 tracing::error!(?code, "unexpected gRPC status from a service");
                 Self::Internal

@@ -256,6 +256,12 @@ impl Gateway {
 
     /// The split topology, with `extra` in every process's environment.
     pub async fn start_split_with(backend: Backend, extra: &[(&str, &str)]) -> Self {
+        Self::start_fleet(backend, extra, 1).await
+    }
+
+    /// The split topology with `replicas` processes of auth, registry, queue and sender, each
+    /// caller given the comma-separated list of a service's replicas, behind one facade.
+    pub async fn start_fleet(backend: Backend, extra: &[(&str, &str)], replicas: usize) -> Self {
         let data_dir = tempfile::tempdir().expect("temp dir");
         let database = fresh_database(backend, data_dir.path()).await;
         let dir = data_dir.path().to_owned();
@@ -285,14 +291,27 @@ impl Gateway {
             }
         };
         let any = || vec![("ORCA_PUSH_GRPC_ADDR".to_owned(), "127.0.0.1:0".to_owned())];
-        let url = |p: &Process| format!("http://127.0.0.1:{}", p.port);
-        let registry = spawn("registry", any()).await;
-        let queue = spawn("queue", any()).await;
-        let (registry_url, queue_url) = (url(&registry), url(&queue));
+        let urls = |ps: &[Process]| {
+            ps.iter()
+                .map(|p| format!("http://127.0.0.1:{}", p.port))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let mut processes = Vec::new();
+        let mut registries = Vec::new();
+        let mut queues = Vec::new();
+        for _ in 0..replicas {
+            registries.push(spawn("registry", any()).await);
+            queues.push(spawn("queue", any()).await);
+        }
+        let (registry_url, queue_url) = (urls(&registries), urls(&queues));
         let mut with_backends = any();
         with_backends.push(("ORCA_PUSH_REGISTRY_URL".into(), registry_url.clone()));
         with_backends.push(("ORCA_PUSH_QUEUE_URL".into(), queue_url.clone()));
-        let sender = spawn("sender", with_backends).await;
+        let mut senders = Vec::new();
+        for _ in 0..replicas {
+            senders.push(spawn("sender", with_backends.clone()).await);
+        }
         // The facade's origin must be known before auth starts, so its port is picked here.
         let port = {
             let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
@@ -302,24 +321,40 @@ impl Gateway {
         let mut auth_env = any();
         auth_env.push(("ORCA_PUSH_REGISTRY_URL".into(), registry_url.clone()));
         auth_env.push(("ORCA_PUSH_PUBLIC_URL".into(), origin.clone()));
-        let auth = spawn("auth", auth_env).await;
+        let mut auths = Vec::new();
+        for _ in 0..replicas {
+            auths.push(spawn("auth", auth_env.clone()).await);
+        }
         let facade_env = vec![
             ("PORT".to_owned(), port.to_string()),
             ("ORCA_PUSH_PUBLIC_URL".to_owned(), origin.clone()),
-            ("ORCA_PUSH_AUTH_URL".to_owned(), url(&auth)),
+            ("ORCA_PUSH_AUTH_URL".to_owned(), urls(&auths)),
             ("ORCA_PUSH_REGISTRY_URL".to_owned(), registry_url),
             ("ORCA_PUSH_QUEUE_URL".to_owned(), queue_url),
-            ("ORCA_PUSH_SENDER_URL".to_owned(), url(&sender)),
+            ("ORCA_PUSH_SENDER_URL".to_owned(), urls(&senders)),
         ];
         let facade = spawn("facade", facade_env).await;
+        processes.extend(registries);
+        processes.extend(queues);
+        processes.extend(senders);
+        processes.extend(auths);
+        processes.push(facade);
         let gateway = Self {
             base: origin,
             database,
-            processes: vec![registry, queue, sender, auth, facade],
+            processes,
             _data_dir: data_dir,
         };
         gateway.wait_ready().await;
         gateway
+    }
+
+    /// Every process running `service`.
+    pub fn replicas(&mut self, service: &str) -> Vec<&mut Process> {
+        self.processes
+            .iter_mut()
+            .filter(|p| p.service() == service)
+            .collect()
     }
 
     async fn wait_ready(&self) {

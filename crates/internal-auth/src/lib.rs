@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 /// Tokens services mint for each other live this long, and are re-minted a minute before.
 pub const SERVICE_TOKEN_TTL: Duration = Duration::from_secs(300);
 const REMINT_BEFORE: Duration = Duration::from_secs(60);
+/// How often replica addresses are resolved again (and failed ones offered back to the balancer).
+const RESOLVE_EVERY: Duration = Duration::from_secs(10);
 /// Health checks are the one open method.
 const OPEN_PREFIX: &str = "/grpc.health.v1.Health/";
 
@@ -258,19 +260,37 @@ where
 pub type InternalChannel = AttachToken<orca_push_telemetry::TracedChannel>;
 
 /// A lazily connecting, traced, token-carrying channel to `url`.
+///
+/// `url` may name several replicas, comma-separated, and a host name may resolve to several
+/// addresses (a headless Kubernetes Service): calls are then balanced client-side across every
+/// address (power of two choices), an address that fails to connect is skipped until it answers
+/// again, and the names are resolved again every 10 s so replicas come and go.
 pub fn channel(
     url: &str,
     key: &InternalKey,
     subject: &str,
     audience: &str,
 ) -> Result<InternalChannel, tonic::transport::Error> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())?
-        .connect_timeout(Duration::from_secs(3))
-        .timeout(Duration::from_secs(40))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_while_idle(true)
-        .connect_lazy();
+    let targets: Vec<&str> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .collect();
+    let single_address =
+        targets.len() == 1 && target_address(targets[0]).is_some_and(|(_, literal)| literal);
+    let channel = if single_address || targets.is_empty() {
+        endpoint(targets.first().copied().unwrap_or(url))?.connect_lazy()
+    } else {
+        // Validate every target now, so a bad URL stops start-up rather than a background task.
+        for target in &targets {
+            endpoint(target)?;
+        }
+        let (channel, changes) =
+            tonic::transport::Channel::balance_channel::<std::net::SocketAddr>(64);
+        let targets: Vec<String> = targets.iter().map(|t| t.to_string()).collect();
+        tokio::spawn(follow_replicas(targets, changes));
+        channel
+    };
     Ok(AttachToken {
         inner: orca_push_telemetry::traced_channel(channel),
         minter: Arc::new(Minter {
@@ -280,6 +300,97 @@ pub fn channel(
             cached: Mutex::new(None),
         }),
     })
+}
+
+fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    Ok(tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(40))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_while_idle(true))
+}
+
+/// `host:port` of an `http://host:port` target, and whether the host is an IP literal.
+fn target_address(target: &str) -> Option<(String, bool)> {
+    let uri: http::Uri = target.parse().ok()?;
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    let port = uri.port_u16().unwrap_or(80);
+    let literal = host.parse::<std::net::IpAddr>().is_ok();
+    Some((format!("{host}:{port}"), literal))
+}
+
+/// Keeps the balanced channel's set of addresses in step with what the targets resolve to.
+async fn follow_replicas(
+    targets: Vec<String>,
+    changes: tokio::sync::mpsc::Sender<
+        tonic::transport::channel::Change<std::net::SocketAddr, tonic::transport::Endpoint>,
+    >,
+) {
+    use tonic::transport::channel::Change;
+    let mut known = std::collections::HashSet::new();
+    loop {
+        let mut now = std::collections::HashSet::new();
+        for target in &targets {
+            let Some((host_port, _)) = target_address(target) else {
+                continue;
+            };
+            match tokio::net::lookup_host(host_port.as_str()).await {
+                Ok(addrs) => now.extend(addrs),
+                // Keep what we had for a name that does not resolve right now.
+                Err(_) => now.extend(known.iter().copied()),
+            }
+        }
+        // Every address is (re)inserted each round: the balancer drops a replica whose connection
+        // failed, and this is how it comes back once it answers again.
+        for addr in &now {
+            let Ok(endpoint) = endpoint(&format!("http://{addr}")) else {
+                continue;
+            };
+            if changes.send(Change::Insert(*addr, endpoint)).await.is_err() {
+                return; // the channel is gone
+            }
+        }
+        for addr in known.difference(&now) {
+            if changes.send(Change::Remove(*addr)).await.is_err() {
+                return;
+            }
+        }
+        known = now;
+        tokio::time::sleep(RESOLVE_EVERY).await;
+    }
+}
+
+/// Calls `call` again when an attempt found its replica unavailable, up to 4 attempts over about
+/// 200 ms, so the balancer can route around a replica that just died. Only for idempotent calls
+/// (admissions are: the event identity makes a repeat a no-op).
+pub async fn retry_unavailable<T, F, Fut>(mut call: F) -> Result<T, tonic::Status>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, tonic::Status>>,
+{
+    let mut pause = Duration::from_millis(25);
+    for _ in 0..3 {
+        match call().await {
+            // Unknown, Internal and Cancelled without a contract code are what a connection that
+            // died mid-call (an HTTP/2 reset) turns into. A service's own refusal names a contract
+            // code (e.g. its database is down) and is final.
+            Err(status)
+                if matches!(
+                    status.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::Unknown
+                        | tonic::Code::Internal
+                        | tonic::Code::Cancelled
+                ) && status.metadata().get("x-orca-error").is_none() =>
+            {
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+    call().await
 }
 
 #[cfg(test)]

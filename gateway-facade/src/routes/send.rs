@@ -176,16 +176,19 @@ pub async fn send(
         }
     }
     let backends = state.backends()?;
-    let resolved = backends
-        .registry
-        .clone()
-        .resolve_registrations(registry_pb::ResolveRegistrationsRequest {
+    // Both calls are idempotent (a repeated admission of one event identity is a no-op), so a
+    // replica lost mid-call is retried once on another.
+    let resolved = orca_push_internal_auth::retry_unavailable(|| {
+        let mut registry = backends.registry.clone();
+        let request = registry_pb::ResolveRegistrationsRequest {
             host_fingerprint: host.fingerprint.clone(),
             registration_ids: ids.clone(),
-        })
-        .await?
-        .into_inner()
-        .registrations;
+        };
+        async move { registry.resolve_registrations(request).await }
+    })
+    .await?
+    .into_inner()
+    .registrations;
     let status_of_registration = |id: &str| -> &'static str {
         match resolved.iter().find(|r| r.registration_id == id) {
             None => "error",
@@ -204,17 +207,19 @@ pub async fn send(
     let admitted = if deliverable.is_empty() {
         Vec::new()
     } else {
-        backends
-            .queue
-            .clone()
-            .enqueue(queue_pb::EnqueueRequest {
-                host_fingerprint: host.fingerprint,
-                notification: Some(notification),
-                recipients: deliverable,
-            })
-            .await?
-            .into_inner()
-            .results
+        let request = queue_pb::EnqueueRequest {
+            host_fingerprint: host.fingerprint,
+            notification: Some(notification),
+            recipients: deliverable,
+        };
+        orca_push_internal_auth::retry_unavailable(|| {
+            let mut queue = backends.queue.clone();
+            let request = request.clone();
+            async move { queue.enqueue(request).await }
+        })
+        .await?
+        .into_inner()
+        .results
     };
     let results = ids
         .into_iter()
