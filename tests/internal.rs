@@ -250,3 +250,38 @@ async fn ready_follows_the_services_and_healthz_only_the_process() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_container_healthcheck_asks_http_or_grpc_health() {
+    let mut gateway = Gateway::start_split(Backend::Sqlite).await;
+    let check = |pairs: Vec<(&'static str, String)>| async move {
+        tokio::process::Command::new(orca_push_tests::binary())
+            .arg("healthcheck")
+            .env_remove("ORCA_PUSH_GRPC_ADDR")
+            .envs(pairs)
+            .output()
+            .await
+            .unwrap()
+            .status
+            .success()
+    };
+    let facade_port = gateway.base.rsplit(':').next().unwrap().to_owned();
+    assert!(
+        check(vec![("PORT", facade_port)]).await,
+        "the facade answers /healthz"
+    );
+    let queue = gateway.process("queue").port;
+    assert!(
+        check(vec![("ORCA_PUSH_GRPC_ADDR", format!("0.0.0.0:{queue}"))]).await,
+        "the queue answers gRPC health"
+    );
+    gateway.process("queue").kill().await;
+    assert!(
+        !check(vec![("ORCA_PUSH_GRPC_ADDR", format!("0.0.0.0:{queue}"))]).await,
+        "a dead queue fails it"
+    );
+    assert!(
+        !check(vec![("PORT", "1".into())]).await,
+        "nothing on the port fails it"
+    );
+}

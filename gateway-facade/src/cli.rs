@@ -49,6 +49,9 @@ enum Command {
         #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
         ttl: u64,
     },
+    /// Container health check: exits 0 when this host's process answers. With ORCA_PUSH_GRPC_ADDR
+    /// set (a split-mode service) it asks gRPC health; otherwise GET /healthz on PORT.
+    Healthcheck,
     /// Deployment check: an FCM `validate_only` send with the configured credentials. Exits 0 when
     /// FCM accepted the credentials (the token itself may be unknown to it).
     ProbeFcm {
@@ -168,6 +171,44 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     std::time::Duration::from_secs(ttl)
                 )
             );
+            Ok(())
+        }
+        Command::Healthcheck => {
+            let config = Config::from_env()?;
+            let timeout = std::time::Duration::from_secs(3);
+            match config.grpc_addr {
+                Some(addr) => {
+                    let url = format!("http://127.0.0.1:{}", addr.port());
+                    let channel = tonic::transport::Endpoint::from_shared(url)?
+                        .connect_timeout(timeout)
+                        .timeout(timeout)
+                        .connect()
+                        .await
+                        .context("gRPC health: cannot connect")?;
+                    let answer = tonic_health::pb::health_client::HealthClient::new(channel)
+                        .check(tonic_health::pb::HealthCheckRequest {
+                            service: String::new(),
+                        })
+                        .await
+                        .context("gRPC health")?;
+                    anyhow::ensure!(answer.into_inner().status == 1, "gRPC health: not serving");
+                }
+                None => {
+                    let url = format!("http://127.0.0.1:{}/healthz", config.port);
+                    let answer = reqwest::Client::builder()
+                        .timeout(timeout)
+                        .build()?
+                        .get(&url)
+                        .send()
+                        .await
+                        .context("GET /healthz")?;
+                    anyhow::ensure!(
+                        answer.status().is_success(),
+                        "GET /healthz answered {}",
+                        answer.status()
+                    );
+                }
+            }
             Ok(())
         }
         Command::ProbeFcm { token } => {
