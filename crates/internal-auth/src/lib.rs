@@ -129,6 +129,37 @@ pub fn verify(key: &InternalKey, token: &str, audience: &str) -> Result<Claims, 
         })
 }
 
+/// The gRPC server stack every service runs: traced (outermost), then token-checked.
+pub type ServiceRouter = tonic::transport::server::Router<
+    tower::layer::util::Stack<
+        RequireToken,
+        tower::layer::util::Stack<
+            orca_push_telemetry::GrpcServerLayer,
+            tower::layer::util::Identity,
+        >,
+    >,
+>;
+
+/// A service's gRPC server with gRPC health (open) and reflection (behind the token) already
+/// added; the caller adds its own service and serves.
+pub fn service_router<H>(
+    key: InternalKey,
+    audience: &'static str,
+    health: tonic_health::pb::health_server::HealthServer<H>,
+) -> ServiceRouter
+where
+    H: tonic_health::pb::health_server::Health,
+{
+    let reflection = orca_push_proto::reflection_service()
+        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
+        .ok();
+    tonic::transport::Server::builder()
+        .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .layer(RequireToken::new(key, audience))
+        .add_service(health)
+        .add_optional_service(reflection)
+}
+
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// Server side: refuse any call but health without a valid token for this service.

@@ -116,26 +116,11 @@ pub async fn serve(
         ));
     }
 
-    tonic::transport::Server::builder()
-        .layer(orca_push_telemetry::GrpcServerLayer::new())
-        .layer(orca_push_internal_auth::RequireToken::new(key, AUDIENCE))
-        .add_service(health_service)
-        .add_optional_service(reflection())
+    orca_push_internal_auth::service_router(key, AUDIENCE, health_service)
         .add_service(AuthServiceServer::new(AuthGrpc::new(auth)))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled_owned(),
         )
         .await
-}
-
-/// Server reflection (behind the internal token like every method but health).
-fn reflection() -> Option<
-    tonic_reflection::server::v1::ServerReflectionServer<
-        impl tonic_reflection::server::v1::ServerReflection,
-    >,
-> {
-    orca_push_proto::reflection_service()
-        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
-        .ok()
 }

@@ -84,17 +84,7 @@ pub async fn serve(
         })
     };
     let (_health, health_service) = tonic_health::server::health_reporter();
-    let reflection = orca_push_proto::reflection_service()
-        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
-        .ok();
-    let server = tonic::transport::Server::builder()
-        .layer(orca_push_telemetry::GrpcServerLayer::new())
-        .layer(orca_push_internal_auth::RequireToken::new(
-            key.clone(),
-            AUDIENCE,
-        ))
-        .add_service(health_service)
-        .add_optional_service(reflection)
+    let server = orca_push_internal_auth::service_router(key.clone(), AUDIENCE, health_service)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled_owned(),
