@@ -8,16 +8,20 @@ use std::time::Duration;
 
 use orca_push_host::HostKey;
 use orca_push_tests::mock_apns::MockApns;
+use orca_push_tests::mock_fcm::MockFcm;
 use orca_push_tests::{Backend, Gateway, Raw, bearer};
 use serde_json::json;
 
 const TOKEN: &str = "f1ee7f1ee7";
+const FCM_TOKEN: &str = "fleet-fcm-token-0123456789abcdefghij";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_one_replica_of_each_service_loses_nothing() {
     let apns = MockApns::start().await;
     apns.set_latency(Duration::from_millis(50));
+    let fcm = MockFcm::start().await;
     let mut env = apns.env();
+    env.extend(fcm.env());
     env.push(("ORCA_PUSH_COALESCE_MS".into(), "0".into()));
     env.push(("ORCA_PUSH_LEASE_MS".into(), "2000".into()));
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
@@ -28,6 +32,17 @@ async fn killing_one_replica_of_each_service_loses_nothing() {
         .post(
             "/v1/devices",
             &json!({ "v": 1, "deviceId": "phone", "platform": "ios", "token": TOKEN, "apnsEnvironment": "production" }),
+            &[("authorization", &auth)],
+        )
+        .await
+        .body["registrationId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let android = raw
+        .post(
+            "/v1/devices",
+            &json!({ "v": 1, "deviceId": "pixel", "platform": "android", "token": FCM_TOKEN }),
             &[("authorization", &auth)],
         )
         .await
@@ -51,7 +66,7 @@ async fn killing_one_replica_of_each_service_loses_nothing() {
         let reply = raw
             .post(
                 "/v1/send",
-                &json!({ "v": 1, "registrationIds": [id], "notification": {
+                &json!({ "v": 1, "registrationIds": [id, android], "notification": {
                     "notificationId": format!("n-{seq}"), "notificationSeq": seq, "notificationEpoch": "e",
                     "source": "plugin", "agentState": null, "title": "t", "body": "b" } }),
                 &[("authorization", &auth)],
@@ -61,6 +76,10 @@ async fn killing_one_replica_of_each_service_loses_nothing() {
             (200, _) => {
                 assert_eq!(
                     reply.body["results"][0]["status"], "queued",
+                    "{seq}: {reply:?}"
+                );
+                assert_eq!(
+                    reply.body["results"][1]["status"], "queued",
                     "{seq}: {reply:?}"
                 );
                 accepted.push(format!("n-{seq}"));
@@ -84,7 +103,20 @@ async fn killing_one_replica_of_each_service_loses_nothing() {
                 .or_default()
                 .push(call.headers["apns-collapse-id"].clone());
         }
-        if accepted.iter().all(|id| by_id.contains_key(id)) {
+        let on_android: std::collections::HashSet<String> = fcm
+            .calls_for(FCM_TOKEN)
+            .iter()
+            .map(|c| {
+                c.message["data"]["notificationId"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect();
+        if accepted
+            .iter()
+            .all(|id| by_id.contains_key(id) && on_android.contains(id))
+        {
             break by_id;
         }
         let missing = accepted

@@ -129,16 +129,72 @@ pub fn verify(key: &InternalKey, token: &str, audience: &str) -> Result<Claims, 
         })
 }
 
-/// The gRPC server stack every service runs: traced (outermost), then token-checked.
+/// The gRPC server stack every service runs: traced (outermost), token-checked, then each call run
+/// to completion even if its caller goes away.
 pub type ServiceRouter = tonic::transport::server::Router<
     tower::layer::util::Stack<
-        RequireToken,
+        RunToCompletion,
         tower::layer::util::Stack<
-            orca_push_telemetry::GrpcServerLayer,
-            tower::layer::util::Identity,
+            RequireToken,
+            tower::layer::util::Stack<
+                orca_push_telemetry::GrpcServerLayer,
+                tower::layer::util::Identity,
+            >,
         >,
     >,
 >;
+
+/// Runs each call on its own task, so a caller that disconnects (an HTTP client gone, a sender
+/// killed) cannot drop a handler halfway through a database transaction; the answer is discarded
+/// instead. The call keeps the span it was made in.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunToCompletion;
+
+impl<S> tower::Layer<S> for RunToCompletion {
+    type Service = RunToCompletionService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RunToCompletionService { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RunToCompletionService<S> {
+    inner: S,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for RunToCompletionService<S>
+where
+    S: tower::Service<http::Request<B>>,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        use tracing::Instrument as _;
+        let call = tokio::spawn(
+            self.inner
+                .call(request)
+                .instrument(tracing::Span::current()),
+        );
+        Box::pin(async move {
+            match call.await {
+                Ok(result) => result,
+                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                // Cancelled only when the runtime shuts down: nobody waits for the answer.
+                Err(_) => std::future::pending().await,
+            }
+        })
+    }
+}
 
 /// A service's gRPC server with gRPC health (open) and reflection (behind the token) already
 /// added; the caller adds its own service and serves.
@@ -156,6 +212,7 @@ where
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new())
         .layer(RequireToken::new(key, audience))
+        .layer(RunToCompletion)
         .add_service(health)
         .add_optional_service(reflection)
 }
