@@ -218,38 +218,70 @@ fn challenge_body() -> Value {
 async fn bodies_over_16_kib_are_refused_even_when_chunked() {
     let gateway = Gateway::start(Backend::Sqlite).await;
     let raw = Raw::new(&gateway);
-    // 1 MiB, chunked, with no Content-Length: cut off at the cap while streaming.
-    let chunks = (0..256).map(|_| Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b' '; 4096])));
-    let body = reqwest::Body::wrap_stream(futures::stream::iter(chunks));
-    let reply = orca_push_tests::answer(
-        raw.http
-            .post(gateway.url("/v1/host/challenge"))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .expect("send"),
-    )
-    .await;
-    assert_eq!(
-        (reply.status, reply.error()),
-        (413, Some("request_too_large"))
+    // Up to 1 MiB, chunked, with no Content-Length, written slowly on a raw connection: the gateway
+    // must answer 413 once the cap is passed, long before the body ends (a limit that buffered the
+    // whole body would wait for the end). Writing stops as soon as the answer is in.
+    let addr = gateway.base.trim_start_matches("http://").to_owned();
+    let stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    let answer = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt as _;
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains("request_too_large") {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    let head = format!(
+        "POST /v1/host/challenge HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     );
-    // A declared length over the cap, authenticated route too.
+    let mut sent = 0usize;
+    {
+        use tokio::io::AsyncWriteExt as _;
+        writer.write_all(head.as_bytes()).await.unwrap();
+        let chunk = format!("1000\r\n{}\r\n", " ".repeat(4096));
+        while sent < 1024 * 1024 && !answer.is_finished() {
+            if writer.write_all(chunk.as_bytes()).await.is_err() {
+                break;
+            }
+            sent += 4096;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    let response = tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(response.starts_with("HTTP/1.1 413"), "{response}");
+    assert!(
+        response.contains(r#"{"error":"request_too_large"}"#),
+        "{response}"
+    );
+    assert!(
+        sent < 64 * 1024,
+        "answered after {sent} bytes, not at the end of the body"
+    );
+    // A declared length over the cap, authenticated route too. A fresh client after each refused
+    // body: the server closes a connection whose body it would not read, and a pooled client may
+    // race that close.
     let auth = bearer(
-        &raw.login(&HostKey::generate(), &[("x-forwarded-for", "9.9.9.9")])
+        &Raw::new(&gateway)
+            .login(&HostKey::generate(), &[("x-forwarded-for", "9.9.9.9")])
             .await,
     );
     let big = json!({ "v": 1, "deviceId": "x".repeat(17 * 1024) });
-    let reply = raw
+    let reply = Raw::new(&gateway)
         .post("/v1/devices", &big, &[("authorization", &auth)])
         .await;
     assert_eq!(
         (reply.status, reply.error()),
         (413, Some("request_too_large"))
     );
-    // Just under the cap is parsed (and refused for what it says, not for its size). A new client:
-    // the server closes a connection whose body it refused to read, and a pooled client may race it.
+    // Just under the cap is parsed (and refused for what it says, not for its size).
     let raw = Raw::new(&gateway);
     let mut padded = challenge_body();
     padded["pad"] = json!(" ".repeat(16 * 1024 - 120));
