@@ -217,7 +217,6 @@ fn challenge_body() -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_over_16_kib_are_refused_even_when_chunked() {
     let gateway = Gateway::start(Backend::Sqlite).await;
-    let raw = Raw::new(&gateway);
     // Up to 1 MiB, chunked, with no Content-Length, written slowly on a raw connection: the gateway
     // must answer 413 once the cap is passed, long before the body ends (a limit that buffered the
     // whole body would wait for the end). Writing stops as soon as the answer is in.
