@@ -431,24 +431,13 @@ async fn an_unconfigured_provider_fails_its_deliveries_and_not_the_others() {
     let raw = Raw::new(&gateway);
     let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
     let h = [("authorization", auth.as_str())];
-    let ios = raw
-        .post("/v1/devices", &json!({ "v": 1, "deviceId": "i", "platform": "ios", "token": IOS, "apnsEnvironment": "sandbox" }), &h)
-        .await
-        .body["registrationId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let ios = raw.register(&auth, &json!({ "v": 1, "deviceId": "i", "platform": "ios", "token": IOS, "apnsEnvironment": "sandbox" })).await;
     let android = raw
-        .post(
-            "/v1/devices",
+        .register(
+            &auth,
             &json!({ "v": 1, "deviceId": "a", "platform": "android", "token": ANDROID }),
-            &h,
         )
-        .await
-        .body["registrationId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+        .await;
     raw.post(
         "/v1/send",
         &json!({ "v": 1, "registrationIds": [ios, android], "notification": alert(1) }),
@@ -517,16 +506,11 @@ async fn fcm_tokens_come_from_the_metadata_server_without_a_service_account() {
     let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
     let h = [("authorization", auth.as_str())];
     let id = raw
-        .post(
-            "/v1/devices",
+        .register(
+            &auth,
             &json!({ "v": 1, "deviceId": "a", "platform": "android", "token": ANDROID }),
-            &h,
         )
-        .await
-        .body["registrationId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+        .await;
     raw.post(
         "/v1/send",
         &json!({ "v": 1, "registrationIds": [id], "notification": alert(1) }),

@@ -28,28 +28,13 @@ async fn killing_one_replica_of_each_service_loses_nothing() {
     let mut fleet = Gateway::start_fleet(Backend::Postgres, &env, 2).await;
     let raw = Raw::new(&fleet);
     let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
-    let id = raw
-        .post(
-            "/v1/devices",
-            &json!({ "v": 1, "deviceId": "phone", "platform": "ios", "token": TOKEN, "apnsEnvironment": "production" }),
-            &[("authorization", &auth)],
-        )
-        .await
-        .body["registrationId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = raw.register(&auth, &json!({ "v": 1, "deviceId": "phone", "platform": "ios", "token": TOKEN, "apnsEnvironment": "production" })).await;
     let android = raw
-        .post(
-            "/v1/devices",
+        .register(
+            &auth,
             &json!({ "v": 1, "deviceId": "pixel", "platform": "android", "token": FCM_TOKEN }),
-            &[("authorization", &auth)],
         )
-        .await
-        .body["registrationId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+        .await;
 
     let mut accepted = Vec::new();
     let mut busy = 0;

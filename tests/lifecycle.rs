@@ -22,17 +22,7 @@ fn alert(seq: u64) -> Value {
 async fn host_with_device(gateway: &Gateway, token: &str) -> (Raw, String, String) {
     let raw = Raw::new(gateway);
     let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
-    let id = raw
-        .post(
-            "/v1/devices",
-            &json!({ "v": 1, "deviceId": token, "platform": "ios", "token": token, "apnsEnvironment": "production" }),
-            &[("authorization", &auth)],
-        )
-        .await
-        .body["registrationId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = raw.register(&auth, &json!({ "v": 1, "deviceId": token, "platform": "ios", "token": token, "apnsEnvironment": "production" })).await;
     (raw, auth, id)
 }
 

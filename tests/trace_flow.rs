@@ -86,17 +86,7 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
     let session = raw.login(&key, &[]).await;
     let auth = bearer(&session);
     let token = "deadbeefcafe0042d00d";
-    let id = raw
-        .post(
-            "/v1/devices",
-            &json!({ "v": 1, "deviceId": "phone-marker-7", "platform": "ios", "token": token, "apnsEnvironment": "sandbox" }),
-            &[("authorization", &auth)],
-        )
-        .await
-        .body["registrationId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = raw.register(&auth, &json!({ "v": 1, "deviceId": "phone-marker-7", "platform": "ios", "token": token, "apnsEnvironment": "sandbox" })).await;
     let (title, body) = ("MARKER-TITLE-5f3e91", "MARKER-BODY-0a77c2");
     let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let reply = raw

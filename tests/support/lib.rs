@@ -529,6 +529,15 @@ impl Raw {
         (reply, envelope)
     }
 
+    /// Registers a device with `bearer` (an `Authorization` value) and returns its registrationId.
+    pub async fn register(&self, bearer: &str, body: &Value) -> String {
+        let reply = self
+            .post("/v1/devices", body, &[("authorization", bearer)])
+            .await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply.body["registrationId"].as_str().unwrap().to_owned()
+    }
+
     /// A full handshake without the SDK's client, returning the session token.
     pub async fn login(&self, key: &HostKey, headers: &[(&str, &str)]) -> String {
         let (reply, envelope) = self.challenge(key, headers).await;
