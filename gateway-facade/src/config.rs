@@ -6,6 +6,9 @@ use std::path::PathBuf;
 
 use orca_push_storage::DatabaseConfig;
 
+/// The per-registration coalescing window when `ORCA_PUSH_COALESCE_MS` is not set.
+pub const DEFAULT_COALESCE_MS: u64 = 3000;
+
 /// A misconfiguration, reported as one line naming the variable.
 #[derive(Debug, thiserror::Error)]
 #[error("{variable}: {reason}")]
@@ -176,7 +179,7 @@ impl Config {
                 .ok()
                 .filter(|n| *n <= 60_000)
                 .ok_or_else(|| invalid("ORCA_PUSH_COALESCE_MS", "must be milliseconds 0-60000"))?,
-            None => 3000,
+            None => DEFAULT_COALESCE_MS,
         };
         let service_url = |service: ServiceName| -> Result<Option<String>, ConfigError> {
             let variable = service.url_variable();

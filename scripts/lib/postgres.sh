@@ -3,6 +3,8 @@
 # start_postgres: finds Debian's server binaries (installing the `postgresql` package when absent,
 # which needs root), starts a cluster as the `postgres` user on a free loopback port in a fresh
 # temp folder, and sets PG_DIR and PG_URL. stop_postgres removes it.
+# Tests run it with fsync off (nothing to lose); PG_DURABLE=1 keeps PostgreSQL's durable defaults,
+# as the benchmark's comparison with production commits needs.
 
 find_pg_bin() {
   local d
@@ -43,10 +45,12 @@ start_postgres() {
 
   # A free port: ask the kernel, then let postgres bind it (retry on the rare race).
   local port attempt
+  local durability="-c fsync=off"
+  [ "${PG_DURABLE:-0}" = 1 ] && durability="-c fsync=on -c synchronous_commit=on"
   for attempt in 1 2 3 4 5; do
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     if "${run_as[@]}" "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 30 \
-        -o "-p $port -k $PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 -c fsync=off -c shared_buffers=128MB" \
+        -o "-p $port -k $PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 $durability -c shared_buffers=128MB" \
         start >/dev/null; then
       PG_URL="postgres://postgres@127.0.0.1:$port/postgres"
       export PG_URL

@@ -16,9 +16,30 @@ pub use orca_push_storage::testing::Backend;
 use serde_json::{Value, json};
 use tokio::io::AsyncBufReadExt as _;
 
+static BINARY: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Runs `path` instead of the test build of the gateway (the benchmark's `--gateway`).
+pub fn use_binary(path: std::path::PathBuf) {
+    let _ = BINARY.set(path);
+}
+
+/// Provider requests as the mocks receive them, for callers that wait on particular events.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub provider: &'static str,
+    /// `orca.notificationId` (APNs) or `data.notificationId` (FCM) of the request.
+    pub notification_id: Option<String>,
+    pub at: std::time::Instant,
+}
+
+pub type ArrivalSink = tokio::sync::mpsc::UnboundedSender<Arrival>;
+
 /// Path of the gateway binary under test: Cargo builds this package's `orca-push-e2e` beside the
 /// `deps/` folder that holds the running test binary, fresh for every test run.
 pub fn binary() -> std::path::PathBuf {
+    if let Some(path) = BINARY.get() {
+        return path.clone();
+    }
     let exe = std::env::current_exe().expect("current exe");
     let target_dir = exe
         .parent()
@@ -347,6 +368,11 @@ impl Gateway {
         };
         gateway.wait_ready().await;
         gateway
+    }
+
+    /// Process ids of every process of this gateway, for reading their CPU time and RSS.
+    pub fn pids(&self) -> Vec<u32> {
+        self.processes.iter().filter_map(Process::pid).collect()
     }
 
     /// Every process running `service`.

@@ -54,6 +54,13 @@ struct State {
     rejected_jwts: usize,
     connections: usize,
     completed: usize,
+    in_flight: usize,
+    peak_in_flight: usize,
+    /// The last provider token whose signature checked out: APNs tokens live for up to an hour, so
+    /// a benchmark does not spend the load generator's CPU verifying the same one again.
+    valid_jwt: Option<(String, u64)>,
+    /// Where requests go instead of `calls` (the benchmark).
+    sink: Option<crate::ArrivalSink>,
 }
 
 pub struct MockApns {
@@ -168,6 +175,22 @@ impl MockApns {
             .insert(token.to_owned(), answer);
     }
 
+    /// Sends every request's arrival to `sink` instead of keeping it in `calls()`.
+    pub fn stream_to(&self, sink: crate::ArrivalSink) {
+        self.state.lock().unwrap().sink = Some(sink);
+    }
+
+    /// The most requests ever open at once (streams in flight across all connections).
+    pub fn peak_in_flight(&self) -> usize {
+        self.state.lock().unwrap().peak_in_flight
+    }
+
+    /// Forgets the peak so far, so the next phase of a benchmark measures its own.
+    pub fn reset_peak_in_flight(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.peak_in_flight = state.in_flight;
+    }
+
     pub fn set_latency(&self, latency: Duration) {
         *self.latency.lock().unwrap() = latency;
     }
@@ -253,45 +276,57 @@ async fn handle(
         .and_then(|v| v.strip_prefix("bearer "))
         .unwrap_or("")
         .to_owned();
-    // The provider token: ES256, kid and team id as configured, iat recent.
-    let mut validation = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::ES256);
-    validation.required_spec_claims.clear();
-    validation.validate_exp = false;
-    validation.set_issuer(&[TEAM_ID]);
-    let valid = jsonwebtoken::decode::<Claims>(&jwt, verify_key, &validation).is_ok_and(|data| {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
-        data.claims.iat <= now + 60 && now - data.claims.iat < 3600
-    }) && jsonwebtoken::decode_header(&jwt)
-        .is_ok_and(|h| h.kid.as_deref() == Some(KEY_ID));
-    if !valid {
+    let cached = state
+        .lock()
+        .unwrap()
+        .valid_jwt
+        .as_ref()
+        .filter(|(known, _)| *known == jwt)
+        .map(|(_, iat)| *iat);
+    let Some(iat) = cached
+        .filter(|iat| recent(*iat))
+        .or_else(|| valid_provider_token(&jwt, verify_key))
+    else {
         state.lock().unwrap().rejected_jwts += 1;
         return reply(403, None, Some("InvalidProviderToken"));
-    }
+    };
+    let known = cached.is_some();
     let token = parts
         .uri
         .path()
         .strip_prefix("/3/device/")
         .unwrap_or("")
         .to_owned();
-    let headers = parts
-        .headers
-        .iter()
-        .filter(|(k, _)| k.as_str().starts_with("apns-"))
-        .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap_or("").to_owned()))
-        .collect();
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let answer = {
         let mut s = state.lock().unwrap();
-        s.calls.push(ApnsCall {
-            path: parts.uri.path().to_owned(),
-            token: token.clone(),
-            headers,
-            body: serde_json::from_slice(&body).unwrap_or(Value::Null),
-            jwt,
-            at: Instant::now(),
-        });
+        if !known {
+            s.valid_jwt = Some((jwt.clone(), iat));
+        }
+        s.in_flight += 1;
+        s.peak_in_flight = s.peak_in_flight.max(s.in_flight);
+        if let Some(sink) = &s.sink {
+            let _ = sink.send(crate::Arrival {
+                provider: "apns",
+                notification_id: body["orca"]["notificationId"].as_str().map(str::to_owned),
+                at: Instant::now(),
+            });
+        } else {
+            let headers = parts
+                .headers
+                .iter()
+                .filter(|(k, _)| k.as_str().starts_with("apns-"))
+                .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap_or("").to_owned()))
+                .collect();
+            s.calls.push(ApnsCall {
+                path: parts.uri.path().to_owned(),
+                token: token.clone(),
+                headers,
+                body,
+                jwt,
+                at: Instant::now(),
+            });
+        }
         s.scripts
             .get_mut(&token)
             .and_then(VecDeque::pop_front)
@@ -301,9 +336,37 @@ async fn handle(
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
-    state.lock().unwrap().completed += 1;
+    {
+        let mut s = state.lock().unwrap();
+        s.completed += 1;
+        s.in_flight -= 1;
+    }
     match answer {
         Some(a) => reply(a.status, a.retry_after, a.reason),
         None => reply(200, None, None),
     }
+}
+
+/// Issued within the last hour (and not from the future).
+fn recent(iat: u64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    iat <= now + 60 && now.saturating_sub(iat) < 3600
+}
+
+/// The provider token: ES256, kid and team id as configured, iat recent. Its iat when valid.
+fn valid_provider_token(jwt: &str, verify_key: &jsonwebtoken::DecodingKey) -> Option<u64> {
+    let mut validation = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::ES256);
+    validation.required_spec_claims.clear();
+    validation.validate_exp = false;
+    validation.set_issuer(&[TEAM_ID]);
+    let header_ok =
+        jsonwebtoken::decode_header(jwt).is_ok_and(|h| h.kid.as_deref() == Some(KEY_ID));
+    let iat = jsonwebtoken::decode::<Claims>(jwt, verify_key, &validation)
+        .ok()?
+        .claims
+        .iat;
+    (header_ok && recent(iat)).then_some(iat)
 }

@@ -39,6 +39,9 @@ struct Inner {
     rejected_assertions: usize,
     issued: Vec<String>,
     scripts: HashMap<String, VecDeque<FcmAnswer>>,
+    /// Where sends go instead of `calls` (the benchmark).
+    sink: Option<crate::ArrivalSink>,
+    latency: Duration,
 }
 
 #[derive(Clone)]
@@ -112,6 +115,16 @@ impl MockFcm {
                 self.url.trim_start_matches("http://").to_owned(),
             ),
         ]
+    }
+
+    /// Sends every message's arrival to `sink` instead of keeping it in `calls_for()`.
+    pub fn stream_to(&self, sink: crate::ArrivalSink) {
+        self.inner.lock().unwrap().sink = Some(sink);
+    }
+
+    /// How long `messages:send` takes to answer.
+    pub fn set_latency(&self, latency: Duration) {
+        self.inner.lock().unwrap().latency = latency;
     }
 
     pub fn metadata_requests(&self) -> usize {
@@ -281,22 +294,39 @@ async fn send(
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("")
         .to_owned();
-    let mut inner = shared.inner.lock().unwrap();
-    if project != PROJECT || !inner.issued.contains(&bearer) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            axum::Json(json!({ "error": { "code": 401, "status": "UNAUTHENTICATED" } })),
-        )
-            .into_response();
+    let (scripted, delay) = {
+        let mut inner = shared.inner.lock().unwrap();
+        if project != PROJECT || !inner.issued.contains(&bearer) {
+            return (
+                StatusCode::UNAUTHORIZED,
+                axum::Json(json!({ "error": { "code": 401, "status": "UNAUTHENTICATED" } })),
+            )
+                .into_response();
+        }
+        let token = body["message"]["token"].as_str().unwrap_or("").to_owned();
+        if let Some(sink) = &inner.sink {
+            let _ = sink.send(crate::Arrival {
+                provider: "fcm",
+                notification_id: body["message"]["data"]["notificationId"]
+                    .as_str()
+                    .map(str::to_owned),
+                at: Instant::now(),
+            });
+        } else {
+            inner.calls.push(FcmCall {
+                token: token.clone(),
+                validate_only: body["validate_only"] == Value::Bool(true),
+                message: body["message"].clone(),
+                at: Instant::now(),
+            });
+        }
+        let scripted = inner.scripts.get_mut(&token).and_then(VecDeque::pop_front);
+        (scripted, inner.latency)
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
-    let token = body["message"]["token"].as_str().unwrap_or("").to_owned();
-    inner.calls.push(FcmCall {
-        token: token.clone(),
-        validate_only: body["validate_only"] == Value::Bool(true),
-        message: body["message"].clone(),
-        at: Instant::now(),
-    });
-    match inner.scripts.get_mut(&token).and_then(VecDeque::pop_front) {
+    match scripted {
         Some(answer) => {
             let mut response = (
                 StatusCode::from_u16(answer.status).unwrap(),

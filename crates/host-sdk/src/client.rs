@@ -81,6 +81,7 @@ pub struct GatewayClient {
     key: HostKey,
     session: tokio::sync::Mutex<Option<SessionInfo>>,
     session_file: Option<PathBuf>,
+    headers: reqwest::header::HeaderMap,
 }
 
 fn now_ms() -> u64 {
@@ -114,7 +115,21 @@ impl GatewayClient {
             key,
             session: tokio::sync::Mutex::new(None),
             session_file: None,
+            headers: reqwest::header::HeaderMap::new(),
         })
+    }
+
+    /// Shares `http` (its connection pool) instead of a client of its own: many hosts in one
+    /// process, as the load generator runs them.
+    pub fn with_http_client(mut self, http: reqwest::Client) -> Self {
+        self.http = http;
+        self
+    }
+
+    /// Headers sent on every request, e.g. what a proxy in front of the gateway expects.
+    pub fn with_headers(mut self, headers: reqwest::header::HeaderMap) -> Self {
+        self.headers = headers;
+        self
     }
 
     /// Keeps the session in `path` (mode 0600) across runs, as the CLI does.
@@ -230,7 +245,10 @@ impl GatewayClient {
         body: Option<&Value>,
         bearer: Option<&str>,
     ) -> Result<Value, GatewayError> {
-        let mut request = self.http.request(method, format!("{}{}", self.base, path));
+        let mut request = self
+            .http
+            .request(method, format!("{}{}", self.base, path))
+            .headers(self.headers.clone());
         if let Some(token) = bearer {
             request = request.bearer_auth(token);
         }

@@ -1,0 +1,597 @@
+//! orca-push-bench: the load generator. It starts the gateway itself (all in one on SQLite, all in
+//! one on PostgreSQL, split into five processes on PostgreSQL), with in-process mock APNs (HTTP/2
+//! over TLS) and mock FCM answering after an injected latency, simulates hosts through the host
+//! SDK, runs the scenarios, prints a table per mode and writes JSON.
+//!
+//! `scripts/bench` builds it in release mode and runs the standard suite; see docs/benchmarks.md.
+
+mod population;
+mod procstat;
+mod report;
+mod scenarios;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use orca_push_tests::mock_apns::MockApns;
+use orca_push_tests::mock_fcm::MockFcm;
+use orca_push_tests::{Backend, Gateway};
+use serde::Serialize;
+
+use crate::population::Platform;
+use crate::report::{ModeReport, Report, Verdict};
+use crate::scenarios::{Arrivals, Phase, Target};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Mode {
+    /// One process on SQLite (the embedded default).
+    Sqlite,
+    /// One process on PostgreSQL.
+    Postgres,
+    /// Five processes (facade, auth, registry, queue, sender) on PostgreSQL.
+    Split,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Scenario {
+    Handshake,
+    Send,
+    Deliver,
+    Mixed,
+}
+
+#[derive(Debug, Clone, Parser, Serialize)]
+#[command(
+    name = "orca-push-bench",
+    about = "Load generator for orca-push: starts the gateway, drives it, reports figures"
+)]
+struct Args {
+    /// Gateway set-ups to run.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "sqlite,postgres,split"
+    )]
+    modes: Vec<Mode>,
+    /// Scenarios to run in each mode.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "handshake,send,deliver,mixed"
+    )]
+    scenarios: Vec<Scenario>,
+    /// Seconds of each measured phase (the mixed scenario has its own).
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Seconds of the mixed scenario.
+    #[arg(long, default_value_t = 60.0)]
+    mixed_seconds: f64,
+    /// Operations per second of the mixed scenario.
+    #[arg(long, default_value_t = 200.0)]
+    mixed_rate: f64,
+    /// Seconds of the idle reading taken right after start.
+    #[arg(long, default_value_t = 3.0)]
+    idle_seconds: f64,
+    /// Simulated hosts for handshake/send/deliver (each its own key, IP and session).
+    #[arg(long, default_value_t = 1000)]
+    hosts: usize,
+    /// Simulated hosts for the coalescing-window and mixed runs.
+    #[arg(long, default_value_t = 400)]
+    window_hosts: usize,
+    /// Phones per host, alternately iOS and Android.
+    #[arg(long, default_value_t = 2)]
+    devices: usize,
+    /// Requests in flight in the closed loops (handshake, send).
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// End-to-end flows into APNs, one row each (each keeps at most one request at the provider).
+    #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
+    apns_flows: Vec<usize>,
+    /// End-to-end flows into FCM.
+    #[arg(long, default_value_t = 100)]
+    fcm_flows: usize,
+    /// Flows while the coalescing window is at its default.
+    #[arg(long, default_value_t = 100)]
+    window_flows: usize,
+    /// How long the provider mocks take to answer.
+    #[arg(long, default_value_t = 40)]
+    provider_latency_ms: u64,
+    /// Seconds pgbench runs per client count (0: do not run pgbench).
+    #[arg(long, default_value_t = 3.0)]
+    pgbench_seconds: f64,
+    /// A short run of every scenario (seconds, small populations): what the smoke test runs.
+    #[arg(long)]
+    smoke: bool,
+    /// The gateway binary; default: `orca-push` (or the test build `orca-push-e2e`) beside this one.
+    #[arg(long)]
+    gateway: Option<PathBuf>,
+    /// Where to write the JSON report.
+    #[arg(long, default_value = "target/bench/latest.json")]
+    json: PathBuf,
+    /// A name for this run in the report (e.g. `before`, `after`).
+    #[arg(long, default_value = "run")]
+    label: String,
+}
+
+impl Args {
+    fn apply_smoke(&mut self) {
+        if self.smoke {
+            self.seconds = 1.0;
+            self.mixed_seconds = 2.0;
+            self.mixed_rate = 20.0;
+            self.idle_seconds = 0.5;
+            self.hosts = 40;
+            self.window_hosts = 20;
+            self.concurrency = 8;
+            self.apns_flows = vec![4];
+            self.fcm_flows = 4;
+            self.window_flows = 4;
+            self.pgbench_seconds = self.pgbench_seconds.min(1.0);
+        }
+    }
+}
+
+fn gateway_binary(args: &Args) -> anyhow::Result<PathBuf> {
+    if let Some(path) = &args.gateway {
+        return Ok(path.clone());
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().ok_or_else(|| anyhow::anyhow!("no folder"))?;
+    ["orca-push", "orca-push-e2e"]
+        .iter()
+        .map(|name| dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX)))
+        .find(|p| p.exists())
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "no orca-push binary beside {}: build it (scripts/bench does) or pass --gateway",
+                exe.display()
+            )
+        })
+}
+
+fn main() -> std::process::ExitCode {
+    let mut args = Args::parse();
+    args.apply_smoke();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("orca-push-bench: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("orca-push-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let binary = gateway_binary(&args)?;
+    orca_push_tests::use_binary(binary.clone());
+    let wants_postgres = args.modes.iter().any(|m| *m != Mode::Sqlite);
+    if wants_postgres && std::env::var("ORCA_PUSH_TEST_POSTGRES_URL").is_err() {
+        anyhow::bail!(
+            "postgres and split modes need a server: set ORCA_PUSH_TEST_POSTGRES_URL \
+             (scripts/bench starts a throwaway one), or pass --modes sqlite"
+        );
+    }
+
+    let (sink, arrivals_rx) = tokio::sync::mpsc::unbounded_channel();
+    let arrivals = Arc::new(Arrivals::default());
+    tokio::spawn(arrivals.clone().pump(arrivals_rx));
+    let apns = Arc::new(MockApns::start().await);
+    let fcm = MockFcm::start().await;
+    let latency = Duration::from_millis(args.provider_latency_ms);
+    apns.set_latency(latency);
+    fcm.set_latency(latency);
+    apns.stream_to(sink.clone());
+    fcm.stream_to(sink);
+    let mut env: Vec<(String, String)> = apns.env();
+    env.extend(fcm.env());
+    env.push(("ORCA_PUSH_TRUSTED_PROXY_HOPS".into(), "1".into()));
+
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(4096)
+        .timeout(Duration::from_secs(30))
+        .build()?;
+
+    let mut pgbench = None;
+    let mut modes = Vec::new();
+    for mode in args.modes.clone() {
+        eprintln!("== {mode:?} ==");
+        if mode != Mode::Sqlite && pgbench.is_none() && args.pgbench_seconds > 0.0 {
+            pgbench = Some(pg::inserts_per_second(args.pgbench_seconds, args.concurrency).await?);
+        }
+        let run = ModeRun {
+            args: &args,
+            mode,
+            env: &env,
+            http: &http,
+            arrivals: &arrivals,
+            apns: &apns,
+        };
+        let mut report = run.run().await?;
+        if mode != Mode::Sqlite {
+            report.pgbench_inserts_per_second = pgbench;
+        }
+        report.verdicts = mode_verdicts(&report, mode);
+        println!("{}", report::table(&report));
+        modes.push(report);
+    }
+    let verdicts = cross_mode_verdicts(&modes);
+    print!("{}", report::verdict_lines(&verdicts));
+    let report = Report {
+        label: args.label.clone(),
+        started_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        git_revision: git_revision(),
+        gateway_binary: binary.display().to_string(),
+        machine: report::machine(),
+        settings: serde_json::to_value(&args)?,
+        modes,
+        verdicts,
+        total_seconds: started.elapsed().as_secs_f64(),
+    };
+    if let Some(dir) = args.json.parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.json, serde_json::to_vec_pretty(&report)?)?;
+    eprintln!(
+        "suite took {:.0} s; JSON in {}",
+        report.total_seconds,
+        args.json.display()
+    );
+    Ok(())
+}
+
+fn git_revision() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+struct ModeRun<'a> {
+    args: &'a Args,
+    mode: Mode,
+    env: &'a [(String, String)],
+    http: &'a reqwest::Client,
+    arrivals: &'a Arc<Arrivals>,
+    apns: &'a Arc<MockApns>,
+}
+
+impl ModeRun<'_> {
+    async fn start(&self, coalesce_ms: Option<u32>) -> Gateway {
+        let mut env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let window = coalesce_ms.map(|ms| ms.to_string());
+        if let Some(ms) = &window {
+            env.push(("ORCA_PUSH_COALESCE_MS", ms));
+        }
+        match self.mode {
+            Mode::Sqlite => Gateway::start_with(Backend::Sqlite, &env).await,
+            Mode::Postgres => Gateway::start_with(Backend::Postgres, &env).await,
+            Mode::Split => Gateway::start_split_with(Backend::Postgres, &env).await,
+        }
+    }
+
+    fn target(&self, gateway: &Gateway) -> Target {
+        Target {
+            base: gateway.base.clone(),
+            pids: gateway.pids(),
+            http: self.http.clone(),
+            arrivals: self.arrivals.clone(),
+            apns: self.apns.clone(),
+            provider_latency: Duration::from_millis(self.args.provider_latency_ms),
+        }
+    }
+
+    async fn population(
+        &self,
+        target: &Target,
+        hosts: usize,
+    ) -> anyhow::Result<Arc<population::Pool>> {
+        let bar = report::count_bar("setting up hosts and phones", hosts as u64);
+        let pool = population::build(
+            &target.base,
+            &target.http,
+            hosts,
+            self.args.devices,
+            self.args.concurrency,
+            &bar,
+        )
+        .await;
+        bar.finish_and_clear();
+        Ok(Arc::new(pool?))
+    }
+
+    async fn run(&self) -> anyhow::Result<ModeReport> {
+        let args = self.args;
+        let wants = |s: Scenario| args.scenarios.contains(&s);
+        let mut phases: Vec<Phase> = Vec::new();
+        let mut setup = Duration::ZERO;
+
+        // Window 0: every event goes alone, so throughput and latency are the pipeline's own.
+        let clock = Instant::now();
+        let gateway = self.start(Some(0)).await;
+        let target = self.target(&gateway);
+        setup += clock.elapsed();
+        phases.push(scenarios::idle(&target, args.idle_seconds).await);
+        if wants(Scenario::Handshake) || wants(Scenario::Send) || wants(Scenario::Deliver) {
+            let clock = Instant::now();
+            let pool = self.population(&target, args.hosts).await?;
+            setup += clock.elapsed();
+            if wants(Scenario::Handshake) {
+                phases.push(scenarios::handshake(&target, args.seconds, args.concurrency).await);
+            }
+            if wants(Scenario::Send) {
+                let drain = Duration::from_secs_f64((args.seconds * 10.0).max(20.0));
+                phases.extend(
+                    scenarios::send(&target, &pool, args.seconds, args.concurrency, drain).await,
+                );
+            }
+            if wants(Scenario::Deliver) {
+                for flows in &args.apns_flows {
+                    phases.push(
+                        scenarios::deliver(
+                            &target,
+                            &pool,
+                            args.seconds,
+                            *flows,
+                            Platform::Ios,
+                            "0",
+                            false,
+                        )
+                        .await,
+                    );
+                }
+                phases.push(
+                    scenarios::deliver(
+                        &target,
+                        &pool,
+                        args.seconds,
+                        args.fcm_flows,
+                        Platform::Android,
+                        "0",
+                        false,
+                    )
+                    .await,
+                );
+            }
+        }
+        drop(gateway);
+
+        // The default window: what a host sees in production, and the realistic blend.
+        if wants(Scenario::Deliver) || wants(Scenario::Mixed) {
+            let clock = Instant::now();
+            let gateway = self.start(None).await;
+            let target = self.target(&gateway);
+            let pool = self.population(&target, args.window_hosts).await?;
+            setup += clock.elapsed();
+            if wants(Scenario::Deliver) {
+                // Each flow owns a host, so its events never share a window with another flow's.
+                let window_ms = orca_push::config::DEFAULT_COALESCE_MS;
+                phases.push(
+                    scenarios::deliver(
+                        &target,
+                        &pool,
+                        args.seconds + window_ms as f64 / 1000.0,
+                        args.window_flows.min(pool.hosts.len()),
+                        Platform::Ios,
+                        &format!("{window_ms} ms"),
+                        true,
+                    )
+                    .await,
+                );
+            }
+            if wants(Scenario::Mixed) {
+                phases.push(
+                    scenarios::mixed(&target, &pool, args.mixed_seconds, args.mixed_rate).await,
+                );
+            }
+        }
+        Ok(ModeReport {
+            mode: format!("{:?}", self.mode).to_lowercase(),
+            description: match self.mode {
+                Mode::Sqlite => "all in one process, SQLite",
+                Mode::Postgres => "all in one process, PostgreSQL",
+                Mode::Split => "five processes (facade, auth, registry, queue, sender), PostgreSQL",
+            }
+            .into(),
+            pgbench_inserts_per_second: None,
+            setup_seconds: setup.as_secs_f64(),
+            phases,
+            verdicts: Vec::new(),
+        })
+    }
+}
+
+fn find<'a>(report: &'a ModeReport, scenario: &str, phase_prefix: &str) -> Option<&'a Phase> {
+    report
+        .phases
+        .iter()
+        .find(|p| p.scenario == scenario && p.phase.starts_with(phase_prefix))
+}
+
+/// The targets of the benchmark issue that one mode's figures decide.
+fn mode_verdicts(report: &ModeReport, mode: Mode) -> Vec<Verdict> {
+    let mut verdicts = Vec::new();
+    if let Some(h) = find(report, "handshake", "") {
+        verdicts.push(Verdict {
+            target: "handshakes ≥ 2,000/s".into(),
+            measured: format!("{:.0}/s", h.rate),
+            met: h.rate >= 2000.0,
+        });
+    }
+    if let (Some(peak), Some(tps)) = (
+        find(report, "send", "closed"),
+        report.pgbench_inserts_per_second,
+    ) {
+        verdicts.push(Verdict {
+            target: "accepted sends ≥ ½ × pgbench single-row inserts".into(),
+            measured: format!(
+                "{:.0}/s vs {:.0}/s ({:.2}×)",
+                peak.rate,
+                tps,
+                peak.rate / tps
+            ),
+            met: peak.rate >= tps / 2.0,
+        });
+    }
+    if let Some(open) = find(report, "send", "open")
+        && let Some(l) = &open.latency_ms
+    {
+        verdicts.push(Verdict {
+            target: "send p99 < 25 ms at half the peak rate".into(),
+            measured: format!("p99 {:.1} ms", l.p99),
+            met: l.p99 < 25.0,
+        });
+    }
+    for row in report.phases.iter().filter(|p| {
+        p.scenario == "deliver" && p.phase.starts_with("APNs") && p.phase.ends_with("window 0")
+    }) {
+        let ratio = row.extra.get("ratio_to_ideal").copied().unwrap_or(0.0);
+        verdicts.push(Verdict {
+            target: format!("APNs deliveries ≥ 0.8 × flows / 40 ms ({})", row.phase),
+            measured: format!(
+                "{:.0}/s of an ideal {:.0}/s ({ratio:.2}×)",
+                row.rate,
+                row.extra.get("ideal_per_second").copied().unwrap_or(0.0)
+            ),
+            met: ratio >= 0.8,
+        });
+    }
+    if let Some(idle) = find(report, "idle", "") {
+        let what = if mode == Mode::Split {
+            "all five processes together"
+        } else {
+            "the process"
+        };
+        verdicts.push(Verdict {
+            target: format!("idle < 1% of a core and < 64 MiB RSS ({what})"),
+            measured: format!(
+                "{:.2}% and {:.0} MiB",
+                idle.gateway_cpu_percent, idle.rss_mib
+            ),
+            met: idle.gateway_cpu_percent < 1.0 && idle.rss_mib < 64.0,
+        });
+    }
+    let peak = report
+        .phases
+        .iter()
+        .map(|p| p.peak_rss_mib)
+        .fold(0.0, f64::max);
+    verdicts.push(Verdict {
+        target: "under load < 256 MiB RSS (largest process, peak)".into(),
+        measured: format!("{peak:.0} MiB"),
+        met: peak < 256.0,
+    });
+    verdicts
+}
+
+fn cross_mode_verdicts(modes: &[ModeReport]) -> Vec<Verdict> {
+    let peak = |mode: &str| {
+        modes
+            .iter()
+            .find(|m| m.mode == mode)
+            .and_then(|m| find(m, "send", "closed"))
+            .map(|p| p.rate)
+    };
+    match (peak("sqlite"), peak("postgres")) {
+        (Some(sqlite), Some(postgres)) => vec![Verdict {
+            target: "SQLite all in one ≥ PostgreSQL all in one (accepted sends/s)".into(),
+            measured: format!("{sqlite:.0}/s vs {postgres:.0}/s"),
+            met: sqlite >= postgres,
+        }],
+        _ => Vec::new(),
+    }
+}
+
+/// The PostgreSQL yardstick: single-row INSERT commits per second on the same server, by pgbench.
+mod pg {
+    use anyhow::Context as _;
+
+    fn pgbench() -> Option<std::path::PathBuf> {
+        let on_path = std::process::Command::new("pgbench")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if on_path {
+            return Some("pgbench".into());
+        }
+        std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(Result::ok)
+            .map(|d| d.path().join("bin/pgbench"))
+            .find(|p| p.exists())
+    }
+
+    /// The best of a few client counts, `seconds` each.
+    pub async fn inserts_per_second(seconds: f64, concurrency: usize) -> anyhow::Result<f64> {
+        let binary =
+            pgbench().context("pgbench not found (Debian: postgresql-contrib or postgresql)")?;
+        let url = orca_push_storage::testing::fresh_postgres_url().await;
+        let pool = sqlx::PgPool::connect(&url).await?;
+        sqlx::query(
+            "CREATE TABLE bench_insert (id BIGSERIAL PRIMARY KEY, host TEXT NOT NULL, \
+             payload TEXT NOT NULL, created_at BIGINT NOT NULL)",
+        )
+        .execute(&pool)
+        .await?;
+        pool.close().await;
+        let mut script = tempfile::NamedTempFile::new()?;
+        std::io::Write::write_all(
+            &mut script,
+            b"INSERT INTO bench_insert (host, payload, created_at) VALUES ('host', 'payload', 1);\n",
+        )?;
+        let mut best: f64 = 0.0;
+        for clients in [8, concurrency.max(8)] {
+            let bar = crate::report::phase_bar(&format!("pgbench, {clients} clients"), seconds);
+            let output = tokio::process::Command::new(&binary)
+                .args(["-n", "-j", "2", "-c", &clients.to_string()])
+                .args(["-T", &format!("{}", seconds.ceil() as u64)])
+                .arg("-f")
+                .arg(script.path())
+                .arg(&url)
+                .output()
+                .await?;
+            bar.finish_and_clear();
+            let text = String::from_utf8_lossy(&output.stdout);
+            let tps = text
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("tps = "))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse::<f64>().ok())
+                .with_context(|| {
+                    format!(
+                        "pgbench printed no tps: {}",
+                        String::from_utf8_lossy(&output.stderr)
+                    )
+                })?;
+            best = best.max(tps);
+        }
+        Ok(best)
+    }
+}

@@ -1,0 +1,186 @@
+//! Simulated hosts: each its own X25519 key and client IP (x-forwarded-for, with the gateway told
+//! to trust one proxy hop), a session from the real handshake, and M registered phones.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+use futures::StreamExt as _;
+use orca_push_host::{GatewayClient, GatewayError, HostKey};
+use reqwest::Method;
+use reqwest::header::{HeaderMap, HeaderValue};
+use serde_json::{Value, json};
+
+/// Alerts (and separately dismissals) a host may spend in the bench: under the contract's 300 per
+/// 15 minutes, so quota never binds unless a scenario is about quota.
+pub const QUOTA_BUDGET: u32 = 280;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Platform {
+    Ios,
+    Android,
+}
+
+#[derive(Debug, Clone)]
+pub struct Device {
+    pub device_id: String,
+    pub registration_id: String,
+    pub platform: Platform,
+}
+
+pub struct Host {
+    pub client: GatewayClient,
+    pub devices: Vec<Device>,
+    /// notificationEpoch of this host's counter.
+    pub epoch: String,
+    seq: AtomicU64,
+    alerts: AtomicU32,
+    dismissals: AtomicU32,
+}
+
+impl Host {
+    pub fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    pub fn registration_ids(&self, platform: Option<Platform>) -> Vec<String> {
+        self.devices
+            .iter()
+            .filter(|d| platform.is_none_or(|p| d.platform == p))
+            .map(|d| d.registration_id.clone())
+            .collect()
+    }
+
+    /// Takes one alert (or dismissal) from the host's budget; false when it is spent.
+    pub fn spend(&self, dismissal: bool) -> bool {
+        let counter = if dismissal {
+            &self.dismissals
+        } else {
+            &self.alerts
+        };
+        counter.fetch_add(1, Ordering::Relaxed) < QUOTA_BUDGET
+    }
+}
+
+/// The client IP of simulated client `n` in address block `block` (10 for hosts, 11 and up for
+/// one-off handshakes), unique for up to 16 million clients.
+pub fn client_ip(block: u8, n: usize) -> String {
+    format!("{block}.{}.{}.{}", (n >> 16) & 255, (n >> 8) & 255, n & 255)
+}
+
+pub fn client(base: &str, http: &reqwest::Client, ip: &str) -> Result<GatewayClient, GatewayError> {
+    let mut headers = HeaderMap::new();
+    // As a load balancer would pass it on: the client, then the balancer itself (the one hop
+    // ORCA_PUSH_TRUSTED_PROXY_HOPS=1 tells the gateway to skip).
+    headers.insert(
+        "x-forwarded-for",
+        HeaderValue::from_str(&format!("{ip}, 192.0.2.1")).map_err(|_| GatewayError::BadUrl)?,
+    );
+    Ok(GatewayClient::new(base, HostKey::generate())?
+        .with_http_client(http.clone())
+        .with_headers(headers))
+}
+
+/// A new native token of the right shape: 64 hex digits for APNs, an FCM-looking string else.
+pub fn fresh_token(platform: Platform) -> String {
+    let (a, b) = (uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
+    match platform {
+        Platform::Ios => format!("{a}{b}"),
+        Platform::Android => format!("fcm-bench:{a}"),
+    }
+}
+
+pub fn registration_body(platform: Platform, device_id: &str, token: &str) -> Value {
+    match platform {
+        Platform::Ios => json!({
+            "v": 1, "deviceId": device_id, "platform": "ios", "token": token,
+            "apnsEnvironment": "production",
+        }),
+        Platform::Android => json!({
+            "v": 1, "deviceId": device_id, "platform": "android", "token": token,
+        }),
+    }
+}
+
+/// Hosts shared by a scenario's workers, handed out round-robin so each host's request rate stays
+/// a small share of the total.
+pub struct Pool {
+    pub hosts: Vec<Arc<Host>>,
+    next: AtomicUsize,
+}
+
+impl Pool {
+    /// The next host with budget left, or None when every host has spent its quota budget.
+    pub fn take(&self, dismissal: bool) -> Option<Arc<Host>> {
+        for _ in 0..self.hosts.len() {
+            let i = self.next.fetch_add(1, Ordering::Relaxed) % self.hosts.len();
+            if self.hosts[i].spend(dismissal) {
+                return Some(self.hosts[i].clone());
+            }
+        }
+        None
+    }
+}
+
+/// Logs in `hosts` hosts and registers `devices` phones on each (alternately iOS and Android),
+/// `concurrency` hosts at a time.
+pub async fn build(
+    base: &str,
+    http: &reqwest::Client,
+    hosts: usize,
+    devices: usize,
+    concurrency: usize,
+    progress: &indicatif::ProgressBar,
+) -> anyhow::Result<Pool> {
+    let made: Vec<Result<Host, GatewayError>> = futures::stream::iter(0..hosts)
+        .map(|n| async move {
+            let client = client(base, http, &client_ip(10, n))?;
+            client.login().await?;
+            let mut registered = Vec::new();
+            for d in 0..devices {
+                let platform = if d % 2 == 0 {
+                    Platform::Ios
+                } else {
+                    Platform::Android
+                };
+                let device_id = uuid::Uuid::new_v4().to_string();
+                let token = fresh_token(platform);
+                let reply = client
+                    .call(
+                        Method::POST,
+                        "/v1/devices",
+                        Some(&registration_body(platform, &device_id, &token)),
+                    )
+                    .await?;
+                let registration_id = reply["registrationId"]
+                    .as_str()
+                    .ok_or(GatewayError::Malformed("registration reply"))?
+                    .to_owned();
+                registered.push(Device {
+                    device_id,
+                    registration_id,
+                    platform,
+                });
+            }
+            progress.inc(1);
+            Ok(Host {
+                client,
+                devices: registered,
+                epoch: uuid::Uuid::new_v4().to_string(),
+                seq: AtomicU64::new(0),
+                alerts: AtomicU32::new(0),
+                dismissals: AtomicU32::new(0),
+            })
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    let hosts = made
+        .into_iter()
+        .map(|h| h.map(Arc::new))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("setting up simulated hosts: {e}"))?;
+    Ok(Pool {
+        hosts,
+        next: AtomicUsize::new(0),
+    })
+}

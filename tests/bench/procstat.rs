@@ -1,0 +1,81 @@
+//! CPU time and memory of the gateway's processes, read from /proc.
+
+use std::time::Instant;
+
+/// Linux reports `utime`/`stime` in USER_HZ, which is 100 on every architecture Rust targets.
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// One reading of a set of processes.
+#[derive(Debug, Clone, Copy)]
+pub struct Reading {
+    /// User + system CPU seconds, summed over the processes.
+    pub cpu_seconds: f64,
+    /// Resident memory now, summed (MiB).
+    pub rss_mib: f64,
+    /// The largest resident memory any one of them ever had (VmHWM, MiB).
+    pub peak_rss_mib: f64,
+    pub at: Instant,
+}
+
+pub fn read(pids: &[u32]) -> Reading {
+    let mut reading = Reading {
+        cpu_seconds: 0.0,
+        rss_mib: 0.0,
+        peak_rss_mib: 0.0,
+        at: Instant::now(),
+    };
+    for pid in pids {
+        reading.cpu_seconds += cpu_seconds(&format!("/proc/{pid}/stat")).unwrap_or(0.0);
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        reading.rss_mib += status_kib(&status, "VmRSS:") / 1024.0;
+        reading.peak_rss_mib = reading
+            .peak_rss_mib
+            .max(status_kib(&status, "VmHWM:") / 1024.0);
+    }
+    reading
+}
+
+/// This load generator's own CPU time, to show what it took from the machine.
+pub fn own_cpu_seconds() -> f64 {
+    cpu_seconds("/proc/self/stat").unwrap_or(0.0)
+}
+
+fn cpu_seconds(path: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count from its end.
+    let after = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // After the name, utime and stime are the 12th and 13th fields (14 and 15 overall).
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / TICKS_PER_SECOND)
+}
+
+fn status_kib(status: &str, key: &str) -> f64 {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(key))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Share of one core used between two readings, in percent.
+pub fn cpu_percent(from: &Reading, to: &Reading) -> f64 {
+    let wall = to.at.duration_since(from.at).as_secs_f64();
+    if wall <= 0.0 {
+        return 0.0;
+    }
+    100.0 * (to.cpu_seconds - from.cpu_seconds) / wall
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reads_this_process() {
+        let reading = super::read(&[std::process::id()]);
+        assert!(reading.rss_mib > 0.0);
+        assert!(reading.peak_rss_mib >= reading.rss_mib * 0.5);
+        assert!(super::own_cpu_seconds() >= 0.0);
+    }
+}

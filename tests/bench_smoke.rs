@@ -1,0 +1,67 @@
+//! The load generator itself: a seconds-long run of every scenario in every mode, so the harness
+//! cannot rot. Figures here are from a debug build and mean nothing; only that every scenario ran,
+//! did work and met no errors is checked.
+
+use serde_json::Value;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_scenario_runs_in_every_mode() {
+    let json = tempfile::NamedTempFile::new().unwrap();
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_orca-push-bench"))
+        .args([
+            "--smoke",
+            "--modes",
+            "sqlite,postgres,split",
+            "--label",
+            "smoke",
+        ])
+        .arg("--gateway")
+        .arg(orca_push_tests::binary())
+        .arg("--json")
+        .arg(json.path())
+        .output()
+        .await
+        .expect("run orca-push-bench");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "orca-push-bench failed:\n{stdout}\n{stderr}"
+    );
+    let report: Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    let modes = report["modes"].as_array().expect("modes");
+    assert_eq!(
+        modes
+            .iter()
+            .map(|m| m["mode"].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        ["sqlite", "postgres", "split"]
+    );
+    for mode in modes {
+        let phases = mode["phases"].as_array().unwrap();
+        let name = mode["mode"].as_str().unwrap();
+        for scenario in ["idle", "handshake", "send", "deliver", "mixed"] {
+            let rows: Vec<&Value> = phases
+                .iter()
+                .filter(|p| p["scenario"] == scenario)
+                .collect();
+            assert!(!rows.is_empty(), "{name}: no {scenario} row in {stdout}");
+            for row in rows {
+                assert_eq!(row["errors"], 0, "{name}: {row}");
+                if scenario != "idle" {
+                    assert!(row["ops"].as_u64().unwrap() > 0, "{name}: {row}");
+                    assert!(row["rate"].as_f64().unwrap() > 0.0, "{name}: {row}");
+                }
+                assert!(row["rss_mib"].as_f64().unwrap() > 0.0, "{name}: {row}");
+            }
+        }
+        let delivered = phases
+            .iter()
+            .filter(|p| p["scenario"] == "deliver")
+            .all(|p| p["latency_ms"]["p50"].as_f64().is_some());
+        assert!(delivered, "{name}: deliveries without latency");
+        assert!(mode["pgbench_inserts_per_second"].is_number() == (name != "sqlite"));
+        // The table names every scenario.
+        assert!(stdout.contains(&format!("### {name}")), "{stdout}");
+    }
+}
