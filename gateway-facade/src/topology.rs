@@ -252,6 +252,10 @@ pub async fn serve_facade(
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
     tokio::spawn(sweep_limits(state.limits.clone(), shutdown.clone()));
+    // Small answers go out at once rather than waiting on the client's delayed ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(
         listener,
         router(state).into_make_service_with_connect_info::<SocketAddr>(),

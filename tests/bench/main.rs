@@ -111,6 +111,13 @@ struct Args {
     /// The gateway binary; default: `orca-push` (or the test build `orca-push-e2e`) beside this one.
     #[arg(long)]
     gateway: Option<PathBuf>,
+    /// Extra environment for the gateway's processes, `NAME=value` (repeatable), e.g. to try a
+    /// setting or turn on `RUST_LOG=sqlx::query=debug` while profiling.
+    #[arg(long = "gateway-env", value_parser = parse_env)]
+    gateway_env: Vec<(String, String)>,
+    /// Appends the gateway's log (its stderr) to this file after each gateway run.
+    #[arg(long)]
+    gateway_log: Option<PathBuf>,
     /// Where to write the JSON report.
     #[arg(long, default_value = "target/bench/latest.json")]
     json: PathBuf,
@@ -135,6 +142,12 @@ impl Args {
             self.pgbench_seconds = self.pgbench_seconds.min(1.0);
         }
     }
+}
+
+fn parse_env(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| "expected NAME=value".to_owned())
 }
 
 fn gateway_binary(args: &Args) -> anyhow::Result<PathBuf> {
@@ -202,6 +215,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut env: Vec<(String, String)> = apns.env();
     env.extend(fcm.env());
     env.push(("ORCA_PUSH_TRUSTED_PROXY_HOPS".into(), "1".into()));
+    env.extend(args.gateway_env.iter().cloned());
 
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4096)
@@ -297,6 +311,19 @@ impl ModeRun<'_> {
         }
     }
 
+    fn keep_log(&self, gateway: &Gateway) {
+        if let Some(path) = &self.args.gateway_log {
+            let appended = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .and_then(|mut f| std::io::Write::write_all(&mut f, gateway.logs().as_bytes()));
+            if let Err(e) = appended {
+                eprintln!("orca-push-bench: cannot write {}: {e}", path.display());
+            }
+        }
+    }
+
     fn target(&self, gateway: &Gateway) -> Target {
         Target {
             base: gateway.base.clone(),
@@ -381,6 +408,7 @@ impl ModeRun<'_> {
                 );
             }
         }
+        self.keep_log(&gateway);
         drop(gateway);
 
         // The default window: what a host sees in production, and the realistic blend.
@@ -411,6 +439,7 @@ impl ModeRun<'_> {
                     scenarios::mixed(&target, &pool, args.mixed_seconds, args.mixed_rate).await,
                 );
             }
+            self.keep_log(&gateway);
         }
         Ok(ModeReport {
             mode: format!("{:?}", self.mode).to_lowercase(),

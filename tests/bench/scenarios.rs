@@ -500,6 +500,10 @@ async fn flow(
         let started = Instant::now();
         if let Err(kind) = post_send(&host, &body).await {
             target.arrivals.forget(&id);
+            // A well-behaved host waits out `503 busy` (Retry-After: 1) instead of hammering.
+            if kind.starts_with("503") {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
             recorder.error(kind);
             continue;
         }

@@ -196,6 +196,14 @@ where
     }
 }
 
+/// The connections a service's gRPC server accepts on `listener`, with TCP_NODELAY set. A gRPC
+/// answer is several small writes (headers, message, trailers): without it Nagle's algorithm holds
+/// the last of them until the caller's delayed ACK, 40 ms on Linux, on every call. The benchmark
+/// found this (docs/benchmarks.md).
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 /// A service's gRPC server with gRPC health (open) and reflection (behind the token) already
 /// added; the caller adds its own service and serves.
 pub fn service_router<H>(

@@ -217,11 +217,18 @@ macro_rules! auth_store {
         #[derive(Debug, Clone)]
         pub struct $store {
             pool: $pool,
+            readers: $pool,
         }
 
         impl $store {
             pub fn new(pool: $pool) -> Self {
-                Self { pool }
+                let readers = orca_push_storage::ReadPool::readers(&pool);
+                Self { pool, readers }
+            }
+
+            /// Where reads outside a transaction go.
+            fn reader(&self) -> &$pool {
+                &self.readers
             }
         }
 
@@ -253,7 +260,7 @@ macro_rules! auth_store {
                  FROM push_challenges WHERE challenge_id = $1",
             )
             .bind(challenge_id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.reader())
             .await?;
             row.map(|r| {
                 Ok(ChallengeRow {
@@ -326,7 +333,7 @@ macro_rules! auth_store {
                  WHERE s.token_hash = $1",
             )
             .bind(token_hash)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.reader())
             .await?;
             row.map(|r| {
                 Ok(SessionRow {
@@ -344,7 +351,7 @@ macro_rules! auth_store {
             let seen: Option<i64> =
                 sqlx::query_scalar("SELECT last_seen_at FROM push_hosts WHERE host_fingerprint = $1")
                     .bind(fp)
-                    .fetch_optional(&self.pool)
+                    .fetch_optional(self.reader())
                     .await?;
             Ok(seen.map(from_db_time))
         }
@@ -374,7 +381,7 @@ macro_rules! auth_store {
             .bind(db_time(before_ms))
             .bind(after)
             .bind(limit)
-            .fetch_all(&self.pool)
+            .fetch_all(self.reader())
             .await
         }
 

@@ -133,7 +133,7 @@ pub async fn serve(
     orca_push_internal_auth::service_router(key, AUDIENCE, health_service)
         .add_service(QueueServiceServer::new(QueueGrpc::new(queue)))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            orca_push_internal_auth::incoming(listener),
             shutdown.cancelled_owned(),
         )
         .await

@@ -687,7 +687,7 @@ macro_rules! queue_store {
                     "SELECT MIN(available_at) FROM push_delivery_batches \
                      WHERE state IN ('open', 'pending', 'leased')",
                 )
-                .fetch_one(&self.pool)
+                .fetch_one(self.reader())
                 .await?;
                 Ok(next)
             }
@@ -774,7 +774,7 @@ macro_rules! queue_store {
                 .bind(kind.as_str())
                 .bind(epoch)
                 .bind(seq)
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.reader())
                 .await?;
                 let Some(event) = event else { return Ok(None) };
                 let event_id: String = event.try_get("event_id")?;
@@ -784,7 +784,7 @@ macro_rules! queue_store {
                      WHERE r.event_id = $1 ORDER BY r.created_at, r.registration_id",
                 )
                 .bind(&event_id)
-                .fetch_all(&self.pool)
+                .fetch_all(self.reader())
                 .await?;
                 let recipients = rows
                     .iter()
@@ -814,7 +814,7 @@ macro_rules! queue_store {
                      FROM push_delivery_batches WHERE state IN ('open', 'pending', 'leased')",
                 )
                 .bind(now)
-                .fetch_one(&self.pool)
+                .fetch_one(self.reader())
                 .await?;
                 let count = |name: &str| -> Result<u64, sqlx::Error> {
                     Ok(u64::try_from(row.try_get::<i64, _>(name)?).unwrap_or(0))
@@ -838,7 +838,7 @@ macro_rules! queue_store {
                 )
                 .bind(now)
                 .bind(CLEANUP_BATCH)
-                .fetch_all(&self.pool)
+                .fetch_all(self.reader())
                 .await?;
                 for batch_id in overdue {
                     let mut tx = self.begin_claim().await?;
@@ -922,6 +922,7 @@ pub trait Backend {
 #[derive(Debug, Clone)]
 pub struct SqliteQueueStore {
     pool: sqlx::SqlitePool,
+    readers: sqlx::SqlitePool,
 }
 
 impl Backend for SqliteQueueStore {
@@ -934,7 +935,13 @@ impl SqliteQueueStore {
          ORDER BY available_at LIMIT $2";
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
-        Self { pool }
+        let readers = orca_push_storage::ReadPool::readers(&pool);
+        Self { pool, readers }
+    }
+
+    /// Where reads outside a transaction go.
+    fn reader(&self) -> &sqlx::SqlitePool {
+        &self.readers
     }
 
     async fn begin_host_write(&self, _host: &str) -> Result<<Self as Backend>::Tx, sqlx::Error> {
@@ -957,6 +964,7 @@ impl SqliteQueueStore {
 #[derive(Debug, Clone)]
 pub struct PgQueueStore {
     pool: sqlx::PgPool,
+    readers: sqlx::PgPool,
 }
 
 impl Backend for PgQueueStore {
@@ -969,7 +977,13 @@ impl PgQueueStore {
          ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
 
     pub fn new(pool: sqlx::PgPool) -> Self {
-        Self { pool }
+        let readers = orca_push_storage::ReadPool::readers(&pool);
+        Self { pool, readers }
+    }
+
+    /// Where reads outside a transaction go.
+    fn reader(&self) -> &sqlx::PgPool {
+        &self.readers
     }
 
     pub fn pool(&self) -> &sqlx::PgPool {

@@ -188,7 +188,7 @@ macro_rules! registry_store {
                 )
                 .bind(host)
                 .bind(LIST_LIMIT)
-                .fetch_all(&self.pool)
+                .fetch_all(self.reader())
                 .await?;
                 rows.iter()
                     .map(|row| {
@@ -227,7 +227,7 @@ macro_rules! registry_store {
                     )
                     .bind(id)
                     .bind(host)
-                    .fetch_optional(&self.pool)
+                    .fetch_optional(self.reader())
                     .await?;
                     if let Some(row) = row {
                         out.push(ResolvedRow {
@@ -248,7 +248,7 @@ macro_rules! registry_store {
                          FROM push_devices WHERE registration_id = $1",
                     )
                     .bind(id)
-                    .fetch_optional(&self.pool)
+                    .fetch_optional(self.reader())
                     .await?;
                     if let Some(row) = row {
                         out.push(DeliveryRow {
@@ -294,7 +294,7 @@ macro_rules! registry_store {
                         "SELECT CAST(1 AS BIGINT) FROM push_devices WHERE host_fingerprint = $1 LIMIT 1",
                     )
                     .bind(host)
-                    .fetch_optional(&self.pool)
+                    .fetch_optional(self.reader())
                     .await?;
                     if has.is_some() {
                         out.push(host.clone());
@@ -311,11 +311,18 @@ macro_rules! registry_store {
 #[derive(Debug, Clone)]
 pub struct SqliteRegistryStore {
     pool: sqlx::SqlitePool,
+    readers: sqlx::SqlitePool,
 }
 
 impl SqliteRegistryStore {
     pub fn new(pool: sqlx::SqlitePool) -> Self {
-        Self { pool }
+        let readers = orca_push_storage::ReadPool::readers(&pool);
+        Self { pool, readers }
+    }
+
+    /// Where reads outside a transaction go.
+    fn reader(&self) -> &sqlx::SqlitePool {
+        &self.readers
     }
 
     async fn begin_host_write(
@@ -331,11 +338,18 @@ impl SqliteRegistryStore {
 #[derive(Debug, Clone)]
 pub struct PgRegistryStore {
     pool: sqlx::PgPool,
+    readers: sqlx::PgPool,
 }
 
 impl PgRegistryStore {
     pub fn new(pool: sqlx::PgPool) -> Self {
-        Self { pool }
+        let readers = orca_push_storage::ReadPool::readers(&pool);
+        Self { pool, readers }
+    }
+
+    /// Where reads outside a transaction go.
+    fn reader(&self) -> &sqlx::PgPool {
+        &self.readers
     }
 
     async fn begin_host_write(

@@ -86,7 +86,7 @@ pub async fn serve(
     let (_health, health_service) = tonic_health::server::health_reporter();
     let server = orca_push_internal_auth::service_router(key.clone(), AUDIENCE, health_service)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            orca_push_internal_auth::incoming(listener),
             shutdown.cancelled_owned(),
         );
     let result = server.await;
