@@ -328,6 +328,7 @@ impl ModeRun<'_> {
         Target {
             base: gateway.base.clone(),
             pids: gateway.pids(),
+            database_pids: self.mode != Mode::Sqlite,
             http: self.http.clone(),
             arrivals: self.arrivals.clone(),
             apns: self.apns.clone(),

@@ -35,6 +35,22 @@ pub fn read(pids: &[u32]) -> Reading {
     reading
 }
 
+/// Every PostgreSQL server process on this machine (the bench's server is the only one it runs),
+/// so its CPU is counted beside the gateway's.
+pub fn postgres_pids() -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.trim() == "postgres")
+        })
+        .collect()
+}
+
 /// This load generator's own CPU time, to show what it took from the machine.
 pub fn own_cpu_seconds() -> f64 {
     cpu_seconds("/proc/self/stat").unwrap_or(0.0)
@@ -58,6 +74,29 @@ fn status_kib(status: &str, key: &str) -> f64 {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|kib| kib.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// CPU seconds of each process in `pids`.
+pub fn cpu_by_pid(pids: &[u32]) -> std::collections::HashMap<u32, f64> {
+    pids.iter()
+        .filter_map(|pid| Some((*pid, cpu_seconds(&format!("/proc/{pid}/stat"))?)))
+        .collect()
+}
+
+/// Share of one core the PostgreSQL server used since `before` (taken at `since`): processes that
+/// started meanwhile (a pool connecting lazily) count whole; ones that exited are lost.
+pub fn postgres_cpu_percent(before: &std::collections::HashMap<u32, f64>, since: Instant) -> f64 {
+    let after = cpu_by_pid(&postgres_pids());
+    let used: f64 = after
+        .iter()
+        .map(|(pid, cpu)| cpu - before.get(pid).copied().unwrap_or(0.0))
+        .sum();
+    let wall = since.elapsed().as_secs_f64();
+    if wall <= 0.0 {
+        0.0
+    } else {
+        100.0 * used / wall
+    }
 }
 
 /// Share of one core used between two readings, in percent.

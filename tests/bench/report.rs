@@ -110,14 +110,14 @@ pub fn table(mode: &ModeReport) -> String {
     if let Some(tps) = mode.pgbench_inserts_per_second {
         out += &format!("pgbench, single-row INSERT commits on the same server: {tps:.0}/s\n\n");
     }
-    out += "| scenario | phase | ok | ok/s | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | errors | gateway CPU % | bench CPU % | RSS MiB | peak RSS MiB |\n";
-    out += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    out += "| scenario | phase | ok | ok/s | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | errors | gateway CPU % | database CPU % | bench CPU % | RSS MiB | peak RSS MiB |\n";
+    out += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for p in &mode.phases {
         let l = p.latency_ms.as_ref();
         let cell =
             |f: fn(&crate::scenarios::Percentiles) -> f64| l.map_or("-".into(), |l| ms(f(l)));
         out += &format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} |\n",
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |\n",
             p.scenario,
             p.phase,
             p.ops,
@@ -129,6 +129,7 @@ pub fn table(mode: &ModeReport) -> String {
             cell(|l| l.max),
             p.errors,
             p.gateway_cpu_percent,
+            p.database_cpu_percent,
             p.bench_cpu_percent,
             p.rss_mib,
             p.peak_rss_mib,

@@ -42,6 +42,8 @@ pub struct Phase {
     pub error_kinds: BTreeMap<String, u64>,
     /// CPU the gateway's processes used, in percent of one core (200 = both cores of this machine).
     pub gateway_cpu_percent: f64,
+    /// CPU the PostgreSQL server used meanwhile (0 on SQLite).
+    pub database_cpu_percent: f64,
     /// CPU this load generator (with its provider mocks) used meanwhile.
     pub bench_cpu_percent: f64,
     pub rss_mib: f64,
@@ -145,6 +147,8 @@ impl Arrivals {
 pub struct Target {
     pub base: String,
     pub pids: Vec<u32>,
+    /// The database server's processes, when it is PostgreSQL.
+    pub database_pids: bool,
     pub http: reqwest::Client,
     pub arrivals: Arc<Arrivals>,
     pub apns: Arc<orca_push_tests::mock_apns::MockApns>,
@@ -178,6 +182,12 @@ where
             }
         })
     };
+    let database_before = if target.database_pids {
+        procstat::cpu_by_pid(&procstat::postgres_pids())
+    } else {
+        Default::default()
+    };
+    let database_since = Instant::now();
     let before = procstat::read(&target.pids);
     let bench_before = procstat::own_cpu_seconds();
     let started = Instant::now();
@@ -185,6 +195,11 @@ where
     let extra = work(recorder.clone(), deadline).await;
     let elapsed = started.elapsed().as_secs_f64();
     let after = procstat::read(&target.pids);
+    let database_cpu_percent = if target.database_pids {
+        procstat::postgres_cpu_percent(&database_before, database_since)
+    } else {
+        0.0
+    };
     let bench_cpu = procstat::own_cpu_seconds() - bench_before;
     ticking.abort();
     bar.finish_and_clear();
@@ -200,6 +215,7 @@ where
         errors: errors.values().sum(),
         error_kinds: errors,
         gateway_cpu_percent: procstat::cpu_percent(&before, &after),
+        database_cpu_percent,
         bench_cpu_percent: 100.0 * bench_cpu / elapsed.max(1e-9),
         rss_mib: after.rss_mib,
         peak_rss_mib: after.peak_rss_mib,
@@ -343,6 +359,7 @@ pub async fn send(
 ) -> Vec<Phase> {
     let expected = Arc::new(AtomicU64::new(0));
     let arrivals_before = target.arrivals.total();
+    let scenario_started = Instant::now();
     let (closed, _) = measure(
         target,
         "send",
@@ -399,7 +416,7 @@ pub async fn send(
     let (drain, _) = measure(
         target,
         "send",
-        "deliveries of the accepted sends",
+        "provider deliveries of those sends (both loops and the drain)",
         drain_within.as_secs_f64(),
         |recorder, deadline| async move {
             let started = Instant::now();
@@ -434,6 +451,9 @@ pub async fn send(
     .await;
     let mut drain = drain;
     drain.latency_ms = None;
+    // Over the whole scenario: the deliveries went on while both loops ran.
+    drain.seconds = scenario_started.elapsed().as_secs_f64();
+    drain.rate = drain.ops as f64 / drain.seconds;
     vec![closed, open, drain]
 }
 

@@ -185,26 +185,35 @@ macro_rules! queue_store {
                 batch_id: &str,
                 now: i64,
             ) -> Result<(), sqlx::Error> {
-                Self::finish_batch(tx, batch_id, "expired", "deadline", now).await
+                Self::finish_batch(tx, batch_id, None, "expired", "deadline", now).await.map(drop)
             }
 
+            /// Ends a batch and its pending recipients in `state`. With `lease`, only while that
+            /// lease still holds the batch (false, and nothing written, when it does not): the
+            /// check and the write are one statement, which also row-locks the batch on PostgreSQL.
             async fn finish_batch(
                 tx: &mut <$store as Backend>::Tx,
                 batch_id: &str,
+                lease: Option<&str>,
                 state: &str,
                 reason: &str,
                 now: i64,
-            ) -> Result<(), sqlx::Error> {
-                sqlx::query(
+            ) -> Result<bool, sqlx::Error> {
+                let finished = sqlx::query(
                     "UPDATE push_delivery_batches SET state = $2, finished_at = $3, lease_token = NULL, \
-                     last_reason = $4 WHERE batch_id = $1",
+                     last_reason = $4 WHERE batch_id = $1 \
+                     AND ($5 IS NULL OR (lease_token = $5 AND state = 'leased'))",
                 )
                 .bind(batch_id)
                 .bind(state)
                 .bind(now)
                 .bind(reason)
+                .bind(lease)
                 .execute(&mut **tx)
                 .await?;
+                if finished.rows_affected() != 1 {
+                    return Ok(false);
+                }
                 let recipient_state = if state == "cancelled" { "cancelled" } else { state };
                 sqlx::query(
                     "UPDATE push_event_recipients SET status = $2, updated_at = $3 \
@@ -226,7 +235,7 @@ macro_rules! queue_store {
                 .bind(batch_id)
                 .execute(&mut **tx)
                 .await?;
-                Ok(())
+                Ok(true)
             }
 
             /// True (and the row locked for the rest of the transaction) while this lease still holds
@@ -591,20 +600,15 @@ macro_rules! queue_store {
 
             async fn claim(&self, lane: &str, max: i64, lease_ms: i64, now: i64) -> Result<Vec<ClaimedBatch>, QueueError> {
                 let mut tx = self.begin_claim().await?;
-                let ids: Vec<String> = sqlx::query_scalar(Self::CLAIM_SQL)
+                // The due batches with what a lane needs of them, in one statement.
+                let rows = sqlx::query(Self::CLAIM_SQL)
                     .bind(now)
                     .bind(max)
                     .fetch_all(&mut *tx)
                     .await?;
-                let mut claimed = Vec::with_capacity(ids.len());
-                for batch_id in ids {
-                    let row = sqlx::query(
-                        "SELECT registration_id, host_fingerprint, kind, state, deadline, silent, attempts \
-                         FROM push_delivery_batches WHERE batch_id = $1",
-                    )
-                    .bind(&batch_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
+                let mut claimed = Vec::with_capacity(rows.len());
+                for row in rows {
+                    let batch_id: String = row.try_get("batch_id")?;
                     let deadline: i64 = row.try_get("deadline")?;
                     if now >= deadline {
                         Self::expire_batch(&mut tx, &batch_id, now).await?;
@@ -646,7 +650,7 @@ macro_rules! queue_store {
                         });
                     }
                     if members.is_empty() {
-                        Self::finish_batch(&mut tx, &batch_id, "cancelled", "no pending members", now).await?;
+                        Self::finish_batch(&mut tx, &batch_id, None, "cancelled", "no pending members", now).await?;
                         continue;
                     }
                     let token = random_id();
@@ -714,10 +718,9 @@ macro_rules! queue_store {
                 now: i64,
             ) -> Result<bool, QueueError> {
                 let mut tx = self.begin_claim().await?;
-                if !Self::hold_lease(&mut tx, batch_id, token).await? {
+                if !Self::finish_batch(&mut tx, batch_id, Some(token), outcome.as_str(), reason, now).await? {
                     return Ok(false);
                 }
-                Self::finish_batch(&mut tx, batch_id, outcome.as_str(), reason, now).await?;
                 tx.commit().await?;
                 Ok(true)
             }
@@ -930,7 +933,8 @@ impl Backend for SqliteQueueStore {
 }
 
 impl SqliteQueueStore {
-    const CLAIM_SQL: &'static str = "SELECT batch_id FROM push_delivery_batches \
+    const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
+         deadline, silent, attempts FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
          ORDER BY available_at LIMIT $2";
 
@@ -972,7 +976,8 @@ impl Backend for PgQueueStore {
 }
 
 impl PgQueueStore {
-    const CLAIM_SQL: &'static str = "SELECT batch_id FROM push_delivery_batches \
+    const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
+         deadline, silent, attempts FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
          ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
 

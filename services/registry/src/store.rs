@@ -218,18 +218,22 @@ macro_rules! registry_store {
             }
 
             async fn resolve(&self, host: &str, ids: &[String]) -> Result<Vec<ResolvedRow>, RegistryError> {
+                // One read of the host's registrations (at most 64, by the device cap) rather than
+                // one per id: the SQL stays static and a send costs one statement here.
+                let rows = sqlx::query(
+                    "SELECT registration_id, platform, dead_at FROM push_devices \
+                     WHERE host_fingerprint = $1",
+                )
+                .bind(host)
+                .fetch_all(self.reader())
+                .await?;
+                let mut owned = std::collections::HashMap::with_capacity(rows.len());
+                for row in rows {
+                    owned.insert(row.try_get::<String, _>("registration_id")?, row);
+                }
                 let mut out = Vec::with_capacity(ids.len());
-                // At most 20 ids per send: one indexed point read each keeps the SQL static.
                 for id in ids {
-                    let row = sqlx::query(
-                        "SELECT platform, dead_at FROM push_devices \
-                         WHERE registration_id = $1 AND host_fingerprint = $2",
-                    )
-                    .bind(id)
-                    .bind(host)
-                    .fetch_optional(self.reader())
-                    .await?;
-                    if let Some(row) = row {
+                    if let Some(row) = owned.get(id) {
                         out.push(ResolvedRow {
                             registration_id: id.clone(),
                             platform: platform_of(row.try_get("platform")?)?,
