@@ -90,6 +90,9 @@ struct Args {
     /// Requests in flight in the closed loops (handshake, send).
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// Extra open-loop send rates (per second) to run after the one at half the peak.
+    #[arg(long, value_delimiter = ',')]
+    send_rates: Vec<f64>,
     /// End-to-end flows into APNs, one row each (each keeps at most one request at the provider).
     #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
     apns_flows: Vec<usize>,
@@ -377,7 +380,15 @@ impl ModeRun<'_> {
             if wants(Scenario::Send) {
                 let drain = Duration::from_secs_f64((args.seconds * 10.0).max(20.0));
                 phases.extend(
-                    scenarios::send(&target, &pool, args.seconds, args.concurrency, drain).await,
+                    scenarios::send(
+                        &target,
+                        &pool,
+                        args.seconds,
+                        args.concurrency,
+                        &args.send_rates,
+                        drain,
+                    )
+                    .await,
                 );
             }
             if wants(Scenario::Deliver) {
@@ -514,19 +525,27 @@ fn mode_verdicts(report: &ModeReport, mode: Mode) -> Vec<Verdict> {
         });
     }
     if let Some(idle) = find(report, "idle", "") {
-        let what = if mode == Mode::Split {
-            "all five processes together"
+        // The memory target is the all-in-one process's; five processes each carry a runtime.
+        let verdict = if mode == Mode::Split {
+            Verdict {
+                target: "idle < 1% of a core (five processes together)".into(),
+                measured: format!(
+                    "{:.2}% ({:.0} MiB RSS in all)",
+                    idle.gateway_cpu_percent, idle.rss_mib
+                ),
+                met: idle.gateway_cpu_percent < 1.0,
+            }
         } else {
-            "the process"
+            Verdict {
+                target: "idle < 1% of a core and < 64 MiB RSS".into(),
+                measured: format!(
+                    "{:.2}% and {:.0} MiB",
+                    idle.gateway_cpu_percent, idle.rss_mib
+                ),
+                met: idle.gateway_cpu_percent < 1.0 && idle.rss_mib < 64.0,
+            }
         };
-        verdicts.push(Verdict {
-            target: format!("idle < 1% of a core and < 64 MiB RSS ({what})"),
-            measured: format!(
-                "{:.2}% and {:.0} MiB",
-                idle.gateway_cpu_percent, idle.rss_mib
-            ),
-            met: idle.gateway_cpu_percent < 1.0 && idle.rss_mib < 64.0,
-        });
+        verdicts.push(verdict);
     }
     let peak = report
         .phases

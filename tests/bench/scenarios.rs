@@ -347,19 +347,38 @@ async fn send_one(pool: Arc<Pool>, recorder: &Recorder, scheduled: Instant, labe
     }
 }
 
-/// `send`: a closed loop at `concurrency` for the peak, then an open loop at half of it (latency
-/// measured from each request's scheduled start, so a stall is not hidden), then the backlog of
-/// deliveries drained.
+/// Waits until the providers have seen `expected` deliveries since `baseline`, or `within`.
+async fn settle(target: &Target, baseline: u64, expected: u64, within: Duration) -> u64 {
+    let deadline = Instant::now() + within;
+    loop {
+        let got = target.arrivals.total() - baseline;
+        if got >= expected || Instant::now() >= deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `send`: a closed loop at `concurrency` for the peak, then (once its deliveries are done) an
+/// open loop at half of it, latency measured from each request's scheduled start so a stall is
+/// not hidden. A last row counts the provider deliveries those sends caused, per second over the
+/// whole scenario, with the CPU it took.
 pub async fn send(
     target: &Target,
     pool: &Arc<Pool>,
     seconds: f64,
     concurrency: usize,
+    fixed_rates: &[f64],
     drain_within: Duration,
 ) -> Vec<Phase> {
     let expected = Arc::new(AtomicU64::new(0));
-    let arrivals_before = target.arrivals.total();
+    let baseline = target.arrivals.total();
     let scenario_started = Instant::now();
+    let gateway_before = procstat::read(&target.pids);
+    let database_before = target
+        .database_pids
+        .then(|| procstat::cpu_by_pid(&procstat::postgres_pids()));
+    let bench_before = procstat::own_cpu_seconds();
     let (closed, _) = measure(
         target,
         "send",
@@ -385,13 +404,35 @@ pub async fn send(
         },
     )
     .await;
-    let rate = (closed.rate / 2.0).max(1.0);
-    let (open, _) = measure(
+    // The open loop starts on a quiet gateway, not on the closed loop's backlog of deliveries.
+    settle(
         target,
-        "send",
-        &format!("open loop at {rate:.0}/s (half the peak)"),
-        seconds,
-        |recorder, deadline| {
+        baseline,
+        expected.load(Ordering::Relaxed),
+        drain_within,
+    )
+    .await;
+    let mut rows = vec![closed.clone()];
+    let half = (closed.rate / 2.0).max(1.0);
+    for (i, rate) in std::iter::once(half)
+        .chain(fixed_rates.iter().copied())
+        .enumerate()
+    {
+        if i > 0 {
+            settle(
+                target,
+                baseline,
+                expected.load(Ordering::Relaxed),
+                drain_within,
+            )
+            .await;
+        }
+        let name = if i == 0 {
+            format!("open loop at {rate:.0}/s (half the peak)")
+        } else {
+            format!("open loop at {rate:.0}/s")
+        };
+        let (open, _) = measure(target, "send", &name, seconds, |recorder, deadline| {
             let expected = expected.clone();
             async move {
                 let dropped = open_loop(rate, deadline, 4096, |scheduled| {
@@ -409,52 +450,38 @@ pub async fn send(
                     ("not_started_over_4096_in_flight".into(), dropped as f64),
                 ])
             }
-        },
-    )
-    .await;
+        })
+        .await;
+        rows.push(open);
+    }
     let expected = expected.load(Ordering::Relaxed);
-    let (drain, _) = measure(
-        target,
-        "send",
-        "provider deliveries of those sends (both loops and the drain)",
-        drain_within.as_secs_f64(),
-        |recorder, deadline| async move {
-            let started = Instant::now();
-            let mut last = 0;
-            while Instant::now() < deadline {
-                let got = target.arrivals.total() - arrivals_before;
-                if got > last {
-                    last = got;
-                }
-                if got >= expected {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            for _ in 0..last {
-                recorder.ok(Duration::ZERO);
-            }
-            if last < expected {
-                for _ in last..expected {
-                    recorder.error("not delivered in time");
-                }
-            }
-            BTreeMap::from([
-                ("expected_deliveries".into(), expected as f64),
-                (
-                    "seconds_after_last_send".into(),
-                    started.elapsed().as_secs_f64(),
-                ),
-            ])
-        },
-    )
-    .await;
-    let mut drain = drain;
-    drain.latency_ms = None;
-    // Over the whole scenario: the deliveries went on while both loops ran.
-    drain.seconds = scenario_started.elapsed().as_secs_f64();
-    drain.rate = drain.ops as f64 / drain.seconds;
-    vec![closed, open, drain]
+    let delivered = settle(target, baseline, expected, drain_within).await;
+    let elapsed = scenario_started.elapsed().as_secs_f64();
+    let gateway_after = procstat::read(&target.pids);
+    let mut error_kinds = BTreeMap::new();
+    if delivered < expected {
+        error_kinds.insert("not delivered in time".to_owned(), expected - delivered);
+    }
+    let deliveries = Phase {
+        scenario: "send".into(),
+        phase: "provider deliveries of those sends, over the whole scenario".into(),
+        ops: delivered,
+        seconds: elapsed,
+        rate: delivered as f64 / elapsed,
+        latency_ms: None,
+        errors: expected.saturating_sub(delivered),
+        error_kinds,
+        gateway_cpu_percent: procstat::cpu_percent(&gateway_before, &gateway_after),
+        database_cpu_percent: database_before.map_or(0.0, |before| {
+            procstat::postgres_cpu_percent(&before, scenario_started)
+        }),
+        bench_cpu_percent: 100.0 * (procstat::own_cpu_seconds() - bench_before) / elapsed,
+        rss_mib: gateway_after.rss_mib,
+        peak_rss_mib: gateway_after.peak_rss_mib,
+        extra: BTreeMap::from([("expected_deliveries".into(), expected as f64)]),
+    };
+    rows.push(deliveries);
+    rows
 }
 
 /// Starts `task(scheduled_at)` at `rate` per second until `deadline`, never more than `cap` at
@@ -470,7 +497,8 @@ where
     let mut issued: u64 = 0;
     let mut dropped = 0;
     while Instant::now() < deadline {
-        let due = (started.elapsed().as_secs_f64() * rate) as u64;
+        // Request i is due at i / rate: the first at once.
+        let due = (started.elapsed().as_secs_f64() * rate) as u64 + 1;
         while issued < due {
             let scheduled = started + Duration::from_secs_f64(issued as f64 / rate);
             issued += 1;

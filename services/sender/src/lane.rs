@@ -29,6 +29,10 @@ pub const LANES: usize = 4;
 pub const DEFAULT_LEASE_MS: u32 = 30_000;
 /// Deliveries one lane keeps in flight at once.
 pub const IN_FLIGHT_PER_LANE: usize = 256;
+/// Batches one claim takes at most. A claim is one write transaction with a few statements per
+/// batch; at 64 it held SQLite's writer (and PostgreSQL's row locks) long enough to stall
+/// admissions, and the benchmark measured 20-50% more accepted sends at 16.
+const CLAIM_BATCHES: usize = 16;
 /// How long a claim waits for due work before asking again.
 const CLAIM_WAIT_MS: u32 = 10_000;
 
@@ -95,7 +99,7 @@ impl Sender {
                     Err(_) => break,
                 },
             };
-            let want = (capacity.available_permits() + 1).min(64) as u32;
+            let want = (capacity.available_permits() + 1).min(CLAIM_BATCHES) as u32;
             let mut queue = self.queue.clone();
             let claimed = tokio::select! {
                 _ = stop.cancelled() => break,
