@@ -404,29 +404,20 @@ pub async fn send(
         },
     )
     .await;
-    // The open loop starts on a quiet gateway, not on the closed loop's backlog of deliveries.
-    settle(
-        target,
-        baseline,
-        expected.load(Ordering::Relaxed),
-        drain_within,
-    )
-    .await;
     let mut rows = vec![closed.clone()];
     let half = (closed.rate / 2.0).max(1.0);
     for (i, rate) in std::iter::once(half)
         .chain(fixed_rates.iter().copied())
         .enumerate()
     {
-        if i > 0 {
-            settle(
-                target,
-                baseline,
-                expected.load(Ordering::Relaxed),
-                drain_within,
-            )
-            .await;
-        }
+        // Each open loop starts on a quiet gateway, not on the backlog of deliveries before it.
+        settle(
+            target,
+            baseline,
+            expected.load(Ordering::Relaxed),
+            drain_within,
+        )
+        .await;
         let name = if i == 0 {
             format!("open loop at {rate:.0}/s (half the peak)")
         } else {
