@@ -515,6 +515,20 @@ mod tests {
         assert!(verify(&key, &tampered, "queue").is_err());
     }
 
+    #[tokio::test]
+    async fn accepted_grpc_connections_send_small_writes_at_once() {
+        use tokio_stream::StreamExt as _;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut accepted = incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let server_side = accepted.next().await.unwrap().unwrap();
+        assert!(
+            server_side.nodelay().unwrap(),
+            "without TCP_NODELAY every gRPC answer can wait 40 ms for a delayed ACK"
+        );
+    }
+
     #[test]
     fn configured_keys_must_be_long_enough() {
         assert_eq!(

@@ -190,3 +190,50 @@ pub fn db_span(system: &'static str, operation: &'static str) -> tracing::Span {
         db.operation.name = operation,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn sqlite_has_one_writer_and_readers_that_do_not_wait_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = open_sqlite(&dir.path().join("store.db"), 16).await.unwrap();
+        assert_eq!(writer.options().get_max_connections(), 1);
+        let readers = writer.readers();
+        assert_eq!(readers.options().get_max_connections(), SQLITE_READERS);
+        sqlx::query("CREATE TABLE t (v INTEGER)")
+            .execute(&writer)
+            .await
+            .unwrap();
+        // A write transaction in progress holds the writer; readers still answer (WAL), with
+        // what was committed before it.
+        let mut tx = writer.begin().await.unwrap();
+        sqlx::query("INSERT INTO t VALUES (1)")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let count = |pool: SqlitePool| async move {
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM t")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        };
+        assert_eq!(count(readers.clone()).await, 0);
+        // A second writer waits in the pool (not in SQLite's busy handler) until the first commits.
+        let second = tokio::spawn({
+            let writer = writer.clone();
+            async move {
+                sqlx::query("INSERT INTO t VALUES (2)")
+                    .execute(&writer)
+                    .await
+                    .unwrap();
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!second.is_finished());
+        tx.commit().await.unwrap();
+        second.await.unwrap();
+        assert_eq!(count(readers).await, 2);
+    }
+}
