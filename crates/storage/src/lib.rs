@@ -86,23 +86,23 @@ pub struct ServiceStorage {
     pub postgres_schema: &'static str,
     /// `CREATE SCHEMA IF NOT EXISTS <schema>`, spelled out so no SQL is ever formatted.
     pub create_schema_sql: &'static str,
-    /// Upper bound on pooled connections per process.
+    /// Upper bound on pooled PostgreSQL connections per process. SQLite always has one writer
+    /// and `SQLITE_READERS` readers.
     pub max_connections: u32,
 }
 
 /// Opens (creating if needed) the service's database.
 pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<Pool, OpenError> {
     match config {
-        DatabaseConfig::Sqlite { data_dir } => {
-            open_sqlite(&data_dir.join(service.sqlite_file), service.max_connections)
-                .await
-                .map(Pool::Sqlite)
-        }
+        DatabaseConfig::Sqlite { data_dir } => open_sqlite(&data_dir.join(service.sqlite_file))
+            .await
+            .map(Pool::Sqlite),
         DatabaseConfig::Postgres { url } => open_postgres(url, service).await.map(Pool::Postgres),
     }
 }
 
-pub async fn open_sqlite(path: &Path, max_connections: u32) -> Result<SqlitePool, OpenError> {
+/// The writer of a SQLite database (see `sqlite_readers` for reads outside a transaction).
+pub async fn open_sqlite(path: &Path) -> Result<SqlitePool, OpenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|source| OpenError::DataDir {
             path: dir.to_owned(),
@@ -121,7 +121,6 @@ pub async fn open_sqlite(path: &Path, max_connections: u32) -> Result<SqlitePool
     // One writer: SQLite takes one write transaction at a time, and a second connection that
     // tries only sleeps in SQLite's busy handler (the benchmark saw p99 over a second with 16).
     // Writes queue in the pool instead, in order; reads use `sqlite_readers`.
-    let _ = max_connections;
     SqlitePoolOptions::new()
         .max_connections(1)
         .connect_with(options)
@@ -198,7 +197,7 @@ mod tests {
     #[tokio::test]
     async fn sqlite_has_one_writer_and_readers_that_do_not_wait_for_it() {
         let dir = tempfile::tempdir().unwrap();
-        let writer = open_sqlite(&dir.path().join("store.db"), 16).await.unwrap();
+        let writer = open_sqlite(&dir.path().join("store.db")).await.unwrap();
         assert_eq!(writer.options().get_max_connections(), 1);
         let readers = writer.readers();
         assert_eq!(readers.options().get_max_connections(), SQLITE_READERS);
