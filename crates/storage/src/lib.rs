@@ -120,12 +120,44 @@ pub async fn open_sqlite(path: &Path) -> Result<SqlitePool, OpenError> {
         .foreign_keys(true);
     // One writer: SQLite takes one write transaction at a time, and a second connection that
     // tries only sleeps in SQLite's busy handler (the benchmark saw p99 over a second with 16).
-    // Writes queue in the pool instead, in order; reads use `sqlite_readers`.
-    SqlitePoolOptions::new()
+    // Writes queue in the pool instead, in order; reads use `sqlite_readers`. The writer never
+    // checkpoints: a checkpoint in its commit path (with its fsync) stalled every write queued
+    // behind it, so `checkpoint_in_background` does it beside the writer instead.
+    let writer = SqlitePoolOptions::new()
         .max_connections(1)
-        .connect_with(options)
+        .connect_with(options.clone().pragma("wal_autocheckpoint", "0"))
         .await
-        .map_err(OpenError::Connect)
+        .map_err(OpenError::Connect)?;
+    let checkpointer = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(options);
+    tokio::spawn(checkpoint_in_background(writer.clone(), checkpointer));
+    Ok(writer)
+}
+
+/// How often the WAL is copied back into the database file.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
+/// Copies the WAL into the database file every `CHECKPOINT_EVERY` on a connection of its own. A
+/// PASSIVE checkpoint never waits for the writer or readers, so writes go on meanwhile; once a
+/// checkpoint has caught up, the writer starts the WAL over, which keeps it small. Stops when the
+/// writer's pool is closed.
+async fn checkpoint_in_background(writer: SqlitePool, checkpointer: SqlitePool) {
+    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if writer.is_closed() {
+            checkpointer.close().await;
+            return;
+        }
+        if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .execute(&checkpointer)
+            .await
+        {
+            tracing::warn!(%error, "SQLite checkpoint failed; retrying in a second");
+        }
+    }
 }
 
 /// Read connections per SQLite database.
@@ -234,5 +266,41 @@ mod tests {
         tx.commit().await.unwrap();
         second.await.unwrap();
         assert_eq!(count(readers).await, 2);
+    }
+
+    #[tokio::test]
+    async fn the_wal_reaches_the_database_file_without_the_writer_checkpointing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store.db");
+        let writer = open_sqlite(&path).await.unwrap();
+        let autocheckpoint: i64 = sqlx::query_scalar("PRAGMA wal_autocheckpoint")
+            .fetch_one(&writer)
+            .await
+            .unwrap();
+        assert_eq!(
+            autocheckpoint, 0,
+            "the writer must not checkpoint in its commits"
+        );
+        sqlx::query("CREATE TABLE t (v BLOB)")
+            .execute(&writer)
+            .await
+            .unwrap();
+        let file_len = || std::fs::metadata(&path).unwrap().len();
+        let before = file_len();
+        for _ in 0..200 {
+            sqlx::query("INSERT INTO t VALUES (zeroblob(4096))")
+                .execute(&writer)
+                .await
+                .unwrap();
+        }
+        // 800 KiB written: in the WAL at first, in the database file after a checkpoint.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while file_len() < before + 800 * 1024 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint in 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
