@@ -65,3 +65,25 @@ async fn every_scenario_runs_in_every_mode() {
         assert!(stdout.contains(&format!("### {name}")), "{stdout}");
     }
 }
+
+#[tokio::test]
+async fn a_wrong_gateway_path_is_one_clear_error() {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_orca-push-bench"))
+        .args([
+            "--smoke",
+            "--modes",
+            "sqlite",
+            "--gateway",
+            "/no/such/orca-push",
+        ])
+        .output()
+        .await
+        .expect("run orca-push-bench");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--gateway /no/such/orca-push: no such file")
+            && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}

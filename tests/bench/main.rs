@@ -155,6 +155,12 @@ fn parse_env(text: &str) -> Result<(String, String), String> {
 
 fn gateway_binary(args: &Args) -> anyhow::Result<PathBuf> {
     if let Some(path) = &args.gateway {
+        // Checked here, so a wrong path is one clear line rather than a failed spawn later.
+        anyhow::ensure!(
+            path.is_file(),
+            "--gateway {}: no such file (build it with `cargo build --release -p orca-push`)",
+            path.display()
+        );
         return Ok(path.clone());
     }
     let exe = std::env::current_exe()?;
@@ -198,11 +204,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let binary = gateway_binary(&args)?;
     orca_push_tests::use_binary(binary.clone());
     let wants_postgres = args.modes.iter().any(|m| *m != Mode::Sqlite);
-    if wants_postgres && std::env::var("ORCA_PUSH_TEST_POSTGRES_URL").is_err() {
-        anyhow::bail!(
-            "postgres and split modes need a server: set ORCA_PUSH_TEST_POSTGRES_URL \
-             (scripts/bench starts a throwaway one), or pass --modes sqlite"
-        );
+    if wants_postgres {
+        let Ok(url) = std::env::var("ORCA_PUSH_TEST_POSTGRES_URL") else {
+            anyhow::bail!(
+                "postgres and split modes need a server: set ORCA_PUSH_TEST_POSTGRES_URL \
+                 (scripts/bench starts a throwaway one), or pass --modes sqlite"
+            );
+        };
+        // Reached now, so an unreachable server is a clear error before any gateway starts.
+        sqlx::PgPool::connect(&url)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach ORCA_PUSH_TEST_POSTGRES_URL: {e}"))?
+            .close()
+            .await;
     }
 
     let (sink, arrivals_rx) = tokio::sync::mpsc::unbounded_channel();
