@@ -86,3 +86,16 @@ pub fn link_traces<'a>(span: &tracing::Span, traceparents: impl IntoIterator<Ite
         }
     }
 }
+
+/// Links `span` to each of `spans` (a flush of outcomes to the deliveries it reports).
+pub fn link_spans<'a>(span: &tracing::Span, spans: impl IntoIterator<Item = &'a tracing::Span>) {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    for linked in spans {
+        let context = linked.context();
+        let span_context = context.span().span_context().clone();
+        if span_context.is_valid() {
+            span.add_link(span_context);
+        }
+    }
+}

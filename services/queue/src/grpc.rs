@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 use crate::error::QueueError;
 use crate::model::{Admission, AdmissionRecipient, AdmissionStatus, Content, Kind};
 use crate::queue::DeliveryQueue;
-use crate::store::{AnyQueueStore, Outcome, RetryResult};
+use crate::store::{AnyQueueStore, Completion, Outcome, RetryResult};
 
 pub struct QueueGrpc {
     queue: Arc<DeliveryQueue<AnyQueueStore>>,
@@ -32,6 +32,16 @@ fn kind_to_wire(kind: Kind) -> i32 {
     match kind {
         Kind::Alert => pb::Kind::Alert as i32,
         Kind::Dismiss => pb::Kind::Dismiss as i32,
+    }
+}
+
+fn outcome_from_wire(value: i32) -> Result<Outcome, QueueError> {
+    match pb::Outcome::try_from(value) {
+        Ok(pb::Outcome::Sent) => Ok(Outcome::Sent),
+        Ok(pb::Outcome::Dead) => Ok(Outcome::Dead),
+        Ok(pb::Outcome::Failed) => Ok(Outcome::Failed),
+        Ok(pb::Outcome::Expired) => Ok(Outcome::Expired),
+        _ => Err(QueueError::InvalidRequest("outcome")),
     }
 }
 
@@ -181,18 +191,38 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
         request: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let r = request.into_inner();
-        let outcome = match pb::Outcome::try_from(r.outcome) {
-            Ok(pb::Outcome::Sent) => Outcome::Sent,
-            Ok(pb::Outcome::Dead) => Outcome::Dead,
-            Ok(pb::Outcome::Failed) => Outcome::Failed,
-            Ok(pb::Outcome::Expired) => Outcome::Expired,
-            _ => return Err(QueueError::InvalidRequest("outcome").into()),
-        };
         let recorded = self
             .queue
-            .complete(&r.batch_id, &r.lease_token, outcome, &r.reason)
+            .complete(
+                &r.batch_id,
+                &r.lease_token,
+                outcome_from_wire(r.outcome)?,
+                &r.reason,
+            )
             .await?;
         Ok(Response::new(pb::CompleteResponse { recorded }))
+    }
+
+    async fn complete_many(
+        &self,
+        request: Request<pb::CompleteManyRequest>,
+    ) -> Result<Response<pb::CompleteManyResponse>, Status> {
+        // Every report is checked before anything is written: one bad report fails the call.
+        let completions = request
+            .into_inner()
+            .reports
+            .into_iter()
+            .map(|r| {
+                Ok(Completion {
+                    outcome: outcome_from_wire(r.outcome)?,
+                    batch_id: r.batch_id,
+                    lease_token: r.lease_token,
+                    reason: r.reason,
+                })
+            })
+            .collect::<Result<Vec<_>, QueueError>>()?;
+        let recorded = self.queue.complete_many(completions).await?;
+        Ok(Response::new(pb::CompleteManyResponse { recorded }))
     }
 
     async fn retry(

@@ -9,11 +9,15 @@ use tokio::sync::Notify;
 
 use crate::error::QueueError;
 use crate::model::{Admission, Kind};
-use crate::store::{ClaimedBatch, Cleaned, Depth, EventRecord, Outcome, QueueStore, RetryResult};
+use crate::store::{
+    ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, RetryResult,
+};
 
 /// Leases a lane may ask for, and claims per call.
 pub const MAX_LEASE_MS: i64 = 5 * 60 * 1000;
 pub const MAX_CLAIM: i64 = 64;
+/// Final answers one `CompleteMany` call may carry.
+pub const MAX_COMPLETIONS: usize = 256;
 /// The longest a claim waits for work before answering empty.
 pub const MAX_WAIT_MS: u64 = 30_000;
 
@@ -145,15 +149,29 @@ impl<S: QueueStore> DeliveryQueue<S> {
         outcome: Outcome,
         reason: &str,
     ) -> Result<bool, QueueError> {
-        self.store
-            .complete(
-                batch_id,
-                token,
+        let recorded = self
+            .complete_many(vec![Completion {
+                batch_id: batch_id.to_owned(),
+                lease_token: token.to_owned(),
                 outcome,
-                &bounded_reason(reason),
-                now(&*self.clock),
-            )
-            .await
+                reason: reason.to_owned(),
+            }])
+            .await?;
+        Ok(recorded.first().copied().unwrap_or(false))
+    }
+
+    /// Several final answers in one transaction, each against its own lease.
+    pub async fn complete_many(
+        &self,
+        mut completions: Vec<Completion>,
+    ) -> Result<Vec<bool>, QueueError> {
+        if completions.len() > MAX_COMPLETIONS {
+            return Err(QueueError::InvalidRequest("at most 256 reports per call"));
+        }
+        for c in &mut completions {
+            c.reason = bounded_reason(&c.reason);
+        }
+        self.store.complete(&completions, now(&*self.clock)).await
     }
 
     pub async fn retry(

@@ -82,6 +82,15 @@ impl Outcome {
     }
 }
 
+/// A lane's final answer for one batch it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub batch_id: String,
+    pub lease_token: String,
+    pub outcome: Outcome,
+    pub reason: String,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RetryResult {
     Scheduled,
@@ -143,14 +152,13 @@ pub trait QueueStore: Send + Sync + 'static {
         token: &str,
         until: i64,
     ) -> impl Future<Output = Result<bool, QueueError>> + Send;
+    /// Finishes every batch whose lease still holds, in one transaction; one flag per completion,
+    /// in order (false where the lease was lost, and nothing written for it).
     fn complete(
         &self,
-        batch_id: &str,
-        token: &str,
-        outcome: Outcome,
-        reason: &str,
+        completions: &[Completion],
         now: i64,
-    ) -> impl Future<Output = Result<bool, QueueError>> + Send;
+    ) -> impl Future<Output = Result<Vec<bool>, QueueError>> + Send;
     fn retry(
         &self,
         batch_id: &str,
@@ -711,18 +719,23 @@ macro_rules! queue_store {
 
             async fn complete(
                 &self,
-                batch_id: &str,
-                token: &str,
-                outcome: Outcome,
-                reason: &str,
+                completions: &[Completion],
                 now: i64,
-            ) -> Result<bool, QueueError> {
+            ) -> Result<Vec<bool>, QueueError> {
+                if completions.is_empty() {
+                    return Ok(Vec::new());
+                }
                 let mut tx = self.begin_claim().await?;
-                if !Self::finish_batch(&mut tx, batch_id, Some(token), outcome.as_str(), reason, now).await? {
-                    return Ok(false);
+                let mut recorded = Vec::with_capacity(completions.len());
+                for c in completions {
+                    // A lost lease writes nothing, so the others can still commit.
+                    recorded.push(
+                        Self::finish_batch(&mut tx, &c.batch_id, Some(&c.lease_token), c.outcome.as_str(), &c.reason, now)
+                            .await?,
+                    );
                 }
                 tx.commit().await?;
-                Ok(true)
+                Ok(recorded)
             }
 
             async fn retry(
@@ -1076,13 +1089,10 @@ impl QueueStore for AnyQueueStore {
     }
     async fn complete(
         &self,
-        batch_id: &str,
-        token: &str,
-        outcome: Outcome,
-        reason: &str,
+        completions: &[Completion],
         now: i64,
-    ) -> Result<bool, QueueError> {
-        delegate!(self, s => s.complete(batch_id, token, outcome, reason, now))
+    ) -> Result<Vec<bool>, QueueError> {
+        delegate!(self, s => s.complete(completions, now))
     }
     async fn retry(
         &self,

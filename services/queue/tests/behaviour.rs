@@ -5,7 +5,7 @@ use std::sync::Arc;
 use orca_push_queue::model::{
     Admission, AdmissionRecipient, AdmissionStatus, Content, Kind, delivery_of,
 };
-use orca_push_queue::store::{Outcome, RetryResult};
+use orca_push_queue::store::{Completion, Outcome, RetryResult};
 use orca_push_queue::{AnyQueueStore, DeliveryQueue, open_and_migrate};
 use orca_push_storage::testing::{Backend, TestDbGuard, fresh};
 use orca_push_storage::{DatabaseConfig, ManualClock};
@@ -129,6 +129,7 @@ on_both_backends!(
     leases_lapse_renew_and_guard_completion,
     retries_are_persistent_and_never_pass_the_deadline,
     outcomes_are_recorded_per_recipient,
+    many_outcomes_commit_together_each_against_its_own_lease,
     cleanup_clears_payloads_and_forgets_after_24_hours,
     silent_recipients_are_delivered_silently,
     a_new_recipient_of_a_known_event_is_enqueued_without_quota,
@@ -642,6 +643,74 @@ async fn outcomes_are_recorded_per_recipient(backend: Backend) {
             .unwrap()
             .is_none()
     );
+}
+
+async fn many_outcomes_commit_together_each_against_its_own_lease(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1", "r2", "r3"])).await;
+    h.admit(&alert(2, &["r1"])).await;
+    let batches = h.claim_all().await;
+    assert_eq!(batches.len(), 4);
+    let report = |b: &orca_push_queue::store::ClaimedBatch, token: &str, outcome| Completion {
+        batch_id: b.batch_id.clone(),
+        lease_token: token.into(),
+        outcome,
+        reason: "x".into(),
+    };
+    let by = |r: &str, seq: i64| {
+        batches
+            .iter()
+            .find(|b| b.registration_id == r && b.members[0].notification_seq == seq)
+            .unwrap()
+    };
+    let (r1, r2, r3, second) = (by("r1", 1), by("r2", 1), by("r3", 1), by("r1", 2));
+    let recorded = h
+        .queue
+        .complete_many(vec![
+            report(r1, &r1.lease_token, Outcome::Sent),
+            // Someone else's lease: nothing is written for it, and the others still commit.
+            report(r2, "not-the-lease", Outcome::Sent),
+            report(r3, &r3.lease_token, Outcome::Dead),
+            report(second, &second.lease_token, Outcome::Failed),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(recorded, [true, false, true, true]);
+    let status = |seq: i64, r: &'static str| {
+        let queue = h.queue.clone();
+        async move {
+            queue
+                .event_record(HOST, Kind::Alert, "epoch-1", seq)
+                .await
+                .unwrap()
+                .unwrap()
+                .recipients
+                .into_iter()
+                .find(|x| x.registration_id == r)
+                .unwrap()
+                .status
+        }
+    };
+    assert_eq!(status(1, "r1").await, "sent");
+    assert_eq!(status(1, "r2").await, "pending", "its lease still holds it");
+    assert_eq!(status(1, "r3").await, "dead");
+    assert_eq!(status(2, "r1").await, "failed");
+    // Event 2 is finished for everyone: its payload is cleared; event 1 still waits for r2.
+    assert_eq!(payload_count(&h).await, 1);
+    // The lane that holds r2 answers later, alone.
+    assert!(
+        h.queue
+            .complete(&r2.batch_id, &r2.lease_token, Outcome::Sent, "200")
+            .await
+            .unwrap()
+    );
+    assert_eq!(payload_count(&h).await, 0);
+    assert!(h.queue.complete_many(Vec::new()).await.unwrap().is_empty());
+    let too_many = vec![report(r1, &r1.lease_token, Outcome::Sent); 257];
+    assert!(matches!(
+        h.queue.complete_many(too_many).await,
+        Err(orca_push_queue::QueueError::InvalidRequest(_))
+    ));
 }
 
 async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {

@@ -135,6 +135,31 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
     assert_eq!(outcomes.recipients[0].attempts, 1);
 
     // Bad input is a proper status, never a panic.
+    let report = |outcome: i32| pb::CompleteRequest {
+        batch_id: batch.batch_id.clone(),
+        lease_token: batch.lease_token.clone(),
+        outcome,
+        reason: "200".into(),
+    };
+    let err = client
+        .complete_many(pb::CompleteManyRequest {
+            reports: vec![report(pb::Outcome::Sent as i32), report(99)],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        tonic::Code::InvalidArgument,
+        "one bad report fails the call"
+    );
+    let again = client
+        .complete_many(pb::CompleteManyRequest {
+            reports: vec![report(pb::Outcome::Sent as i32)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.recorded, [false], "the batch was already finished");
     let err = client
         .claim(pb::ClaimRequest {
             lane: "test".into(),

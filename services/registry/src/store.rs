@@ -245,27 +245,37 @@ macro_rules! registry_store {
             }
 
             async fn for_delivery(&self, ids: &[String]) -> Result<Vec<DeliveryRow>, RegistryError> {
-                let mut out = Vec::with_capacity(ids.len());
+                if ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                // One read for a whole claim's devices (ids are capped at MAX_IDS_PER_CALL).
+                let mut query = sqlx::QueryBuilder::new(
+                    "SELECT registration_id, host_fingerprint, platform, token, apns_environment, dead_at \
+                     FROM push_devices WHERE registration_id IN (",
+                );
+                let mut list = query.separated(", ");
                 for id in ids {
-                    let row = sqlx::query(
-                        "SELECT host_fingerprint, platform, token, apns_environment, dead_at \
-                         FROM push_devices WHERE registration_id = $1",
-                    )
-                    .bind(id)
-                    .fetch_optional(self.reader())
-                    .await?;
-                    if let Some(row) = row {
-                        out.push(DeliveryRow {
-                            registration_id: id.clone(),
+                    list.push_bind(id);
+                }
+                query.push(")");
+                let rows = query.build().fetch_all(self.reader()).await?;
+                let mut found = std::collections::HashMap::with_capacity(rows.len());
+                for row in rows {
+                    let id: String = row.try_get("registration_id")?;
+                    found.insert(
+                        id.clone(),
+                        DeliveryRow {
+                            registration_id: id,
                             host_fingerprint: row.try_get("host_fingerprint")?,
                             platform: platform_of(row.try_get("platform")?)?,
                             token: row.try_get("token")?,
                             apns_environment: environment_of(row.try_get("apns_environment")?)?,
                             dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
-                        });
-                    }
+                        },
+                    );
                 }
-                Ok(out)
+                // In the order asked, once each; unknown ids are left out.
+                Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
             }
 
             async fn mark_dead(

@@ -74,7 +74,43 @@ on_both_backends!(
     a_new_token_revives_a_dead_registration,
     filter_is_stored_and_returned,
     hosts_with_devices_names_only_hosts_that_have_some,
+    for_delivery_reads_many_devices_in_the_order_asked,
 );
+
+async fn for_delivery_reads_many_devices_in_the_order_asked(backend: Backend) {
+    let h = harness(backend).await;
+    let mut ids = Vec::new();
+    for (device, token) in [("phone", "aa"), ("tablet", "bb"), ("watch", "cc")] {
+        ids.push(
+            h.registry
+                .register(&ios(HOST, device, token))
+                .await
+                .unwrap(),
+        );
+    }
+    let asked = vec![
+        ids[2].clone(),
+        "unknown-registration-id".to_owned(),
+        ids[0].clone(),
+        ids[2].clone(),
+        ids[1].clone(),
+    ];
+    let found = h.registry.for_delivery(&asked).await.unwrap();
+    let seen: Vec<(&str, &str)> = found
+        .iter()
+        .map(|d| (d.registration_id.as_str(), d.token.as_str()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (ids[2].as_str(), "cc"),
+            (ids[0].as_str(), "aa"),
+            (ids[1].as_str(), "bb")
+        ],
+        "unknown ids are left out and each device comes once"
+    );
+    assert!(h.registry.for_delivery(&[]).await.unwrap().is_empty());
+}
 
 async fn registering_again_keeps_the_id_and_replaces_the_token(backend: Backend) {
     let h = harness(backend).await;

@@ -1,7 +1,9 @@
-//! Delivery lanes: claim due batches under a lease, re-read the device, call its provider, report
-//! the outcome. A lane renews the lease of every batch it holds; if the process dies, the leases
-//! lapse and another lane delivers.
+//! Delivery lanes: claim due batches under a lease, re-read their devices (one registry call per
+//! claim), call each device's provider, report the outcomes (grouped, see [`crate::report`]). A
+//! lane renews the lease of every batch it holds; if the process dies, the leases lapse and another
+//! lane delivers.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -16,6 +18,7 @@ use tracing::Instrument as _;
 
 use crate::payload::Job;
 use crate::providers::{Providers, Target};
+use crate::report::Reporter;
 use crate::verdict::{MAX_ATTEMPTS, Verdict, retry_delay};
 
 pub type QueueClient = queue_pb::queue_service_client::QueueServiceClient<InternalChannel>;
@@ -61,6 +64,10 @@ fn now_ms(clock: &dyn Clock) -> i64 {
     i64::try_from(clock.now_ms()).unwrap_or(i64::MAX)
 }
 
+/// What the registry said of a batch's device when its claim was read: the device (None when the
+/// registration is gone), or the code of the failed call.
+type Lookup = Result<Option<registry_pb::DeliveryDevice>, tonic::Code>;
+
 /// What became of one attempt.
 enum Outcome {
     Verdict(Verdict, Option<Target>),
@@ -88,6 +95,7 @@ impl Sender {
         hard_stop: CancellationToken,
     ) {
         let name = format!("{}/lane-{index}", self.instance);
+        let (reporter, reporting) = Reporter::spawn(self.queue.clone());
         let capacity = Arc::new(Semaphore::new(IN_FLIGHT_PER_LANE));
         let mut in_flight = tokio::task::JoinSet::new();
         loop {
@@ -120,8 +128,14 @@ impl Sender {
                     }
                 }
             };
+            let devices = self.look_up(&batches).await;
             let mut room = Some(room);
             for batch in batches {
+                // Several batches of one claim may go to the same phone.
+                let device = match &devices {
+                    Ok(found) => Ok(found.get(&batch.registration_id).cloned()),
+                    Err(code) => Err(*code),
+                };
                 let permit = match room.take() {
                     Some(p) => p,
                     None => match capacity.clone().acquire_owned().await {
@@ -130,8 +144,11 @@ impl Sender {
                     },
                 };
                 let sender = self.clone();
+                let reporter = reporter.clone();
                 in_flight.spawn(async move {
-                    sender.deliver(Job::from_claim(batch)).await;
+                    sender
+                        .deliver(Job::from_claim(batch), device, &reporter)
+                        .await;
                     drop(permit);
                 });
             }
@@ -145,9 +162,48 @@ impl Sender {
                 in_flight.abort_all();
             }
         }
+        // The last reports go out before the lane ends.
+        drop(reporter);
+        let _ = reporting.await;
     }
 
-    async fn deliver(&self, job: Job) {
+    /// The devices of a claim's batches, by registration id, in one registry call. The registry is
+    /// the truth: a device deleted, marked dead or given a new token since admission is seen here,
+    /// just before the attempts.
+    async fn look_up(
+        &self,
+        batches: &[queue_pb::ClaimedBatch],
+    ) -> Result<HashMap<String, registry_pb::DeliveryDevice>, tonic::Code> {
+        if batches.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let mut registration_ids: Vec<String> =
+            batches.iter().map(|b| b.registration_id.clone()).collect();
+        registration_ids.sort_unstable();
+        registration_ids.dedup();
+        let span = tracing::info_span!(
+            "look up devices",
+            otel.kind = "client",
+            orca.devices = registration_ids.len(),
+        );
+        let devices = self
+            .registry
+            .clone()
+            .get_devices_for_delivery(registry_pb::GetDevicesForDeliveryRequest {
+                registration_ids,
+            })
+            .instrument(span)
+            .await
+            .map_err(|status| status.code())?
+            .into_inner()
+            .devices;
+        Ok(devices
+            .into_iter()
+            .map(|d| (d.registration_id.clone(), d))
+            .collect())
+    }
+
+    async fn deliver(&self, job: Job, device: Lookup, reporter: &Reporter) {
         // Its own trace, linked to the trace of every event it carries.
         let span = tracing::info_span!(
             "delivery",
@@ -157,10 +213,12 @@ impl Sender {
             orca.attempt = job.attempt,
         );
         orca_push_telemetry::link_traces(&span, &job.member_traceparents);
-        self.deliver_in_span(job).instrument(span).await;
+        self.deliver_in_span(job, device, reporter)
+            .instrument(span)
+            .await;
     }
 
-    async fn deliver_in_span(&self, job: Job) {
+    async fn deliver_in_span(&self, job: Job, device: Lookup, reporter: &Reporter) {
         let renewing = CancellationToken::new();
         let renewer = tokio::spawn(renew_lease(
             self.queue.clone(),
@@ -169,41 +227,32 @@ impl Sender {
             self.lease_ms,
             renewing.clone(),
         ));
-        let outcome = self.attempt(&job).await;
+        let outcome = self.attempt(&job, device).await;
         renewing.cancel();
         let _ = renewer.await;
-        if let Err(status) = self.report(&job, outcome).await {
+        if let Err(status) = self.report(&job, outcome, reporter).await {
             // The lease lapses and another lane repeats the attempt.
             tracing::warn!(code = ?status.code(), "could not record a delivery outcome");
         }
     }
 
-    async fn attempt(&self, job: &Job) -> Outcome {
+    async fn attempt(&self, job: &Job, device: Lookup) -> Outcome {
         if now_ms(&*self.clock) >= job.deadline_ms {
             return Outcome::Expired;
         }
-        // The registry is the truth: a device deleted, marked dead or given a new token since
-        // admission is seen here, before every attempt.
-        let devices = match self
-            .registry
-            .clone()
-            .get_devices_for_delivery(registry_pb::GetDevicesForDeliveryRequest {
-                registration_ids: vec![job.registration_id.clone()],
-            })
-            .await
-        {
-            Ok(r) => r.into_inner().devices,
-            Err(status) => {
+        let device = match device {
+            Ok(device) => device,
+            Err(code) => {
                 return Outcome::Verdict(
                     Verdict::Retry {
-                        reason: format!("registry_{:?}", status.code()),
+                        reason: format!("registry_{code:?}"),
                         not_before: Duration::ZERO,
                     },
                     None,
                 );
             }
         };
-        let Some(device) = devices.into_iter().next() else {
+        let Some(device) = device else {
             return Outcome::Gone("registration_deleted");
         };
         if device.dead {
@@ -217,7 +266,12 @@ impl Sender {
         Outcome::Verdict(verdict, Some(target))
     }
 
-    async fn report(&self, job: &Job, outcome: Outcome) -> Result<(), tonic::Status> {
+    async fn report(
+        &self,
+        job: &Job,
+        outcome: Outcome,
+        reporter: &Reporter,
+    ) -> Result<(), tonic::Status> {
         let complete = |outcome: queue_pb::Outcome, reason: String| queue_pb::CompleteRequest {
             batch_id: job.batch_id.clone(),
             lease_token: job.lease_token.clone(),
@@ -307,7 +361,11 @@ impl Sender {
                 }
             }
         };
-        self.queue.clone().complete(request).await?;
+        if !reporter.complete(request).await? {
+            tracing::warn!(
+                "the lease of a delivered batch was lost before its outcome was recorded"
+            );
+        }
         Ok(())
     }
 }

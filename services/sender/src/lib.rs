@@ -9,6 +9,7 @@ pub mod fcm;
 pub mod lane;
 pub mod payload;
 pub mod providers;
+pub mod report;
 pub mod tls;
 pub mod verdict;
 

@@ -1,0 +1,237 @@
+//! Group reporting: a lane's final answers go to the queue in one `CompleteMany` call per flush,
+//! one flush in flight at a time. Whatever finished while a flush was on its way goes in the next,
+//! so under load many answers share one call and one transaction, and a lone answer waits for no
+//! timer.
+
+use orca_push_proto::queue::v1 as queue_pb;
+use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument as _;
+
+use crate::lane::QueueClient;
+
+/// Reports one flush carries at most (the queue accepts 256).
+pub const MAX_FLUSH: usize = 128;
+
+/// Where flushes go: the queue, or a test's double.
+pub trait Flush: Send + Sync + 'static {
+    fn flush(
+        &self,
+        reports: Vec<queue_pb::CompleteRequest>,
+    ) -> impl std::future::Future<Output = Result<Vec<bool>, tonic::Status>> + Send;
+}
+
+impl Flush for QueueClient {
+    async fn flush(
+        &self,
+        reports: Vec<queue_pb::CompleteRequest>,
+    ) -> Result<Vec<bool>, tonic::Status> {
+        let expected = reports.len();
+        let recorded = self
+            .clone()
+            .complete_many(queue_pb::CompleteManyRequest { reports })
+            .await?
+            .into_inner()
+            .recorded;
+        if recorded.len() != expected {
+            return Err(tonic::Status::internal("queue answered a different count"));
+        }
+        Ok(recorded)
+    }
+}
+
+type Pending = (
+    queue_pb::CompleteRequest,
+    tracing::Span,
+    oneshot::Sender<Result<bool, tonic::Status>>,
+);
+
+/// The sending side; clone it into each delivery.
+#[derive(Clone)]
+pub struct Reporter {
+    tx: mpsc::UnboundedSender<Pending>,
+}
+
+impl Reporter {
+    /// Starts the flushing task; it ends once every `Reporter` clone is dropped and the last
+    /// flush is done.
+    pub fn spawn(flush: impl Flush) -> (Self, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Self { tx }, tokio::spawn(run(flush, rx)))
+    }
+
+    /// Records one batch's final answer; true when the lease still held it. The current span
+    /// (the delivery's) is linked from the flush's span.
+    pub async fn complete(&self, report: queue_pb::CompleteRequest) -> Result<bool, tonic::Status> {
+        let (answer, answered) = oneshot::channel();
+        self.tx
+            .send((report, tracing::Span::current(), answer))
+            .map_err(|_| tonic::Status::unavailable("reporter stopped"))?;
+        answered
+            .await
+            .map_err(|_| tonic::Status::unavailable("reporter stopped"))?
+    }
+}
+
+async fn run(flush: impl Flush, mut rx: mpsc::UnboundedReceiver<Pending>) {
+    let mut pending = Vec::with_capacity(MAX_FLUSH);
+    while rx.recv_many(&mut pending, MAX_FLUSH).await > 0 {
+        let span = tracing::info_span!(
+            "report outcomes",
+            otel.kind = "client",
+            orca.reports = pending.len(),
+        );
+        orca_push_telemetry::link_spans(&span, pending.iter().map(|(_, delivery, _)| delivery));
+        let (reports, answers): (Vec<_>, Vec<_>) = pending
+            .drain(..)
+            .map(|(report, _, answer)| (report, answer))
+            .unzip();
+        match flush.flush(reports).instrument(span).await {
+            Ok(recorded) => {
+                for (answer, recorded) in answers.into_iter().zip(recorded) {
+                    let _ = answer.send(Ok(recorded));
+                }
+            }
+            Err(status) => {
+                for answer in answers {
+                    let _ = answer.send(Err(status.clone()));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tokio::sync::Semaphore;
+
+    use super::*;
+
+    /// Records each flush's batch ids; holds every flush until the test lets it go.
+    #[derive(Clone)]
+    struct Recording {
+        flushes: Arc<Mutex<Vec<Vec<String>>>>,
+        gate: Arc<Semaphore>,
+        fail: bool,
+    }
+
+    impl Default for Recording {
+        fn default() -> Self {
+            Self {
+                flushes: Default::default(),
+                gate: Arc::new(Semaphore::new(0)),
+                fail: false,
+            }
+        }
+    }
+
+    impl Flush for Recording {
+        async fn flush(
+            &self,
+            reports: Vec<queue_pb::CompleteRequest>,
+        ) -> Result<Vec<bool>, tonic::Status> {
+            self.flushes
+                .lock()
+                .unwrap()
+                .push(reports.iter().map(|r| r.batch_id.clone()).collect());
+            self.gate.acquire().await.unwrap().forget();
+            if self.fail {
+                return Err(tonic::Status::unavailable("queue down"));
+            }
+            // The lease holds for even-numbered batches only.
+            Ok(reports
+                .iter()
+                .map(|r| r.batch_id.trim_start_matches('b').parse::<u32>().unwrap() % 2 == 0)
+                .collect())
+        }
+    }
+
+    fn report(i: u32) -> queue_pb::CompleteRequest {
+        queue_pb::CompleteRequest {
+            batch_id: format!("b{i}"),
+            lease_token: format!("t{i}"),
+            outcome: queue_pb::Outcome::Sent as i32,
+            reason: "sent".into(),
+        }
+    }
+
+    async fn flushes_seen(recording: &Recording, n: usize) {
+        while recording.flushes.lock().unwrap().len() < n {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn answers_that_finish_during_a_flush_share_the_next_one() {
+        let recording = Recording::default();
+        let (reporter, task) = Reporter::spawn(recording.clone());
+        let first = tokio::spawn({
+            let reporter = reporter.clone();
+            async move { reporter.complete(report(0)).await }
+        });
+        flushes_seen(&recording, 1).await;
+        // Nine more finish while the first flush is on its way.
+        let rest: Vec<_> = (1..10)
+            .map(|i| {
+                let reporter = reporter.clone();
+                tokio::spawn(async move { reporter.complete(report(i)).await })
+            })
+            .collect();
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        recording.gate.add_permits(2);
+        assert!(first.await.unwrap().unwrap());
+        for (i, answer) in (1..10).zip(rest) {
+            assert_eq!(answer.await.unwrap().unwrap(), i % 2 == 0, "b{i}");
+        }
+        let flushes = recording.flushes.lock().unwrap().clone();
+        assert_eq!(flushes.len(), 2, "{flushes:?}");
+        assert_eq!(flushes[0], ["b0"]);
+        assert_eq!(
+            flushes[1],
+            (1..10).map(|i| format!("b{i}")).collect::<Vec<_>>()
+        );
+        drop(reporter);
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_flush_fails_each_of_its_reports() {
+        let recording = Recording {
+            fail: true,
+            ..Default::default()
+        };
+        recording.gate.add_permits(1);
+        let (reporter, task) = Reporter::spawn(recording.clone());
+        let status = reporter.complete(report(2)).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        drop(reporter);
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_flush_carries_at_most_max_flush_reports() {
+        let recording = Recording::default();
+        recording.gate.add_permits(usize::MAX >> 4);
+        let (reporter, task) = Reporter::spawn(recording.clone());
+        let answers: Vec<_> = (0..(MAX_FLUSH as u32 * 2 + 1))
+            .map(|i| {
+                let reporter = reporter.clone();
+                tokio::spawn(async move { reporter.complete(report(i)).await })
+            })
+            .collect();
+        for answer in answers {
+            answer.await.unwrap().unwrap();
+        }
+        let flushes = recording.flushes.lock().unwrap().clone();
+        assert!(flushes.iter().all(|f| f.len() <= MAX_FLUSH));
+        assert_eq!(
+            flushes.iter().map(Vec::len).sum::<usize>(),
+            MAX_FLUSH * 2 + 1
+        );
+        drop(reporter);
+        task.await.unwrap();
+    }
+}
