@@ -3,6 +3,7 @@
 //! locks (`BEGIN IMMEDIATE` on SQLite; a per-host advisory lock and `FOR UPDATE SKIP LOCKED` on
 //! PostgreSQL) and how other replicas are woken (`pg_notify` on PostgreSQL).
 
+use std::collections::HashMap;
 use std::future::Future;
 
 use base64::Engine as _;
@@ -433,26 +434,37 @@ macro_rules! queue_store {
                 };
                 let mut tx = self.begin_host_write(&a.host_fingerprint).await?;
                 let hash = a.content.hash();
-                let existing = sqlx::query(
-                    "SELECT event_id, content_hash, expires_at, payload_json IS NULL AS cleared \
-                     FROM push_events WHERE host_fingerprint = $1 AND kind = $2 \
-                     AND notification_epoch = $3 AND notification_seq = $4",
+                // One read for what admission needs to know first: the event if it is a retry, the
+                // host's quota use, and the dismissal fence of the notification.
+                let seen = sqlx::query(
+                    "SELECT e.event_id, e.content_hash, e.expires_at, e.payload_json IS NULL AS cleared, \
+                     (SELECT COUNT(*) FROM push_events q \
+                       WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at > $5) AS used, \
+                     (SELECT d.dismissed_seq FROM push_dismissed_events d \
+                       WHERE d.host_fingerprint = $1 AND d.notification_epoch = $3 \
+                       AND d.notification_id = $6) AS fence \
+                     FROM (SELECT 1 AS one) o LEFT JOIN push_events e \
+                       ON e.host_fingerprint = $1 AND e.kind = $2 \
+                       AND e.notification_epoch = $3 AND e.notification_seq = $4",
                 )
                 .bind(&a.host_fingerprint)
                 .bind(a.kind.as_str())
                 .bind(&a.notification_epoch)
                 .bind(a.notification_seq)
-                .fetch_optional(&mut *tx)
+                .bind(now - QUOTA_WINDOW_MS)
+                .bind(a.content.notification_id.as_deref())
+                .fetch_one(&mut *tx)
                 .await?;
+                let existing: Option<String> = seen.try_get("event_id")?;
+                let is_new = existing.is_none();
                 let (event_id, deadline) = match existing {
-                    Some(row) => {
-                        let stored_hash: String = row.try_get("content_hash")?;
-                        let deadline: i64 = row.try_get("expires_at")?;
+                    Some(event_id) => {
+                        let stored_hash: String = seen.try_get("content_hash")?;
+                        let deadline: i64 = seen.try_get("expires_at")?;
                         if stored_hash != hash || now >= deadline {
                             return Ok(every(AdmissionStatus::Error));
                         }
-                        let event_id: String = row.try_get("event_id")?;
-                        if row.try_get::<bool, _>("cleared")? {
+                        if seen.try_get::<bool, _>("cleared")? {
                             // Delivered to earlier recipients already; a later request for more of
                             // the host's devices repeats the same content, so it can be restored.
                             sqlx::query("UPDATE push_events SET payload_json = $2 WHERE event_id = $1")
@@ -467,15 +479,7 @@ macro_rules! queue_store {
                         if a.expires_at_ms.is_some_and(|at| at <= now) {
                             return Ok(every(AdmissionStatus::Error));
                         }
-                        let used: i64 = sqlx::query_scalar(
-                            "SELECT COUNT(*) FROM push_events \
-                             WHERE host_fingerprint = $1 AND kind = $2 AND accepted_at > $3",
-                        )
-                        .bind(&a.host_fingerprint)
-                        .bind(a.kind.as_str())
-                        .bind(now - QUOTA_WINDOW_MS)
-                        .fetch_one(&mut *tx)
-                        .await?;
+                        let used: i64 = seen.try_get("used")?;
                         if used >= QUOTA_PER_KIND {
                             return Ok(every(AdmissionStatus::RateLimited));
                         }
@@ -505,32 +509,29 @@ macro_rules! queue_store {
                 };
 
                 let fenced = match (a.kind, a.content.notification_id.as_deref()) {
-                    (Kind::Alert, Some(id)) => {
-                        let fence: Option<i64> = sqlx::query_scalar(
-                            "SELECT dismissed_seq FROM push_dismissed_events \
-                             WHERE host_fingerprint = $1 AND notification_epoch = $2 AND notification_id = $3",
-                        )
-                        .bind(&a.host_fingerprint)
-                        .bind(&a.notification_epoch)
-                        .bind(id)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                        fence.is_some_and(|seq| a.notification_seq < seq)
-                    }
+                    (Kind::Alert, Some(_)) => seen
+                        .try_get::<Option<i64>, _>("fence")?
+                        .is_some_and(|seq| a.notification_seq < seq),
                     _ => false,
                 };
 
                 let mut statuses = Vec::with_capacity(a.recipients.len());
                 let mut next_due_at: Option<i64> = None;
+                let mut named = std::collections::HashSet::with_capacity(a.recipients.len());
                 for recipient in &a.recipients {
-                    let known: Option<String> = sqlx::query_scalar(
-                        "SELECT status FROM push_event_recipients WHERE event_id = $1 AND registration_id = $2",
-                    )
-                    .bind(&event_id)
-                    .bind(&recipient.registration_id)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                    if known.is_none() {
+                    // A fresh event has no recipients yet but those named earlier in this request; a
+                    // retry may name some it already has.
+                    let known = !named.insert(recipient.registration_id.as_str())
+                        || (!is_new
+                        && sqlx::query_scalar::<_, String>(
+                            "SELECT status FROM push_event_recipients WHERE event_id = $1 AND registration_id = $2",
+                        )
+                        .bind(&event_id)
+                        .bind(&recipient.registration_id)
+                        .fetch_optional(&mut *tx)
+                        .await?
+                        .is_some());
+                    if !known {
                         let (batch_id, status) = if fenced {
                             (None, "cancelled")
                         } else {
@@ -614,81 +615,100 @@ macro_rules! queue_store {
                     .bind(max)
                     .fetch_all(&mut *tx)
                     .await?;
-                let mut claimed = Vec::with_capacity(rows.len());
+                let mut due = Vec::with_capacity(rows.len());
                 for row in rows {
                     let batch_id: String = row.try_get("batch_id")?;
-                    let deadline: i64 = row.try_get("deadline")?;
-                    if now >= deadline {
+                    if now >= row.try_get::<i64, _>("deadline")? {
                         Self::expire_batch(&mut tx, &batch_id, now).await?;
                         continue;
                     }
-                    let member_rows = sqlx::query(
-                        "SELECT e.event_id, e.notification_epoch, e.notification_seq, e.payload_json, e.trace_parent \
-                         FROM push_event_recipients r JOIN push_events e ON e.event_id = r.event_id \
-                         WHERE r.batch_id = $1 AND r.status = 'pending' \
-                         ORDER BY e.accepted_at, e.notification_seq",
-                    )
-                    .bind(&batch_id)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                    let mut members = Vec::with_capacity(member_rows.len());
-                    for m in &member_rows {
-                        let Some(content) = m
-                            .try_get::<Option<String>, _>("payload_json")?
-                            .and_then(|json| serde_json::from_str::<Content>(&json).ok())
-                        else {
-                            // Its payload was cleared at its own deadline: it expired, and must not
-                            // be reported as sent with the rest of the batch.
-                            sqlx::query(
-                                "UPDATE push_event_recipients SET status = 'expired', updated_at = $3 \
-                                 WHERE event_id = $1 AND batch_id = $2 AND status = 'pending'",
-                            )
-                            .bind(m.try_get::<String, _>("event_id")?)
-                            .bind(&batch_id)
-                            .bind(now)
-                            .execute(&mut *tx)
-                            .await?;
-                            continue;
-                        };
-                        members.push(Member {
-                            notification_epoch: m.try_get("notification_epoch")?,
-                            notification_seq: m.try_get("notification_seq")?,
-                            content,
-                            trace_parent: m.try_get("trace_parent")?,
-                        });
-                    }
-                    if members.is_empty() {
+                    due.push((batch_id, row));
+                }
+                if due.is_empty() {
+                    tx.commit().await?;
+                    return Ok(Vec::new());
+                }
+                // The pending members of every due batch, in one statement, in delivery order.
+                let mut query = sqlx::QueryBuilder::new(
+                    "SELECT r.batch_id, e.event_id, e.notification_epoch, e.notification_seq, \
+                     e.payload_json, e.trace_parent \
+                     FROM push_event_recipients r JOIN push_events e ON e.event_id = r.event_id \
+                     WHERE r.status = 'pending' AND r.batch_id IN (",
+                );
+                let mut ids = query.separated(", ");
+                for (batch_id, _) in &due {
+                    ids.push_bind(batch_id.as_str());
+                }
+                query.push(") ORDER BY e.accepted_at, e.notification_seq");
+                let member_rows = query.build().fetch_all(&mut *tx).await?;
+                let mut members: HashMap<String, Vec<Member>> = HashMap::with_capacity(due.len());
+                for m in &member_rows {
+                    let batch_id: String = m.try_get("batch_id")?;
+                    let Some(content) = m
+                        .try_get::<Option<String>, _>("payload_json")?
+                        .and_then(|json| serde_json::from_str::<Content>(&json).ok())
+                    else {
+                        // Its payload was cleared at its own deadline: it expired, and must not
+                        // be reported as sent with the rest of the batch.
+                        sqlx::query(
+                            "UPDATE push_event_recipients SET status = 'expired', updated_at = $3 \
+                             WHERE event_id = $1 AND batch_id = $2 AND status = 'pending'",
+                        )
+                        .bind(m.try_get::<String, _>("event_id")?)
+                        .bind(&batch_id)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                        continue;
+                    };
+                    members.entry(batch_id).or_default().push(Member {
+                        notification_epoch: m.try_get("notification_epoch")?,
+                        notification_seq: m.try_get("notification_seq")?,
+                        content,
+                        trace_parent: m.try_get("trace_parent")?,
+                    });
+                }
+                // One lease token for the whole claim: a lease is still checked per batch (id and
+                // token), and every batch of the claim belongs to the same lane.
+                let token = random_id();
+                let lease_expires_at = now + lease_ms;
+                let mut claimed = Vec::with_capacity(due.len());
+                for (batch_id, row) in due {
+                    let Some(members) = members.remove(&batch_id) else {
                         Self::finish_batch(&mut tx, &batch_id, None, "cancelled", "no pending members", now).await?;
                         continue;
-                    }
-                    let token = random_id();
-                    let lease_expires_at = now + lease_ms;
-                    sqlx::query(
-                        "UPDATE push_delivery_batches SET state = 'leased', lease_token = $2, lease_owner = $3, \
-                         available_at = $4, window_ends_at = CASE WHEN window_ends_at > $5 THEN $5 \
-                         ELSE window_ends_at END, attempts = attempts + 1 WHERE batch_id = $1",
-                    )
-                    .bind(&batch_id)
-                    .bind(&token)
-                    .bind(lane)
-                    .bind(lease_expires_at)
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await?;
+                    };
                     let kind: String = row.try_get("kind")?;
                     claimed.push(ClaimedBatch {
-                        batch_id,
-                        lease_token: token,
+                        lease_token: token.clone(),
                         lease_expires_at,
                         registration_id: row.try_get("registration_id")?,
                         host_fingerprint: row.try_get("host_fingerprint")?,
                         kind: Kind::parse(&kind).unwrap_or(Kind::Alert),
                         attempt: u32::try_from(row.try_get::<i32, _>("attempts")? + 1).unwrap_or(u32::MAX),
-                        deadline,
+                        deadline: row.try_get("deadline")?,
                         silent: row.try_get::<i32, _>("silent")? != 0,
                         recovered: row.try_get::<String, _>("state")? == "leased",
                         members,
+                        batch_id,
                     });
+                }
+                if !claimed.is_empty() {
+                    let mut lease = sqlx::QueryBuilder::new(
+                        "UPDATE push_delivery_batches SET state = 'leased', lease_token = ",
+                    );
+                    lease.push_bind(&token);
+                    lease.push(", lease_owner = ").push_bind(lane);
+                    lease.push(", available_at = ").push_bind(lease_expires_at);
+                    lease.push(", window_ends_at = CASE WHEN window_ends_at > ").push_bind(now);
+                    lease.push(" THEN ").push_bind(now);
+                    lease.push(" ELSE window_ends_at END, attempts = attempts + 1 WHERE batch_id IN (");
+                    let mut ids = lease.separated(", ");
+                    for batch in &claimed {
+                        ids.push_bind(batch.batch_id.as_str());
+                    }
+                    lease.push(")");
+                    lease.build().execute(&mut *tx).await?;
                 }
                 tx.commit().await?;
                 Ok(claimed)

@@ -116,6 +116,7 @@ macro_rules! on_both_backends {
 on_both_backends!(
     quota_is_300_alerts_and_300_dismissals_per_rolling_15_minutes,
     an_event_fanned_out_to_many_phones_counts_once,
+    a_phone_named_twice_in_one_admission_gets_it_once,
     a_retry_of_the_same_event_is_queued_again_and_changes_nothing,
     ten_racing_copies_of_one_event_enqueue_it_once,
     fifty_parallel_sends_at_299_used_admit_exactly_one,
@@ -711,6 +712,43 @@ async fn many_outcomes_commit_together_each_against_its_own_lease(backend: Backe
         h.queue.complete_many(too_many).await,
         Err(orca_push_queue::QueueError::InvalidRequest(_))
     ));
+}
+
+async fn a_phone_named_twice_in_one_admission_gets_it_once(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    assert_eq!(
+        h.admit(&alert(1, &["r1", "r2", "r1"])).await,
+        [AdmissionStatus::Queued; 3],
+        "one status per id named"
+    );
+    let batches = h.claim_all().await;
+    let mut phones: Vec<_> = batches.iter().map(|b| b.registration_id.as_str()).collect();
+    phones.sort_unstable();
+    assert_eq!(phones, ["r1", "r2"]);
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients.len(), 2);
+    // One claim leases every due batch, each checked on its own when it is answered.
+    assert!(batches.iter().all(|b| b.attempt == 1 && !b.recovered));
+    for b in &batches {
+        assert!(
+            h.queue
+                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+                .await
+                .unwrap()
+        );
+        assert!(
+            !h.queue
+                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+                .await
+                .unwrap(),
+            "a finished batch is not finished twice"
+        );
+    }
 }
 
 async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
