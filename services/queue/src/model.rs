@@ -22,6 +22,9 @@ pub const ENVELOPE_RESERVE: i64 = 700;
 pub const RETENTION_MS: i64 = 24 * 60 * 60 * 1000;
 /// Cleanup touches at most this many rows per statement per pass.
 pub const CLEANUP_BATCH: i64 = 1000;
+/// Payload clearing repeats its statement up to this many times per pass (60,000 a minute), so a
+/// backlog of payloads that completion missed cannot outgrow it.
+pub const CLEANUP_PAYLOAD_ROUNDS: usize = 60;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {

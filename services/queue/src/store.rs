@@ -14,8 +14,9 @@ use sqlx::Row as _;
 
 use crate::error::QueueError;
 use crate::model::{
-    Admission, AdmissionStatus, CLEANUP_BATCH, Content, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS,
-    Member, QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
+    Admission, AdmissionStatus, CLEANUP_BATCH, CLEANUP_PAYLOAD_ROUNDS, Content, Kind,
+    MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS,
+    member_bytes, summary_fits,
 };
 
 static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/queue/sqlite");
@@ -198,8 +199,7 @@ macro_rules! queue_store {
             }
 
             /// Ends a batch and its pending recipients in `state`. With `lease`, only while that
-            /// lease still holds the batch (false, and nothing written, when it does not): the
-            /// check and the write are one statement, which also row-locks the batch on PostgreSQL.
+            /// lease still holds the batch (false, and nothing written, when it does not).
             async fn finish_batch(
                 tx: &mut <$store as Backend>::Tx,
                 batch_id: &str,
@@ -208,43 +208,75 @@ macro_rules! queue_store {
                 reason: &str,
                 now: i64,
             ) -> Result<bool, sqlx::Error> {
-                let finished = sqlx::query(
-                    "UPDATE push_delivery_batches SET state = $2, finished_at = $3, lease_token = NULL, \
-                     last_reason = $4 WHERE batch_id = $1 \
-                     AND ($5 IS NULL OR (lease_token = $5 AND state = 'leased'))",
-                )
-                .bind(batch_id)
-                .bind(state)
-                .bind(now)
-                .bind(reason)
-                .bind(lease)
-                .execute(&mut **tx)
-                .await?;
-                if finished.rows_affected() != 1 {
-                    return Ok(false);
+                let finished = Self::finish_batches(tx, &[(batch_id, lease, state, reason)], now).await?;
+                Ok(finished.first().copied().unwrap_or(false))
+            }
+
+            /// Ends each batch (id, lease, state, reason) and its pending recipients, then clears
+            /// the payloads no recipient waits for any more. A batch with a lease is ended only
+            /// while that lease still holds it: the check and the write are one statement, which
+            /// also row-locks the batch on PostgreSQL. One flag per batch, in order.
+            async fn finish_batches(
+                tx: &mut <$store as Backend>::Tx,
+                batches: &[(&str, Option<&str>, &str, &str)],
+                now: i64,
+            ) -> Result<Vec<bool>, sqlx::Error> {
+                let mut finished = Vec::with_capacity(batches.len());
+                let mut by_state: Vec<(&str, Vec<&str>)> = Vec::new();
+                for &(batch_id, lease, state, reason) in batches {
+                    let ended = sqlx::query(
+                        "UPDATE push_delivery_batches SET state = $2, finished_at = $3, lease_token = NULL, \
+                         last_reason = $4 WHERE batch_id = $1 \
+                         AND ($5 IS NULL OR (lease_token = $5 AND state = 'leased'))",
+                    )
+                    .bind(batch_id)
+                    .bind(state)
+                    .bind(now)
+                    .bind(reason)
+                    .bind(lease)
+                    .execute(&mut **tx)
+                    .await?
+                    .rows_affected()
+                        == 1;
+                    finished.push(ended);
+                    if ended {
+                        match by_state.iter_mut().find(|(s, _)| *s == state) {
+                            Some((_, ids)) => ids.push(batch_id),
+                            None => by_state.push((state, vec![batch_id])),
+                        }
+                    }
                 }
-                let recipient_state = if state == "cancelled" { "cancelled" } else { state };
-                sqlx::query(
-                    "UPDATE push_event_recipients SET status = $2, updated_at = $3 \
-                     WHERE batch_id = $1 AND status = 'pending'",
-                )
-                .bind(batch_id)
-                .bind(recipient_state)
-                .bind(now)
-                .execute(&mut **tx)
-                .await?;
+                for (state, ids) in &by_state {
+                    let mut recipients = sqlx::QueryBuilder::new("UPDATE push_event_recipients SET status = ");
+                    recipients.push_bind(*state);
+                    recipients.push(", updated_at = ").push_bind(now);
+                    recipients.push(" WHERE status = 'pending' AND batch_id IN (");
+                    let mut list = recipients.separated(", ");
+                    for id in ids {
+                        list.push_bind(*id);
+                    }
+                    recipients.push(")");
+                    recipients.build().execute(&mut **tx).await?;
+                }
+                if by_state.is_empty() {
+                    return Ok(finished);
+                }
                 // A payload is kept while any recipient still waits for it.
-                sqlx::query(
-                    "UPDATE push_events SET payload_json = NULL \
-                     WHERE event_id IN (SELECT event_id FROM push_event_recipients WHERE batch_id = $1) \
-                     AND payload_json IS NOT NULL \
+                let mut clear = sqlx::QueryBuilder::new(
+                    "UPDATE push_events SET payload_json = NULL WHERE payload_json IS NOT NULL \
                      AND NOT EXISTS (SELECT 1 FROM push_event_recipients p \
-                       WHERE p.event_id = push_events.event_id AND p.status = 'pending')",
-                )
-                .bind(batch_id)
-                .execute(&mut **tx)
-                .await?;
-                Ok(true)
+                       WHERE p.event_id = push_events.event_id AND p.status = 'pending') \
+                     AND event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (",
+                );
+                let mut list = clear.separated(", ");
+                for (_, ids) in &by_state {
+                    for id in ids {
+                        list.push_bind(*id);
+                    }
+                }
+                clear.push("))");
+                clear.build().execute(&mut **tx).await?;
+                Ok(finished)
             }
 
             /// True (and the row locked for the rest of the transaction) while this lease still holds
@@ -746,14 +778,12 @@ macro_rules! queue_store {
                     return Ok(Vec::new());
                 }
                 let mut tx = self.begin_claim().await?;
-                let mut recorded = Vec::with_capacity(completions.len());
-                for c in completions {
-                    // A lost lease writes nothing, so the others can still commit.
-                    recorded.push(
-                        Self::finish_batch(&mut tx, &c.batch_id, Some(&c.lease_token), c.outcome.as_str(), &c.reason, now)
-                            .await?,
-                    );
-                }
+                let batches: Vec<_> = completions
+                    .iter()
+                    .map(|c| (c.batch_id.as_str(), Some(c.lease_token.as_str()), c.outcome.as_str(), c.reason.as_str()))
+                    .collect();
+                // A lost lease writes nothing, so the others can still commit.
+                let recorded = Self::finish_batches(&mut tx, &batches, now).await?;
                 tx.commit().await?;
                 Ok(recorded)
             }
@@ -895,15 +925,27 @@ macro_rules! queue_store {
                     }
                     tx.commit().await?;
                 }
-                cleaned.cleared_payloads = sqlx::query(
-                    "UPDATE push_events SET payload_json = NULL WHERE event_id IN (SELECT event_id \
-                     FROM push_events WHERE payload_json IS NOT NULL AND expires_at <= $1 LIMIT $2)",
-                )
-                .bind(now)
-                .bind(CLEANUP_BATCH)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+                // Expired payloads, and completed ones that completion missed: when the last two
+                // recipients of an event finish in concurrent transactions, each still sees the
+                // other pending.
+                // In rounds of at most CLEANUP_BATCH rows, so no statement holds its locks long.
+                for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
+                    let cleared = sqlx::query(
+                        "UPDATE push_events SET payload_json = NULL WHERE event_id IN (SELECT e.event_id \
+                         FROM push_events e WHERE e.payload_json IS NOT NULL AND (e.expires_at <= $1 \
+                           OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+                             WHERE p.event_id = e.event_id AND p.status = 'pending')) LIMIT $2)",
+                    )
+                    .bind(now)
+                    .bind(CLEANUP_BATCH)
+                    .execute(&self.pool)
+                    .await?
+                    .rows_affected();
+                    cleaned.cleared_payloads += cleared;
+                    if cleared < CLEANUP_BATCH as u64 {
+                        break;
+                    }
+                }
                 let horizon = now - RETENTION_MS;
                 sqlx::query(
                     "DELETE FROM push_event_recipients WHERE event_id IN (SELECT event_id FROM push_events \

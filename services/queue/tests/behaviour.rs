@@ -131,6 +131,7 @@ on_both_backends!(
     retries_are_persistent_and_never_pass_the_deadline,
     outcomes_are_recorded_per_recipient,
     many_outcomes_commit_together_each_against_its_own_lease,
+    concurrent_reports_on_shared_events_all_commit,
     cleanup_clears_payloads_and_forgets_after_24_hours,
     silent_recipients_are_delivered_silently,
     a_new_recipient_of_a_known_event_is_enqueued_without_quota,
@@ -751,6 +752,47 @@ async fn a_phone_named_twice_in_one_admission_gets_it_once(backend: Backend) {
     }
 }
 
+async fn concurrent_reports_on_shared_events_all_commit(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    for round in 0..4 {
+        let first = round * 30;
+        for seq in first..first + 30 {
+            h.admit(&alert(seq, &["r1", "r2"])).await;
+        }
+        let batches = h.claim_all().await;
+        assert_eq!(batches.len(), 60);
+        let report = |r: &str, order: &dyn Fn(i64) -> i64| {
+            let mut mine: Vec<_> = batches.iter().filter(|b| b.registration_id == r).collect();
+            mine.sort_by_key(|b| order(b.members[0].notification_seq));
+            mine.into_iter()
+                .map(|b| Completion {
+                    batch_id: b.batch_id.clone(),
+                    lease_token: b.lease_token.clone(),
+                    outcome: Outcome::Sent,
+                    reason: "200".into(),
+                })
+                .collect::<Vec<_>>()
+        };
+        // Two lanes finish the two recipients of the same events, in opposite orders, at once.
+        let (a, b) = tokio::join!(
+            h.queue.complete_many(report("r1", &|seq| seq)),
+            h.queue.complete_many(report("r2", &|seq| -seq)),
+        );
+        assert_eq!(a.expect("first lane's reports"), [true; 30]);
+        assert_eq!(b.expect("second lane's reports"), [true; 30]);
+    }
+    // Each of two concurrent transactions may still see the other's recipient pending and keep
+    // the payload; the minute's cleanup clears what completion missed, before any deadline.
+    restore_payloads(&h).await;
+    assert_eq!(payload_count(&h).await, 120);
+    let cleaned = h.queue.cleanup().await.unwrap();
+    assert_eq!(
+        (cleaned.cleared_payloads, cleaned.expired_batches),
+        (120, 0)
+    );
+    assert_eq!(payload_count(&h).await, 0);
+}
+
 async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
     let h = harness_with(backend, 0).await;
     h.admit(&alert(1, &["r1"])).await;
@@ -789,6 +831,18 @@ async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
             .unwrap()
             .is_none()
     );
+}
+
+/// Puts a payload back on every event, as if completion had missed clearing it.
+async fn restore_payloads(h: &Harness) {
+    let sql = "UPDATE push_events SET payload_json = '{}'";
+    match orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+        .await
+        .unwrap()
+    {
+        orca_push_storage::Pool::Sqlite(p) => drop(sqlx::query(sql).execute(&p).await.unwrap()),
+        orca_push_storage::Pool::Postgres(p) => drop(sqlx::query(sql).execute(&p).await.unwrap()),
+    }
 }
 
 async fn payload_count(h: &Harness) -> i64 {
