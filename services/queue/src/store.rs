@@ -223,6 +223,8 @@ macro_rules! queue_store {
             ) -> Result<Vec<bool>, sqlx::Error> {
                 let mut finished = Vec::with_capacity(batches.len());
                 let mut by_state: Vec<(&str, Vec<&str>)> = Vec::new();
+                // A lease-checked update that does not match (a lapsed lease) takes no row lock,
+                // so two flushes never hold the same batch.
                 for &(batch_id, lease, state, reason) in batches {
                     let ended = sqlx::query(
                         "UPDATE push_delivery_batches SET state = $2, finished_at = $3, lease_token = NULL, \
@@ -261,6 +263,23 @@ macro_rules! queue_store {
                 if by_state.is_empty() {
                     return Ok(finished);
                 }
+                let ended = || by_state.iter().flat_map(|(_, ids)| ids.iter().copied());
+                if !Self::FOR_UPDATE.is_empty() {
+                    // Lock the events first (in id order): the clearing statement below then reads
+                    // the recipients after any admission that is adding one to these events (it
+                    // holds the event's row lock) has committed.
+                    let mut lock = sqlx::QueryBuilder::new(
+                        "SELECT e.event_id FROM push_events e WHERE e.payload_json IS NOT NULL \
+                         AND e.event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (",
+                    );
+                    let mut list = lock.separated(", ");
+                    for id in ended() {
+                        list.push_bind(id);
+                    }
+                    lock.push(")) ORDER BY e.event_id");
+                    lock.push(Self::FOR_UPDATE);
+                    lock.build().fetch_all(&mut **tx).await?;
+                }
                 // A payload is kept while any recipient still waits for it.
                 let mut clear = sqlx::QueryBuilder::new(
                     "UPDATE push_events SET payload_json = NULL WHERE payload_json IS NOT NULL \
@@ -269,10 +288,8 @@ macro_rules! queue_store {
                      AND event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (",
                 );
                 let mut list = clear.separated(", ");
-                for (_, ids) in &by_state {
-                    for id in ids {
-                        list.push_bind(*id);
-                    }
+                for id in ended() {
+                    list.push_bind(id);
                 }
                 clear.push("))");
                 clear.build().execute(&mut **tx).await?;
@@ -469,7 +486,7 @@ macro_rules! queue_store {
                 // One read for what admission needs to know first: the event if it is a retry, the
                 // host's quota use, and the dismissal fence of the notification.
                 let seen = sqlx::query(
-                    "SELECT e.event_id, e.content_hash, e.expires_at, e.payload_json IS NULL AS cleared, \
+                    "SELECT e.event_id, e.content_hash, e.expires_at, \
                      (SELECT COUNT(*) FROM push_events q \
                        WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at > $5) AS used, \
                      (SELECT d.dismissed_seq FROM push_dismissed_events d \
@@ -496,15 +513,17 @@ macro_rules! queue_store {
                         if stored_hash != hash || now >= deadline {
                             return Ok(every(AdmissionStatus::Error));
                         }
-                        if seen.try_get::<bool, _>("cleared")? {
-                            // Delivered to earlier recipients already; a later request for more of
-                            // the host's devices repeats the same content, so it can be restored.
-                            sqlx::query("UPDATE push_events SET payload_json = $2 WHERE event_id = $1")
-                                .bind(&event_id)
-                                .bind(a.content.to_json())
-                                .execute(&mut *tx)
-                                .await?;
-                        }
+                        // Restores a payload cleared once earlier recipients were done (a later
+                        // request for more of the host's devices repeats the same content), and
+                        // holds the event's row lock until commit, so that a concurrent clean-up
+                        // cannot clear it under the recipient this admission adds.
+                        sqlx::query(
+                            "UPDATE push_events SET payload_json = COALESCE(payload_json, $2) WHERE event_id = $1",
+                        )
+                        .bind(&event_id)
+                        .bind(a.content.to_json())
+                        .execute(&mut *tx)
+                        .await?;
                         (event_id, deadline)
                     }
                     None => {
@@ -928,21 +947,41 @@ macro_rules! queue_store {
                 // Expired payloads, and completed ones that completion missed: when the last two
                 // recipients of an event finish in concurrent transactions, each still sees the
                 // other pending.
-                // In rounds of at most CLEANUP_BATCH rows, so no statement holds its locks long.
+                // In rounds of at most CLEANUP_BATCH rows, so no statement holds its locks long. Each
+                // round locks its candidates first (PostgreSQL) and then clears them in a second
+                // statement, whose fresh snapshot sees a recipient an admission added meanwhile.
                 for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
-                    let cleared = sqlx::query(
-                        "UPDATE push_events SET payload_json = NULL WHERE event_id IN (SELECT e.event_id \
-                         FROM push_events e WHERE e.payload_json IS NOT NULL AND (e.expires_at <= $1 \
-                           OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
-                             WHERE p.event_id = e.event_id AND p.status = 'pending')) LIMIT $2)",
-                    )
+                    let mut tx = self.begin_claim().await?;
+                    let candidates: Vec<String> = sqlx::query_scalar(&format!(
+                        "SELECT e.event_id FROM push_events e WHERE e.payload_json IS NOT NULL \
+                         AND (e.expires_at <= $1 OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+                           WHERE p.event_id = e.event_id AND p.status = 'pending')) \
+                         ORDER BY e.event_id LIMIT $2{}",
+                        Self::FOR_UPDATE
+                    ))
                     .bind(now)
                     .bind(CLEANUP_BATCH)
-                    .execute(&self.pool)
-                    .await?
-                    .rows_affected();
-                    cleaned.cleared_payloads += cleared;
-                    if cleared < CLEANUP_BATCH as u64 {
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    if !candidates.is_empty() {
+                        let mut clear = sqlx::QueryBuilder::new(
+                            "UPDATE push_events SET payload_json = NULL WHERE (expires_at <= ",
+                        );
+                        clear.push_bind(now);
+                        clear.push(
+                            " OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+                             WHERE p.event_id = push_events.event_id AND p.status = 'pending')) \
+                             AND event_id IN (",
+                        );
+                        let mut list = clear.separated(", ");
+                        for id in &candidates {
+                            list.push_bind(id.as_str());
+                        }
+                        clear.push(")");
+                        cleaned.cleared_payloads += clear.build().execute(&mut *tx).await?.rows_affected();
+                    }
+                    tx.commit().await?;
+                    if candidates.len() < CLEANUP_BATCH as usize {
                         break;
                     }
                 }
@@ -1012,6 +1051,8 @@ impl SqliteQueueStore {
          deadline, silent, attempts FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
          ORDER BY available_at LIMIT $2";
+    /// One writer at a time: nothing to lock.
+    const FOR_UPDATE: &'static str = "";
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
@@ -1055,6 +1096,8 @@ impl PgQueueStore {
          deadline, silent, attempts FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
          ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
+    /// Row locks taken by a reading statement.
+    const FOR_UPDATE: &'static str = " FOR UPDATE";
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);

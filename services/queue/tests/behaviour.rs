@@ -132,6 +132,7 @@ on_both_backends!(
     outcomes_are_recorded_per_recipient,
     many_outcomes_commit_together_each_against_its_own_lease,
     concurrent_reports_on_shared_events_all_commit,
+    cleanup_never_clears_a_payload_under_a_recipient_being_added,
     cleanup_clears_payloads_and_forgets_after_24_hours,
     silent_recipients_are_delivered_silently,
     a_new_recipient_of_a_known_event_is_enqueued_without_quota,
@@ -831,6 +832,54 @@ async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
             .unwrap()
             .is_none()
     );
+}
+
+async fn cleanup_never_clears_a_payload_under_a_recipient_being_added(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    assert!(
+        h.queue
+            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+            .await
+            .unwrap()
+    );
+    // A payload with no pending recipient, as completion can leave it.
+    restore_payloads(&h).await;
+    // An admission of the same event for another phone is under way: it holds the event's row
+    // (as `enqueue` does) and has added a pending recipient, not yet committed.
+    let lock = "UPDATE push_events SET payload_json = COALESCE(payload_json, '{}')";
+    let add = "INSERT INTO push_event_recipients (event_id, registration_id, batch_id, status, \
+               silent, created_at, updated_at) SELECT event_id, 'r2', NULL, 'pending', 0, 0, 0 \
+               FROM push_events";
+    let cleanup = |queue: Arc<DeliveryQueue<AnyQueueStore>>| {
+        tokio::spawn(async move { queue.cleanup().await.unwrap() })
+    };
+    let pause = std::time::Duration::from_millis(300);
+    match orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+        .await
+        .unwrap()
+    {
+        orca_push_storage::Pool::Sqlite(p) => {
+            let mut tx = p.begin_with("BEGIN IMMEDIATE").await.unwrap();
+            sqlx::query(lock).execute(&mut *tx).await.unwrap();
+            sqlx::query(add).execute(&mut *tx).await.unwrap();
+            let cleaning = cleanup(h.queue.clone());
+            tokio::time::sleep(pause).await;
+            tx.commit().await.unwrap();
+            cleaning.await.unwrap();
+        }
+        orca_push_storage::Pool::Postgres(p) => {
+            let mut tx = p.begin().await.unwrap();
+            sqlx::query(lock).execute(&mut *tx).await.unwrap();
+            sqlx::query(add).execute(&mut *tx).await.unwrap();
+            let cleaning = cleanup(h.queue.clone());
+            tokio::time::sleep(pause).await;
+            tx.commit().await.unwrap();
+            cleaning.await.unwrap();
+        }
+    }
+    assert_eq!(payload_count(&h).await, 1, "r2 still needs the payload");
 }
 
 /// Puts a payload back on every event, as if completion had missed clearing it.

@@ -162,9 +162,14 @@ impl Sender {
                 in_flight.abort_all();
             }
         }
-        // The last reports go out before the lane ends.
+        // The last reports go out before the lane ends, within the grace: after it, what is left
+        // is left to lease expiry.
         drop(reporter);
-        let _ = reporting.await;
+        let mut reporting = reporting;
+        tokio::select! {
+            _ = &mut reporting => {}
+            _ = hard_stop.cancelled() => reporting.abort(),
+        }
     }
 
     /// The devices of a claim's batches, by registration id, in one registry call. The registry is
@@ -186,17 +191,21 @@ impl Sender {
             otel.kind = "client",
             orca.devices = registration_ids.len(),
         );
-        let devices = self
-            .registry
-            .clone()
-            .get_devices_for_delivery(registry_pb::GetDevicesForDeliveryRequest {
-                registration_ids,
-            })
-            .instrument(span)
-            .await
-            .map_err(|status| status.code())?
-            .into_inner()
-            .devices;
+        // Nothing renews the claim's leases yet: a slow registry becomes a retry well before
+        // they could lapse.
+        let within = Duration::from_millis(u64::from(self.lease_ms) / 3);
+        let devices = tokio::time::timeout(
+            within,
+            self.registry.clone().get_devices_for_delivery(
+                registry_pb::GetDevicesForDeliveryRequest { registration_ids },
+            ),
+        )
+        .instrument(span)
+        .await
+        .map_err(|_| tonic::Code::DeadlineExceeded)?
+        .map_err(|status| status.code())?
+        .into_inner()
+        .devices;
         Ok(devices
             .into_iter()
             .map(|d| (d.registration_id.clone(), d))

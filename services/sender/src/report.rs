@@ -14,14 +14,21 @@ pub const MAX_FLUSH: usize = 128;
 
 /// Where flushes go: the queue, or a test's double.
 pub trait Flush: Send + Sync + 'static {
-    fn flush(
+    /// Several reports in one call (`CompleteMany`): one flag per report, in order.
+    fn report_many(
         &self,
         reports: Vec<queue_pb::CompleteRequest>,
     ) -> impl std::future::Future<Output = Result<Vec<bool>, tonic::Status>> + Send;
+
+    /// One report (`Complete`), for a queue that does not know `CompleteMany` yet.
+    fn report_one(
+        &self,
+        report: queue_pb::CompleteRequest,
+    ) -> impl std::future::Future<Output = Result<bool, tonic::Status>> + Send;
 }
 
 impl Flush for QueueClient {
-    async fn flush(
+    async fn report_many(
         &self,
         reports: Vec<queue_pb::CompleteRequest>,
     ) -> Result<Vec<bool>, tonic::Status> {
@@ -37,6 +44,39 @@ impl Flush for QueueClient {
         }
         Ok(recorded)
     }
+
+    async fn report_one(&self, report: queue_pb::CompleteRequest) -> Result<bool, tonic::Status> {
+        Ok(self.clone().complete(report).await?.into_inner().recorded)
+    }
+}
+
+/// Sends one flush. A queue that answers `Unimplemented` (an older build, mid-rollout) gets
+/// single `Complete` calls from then on; a flush the queue could not commit (`Unavailable`: a
+/// storage error such as a PostgreSQL deadlock abort, or a dropped connection) is sent once more
+/// before its reports fail, since each failed report means a redelivery once its lease lapses.
+async fn send_flush(
+    flush: &impl Flush,
+    reports: Vec<queue_pb::CompleteRequest>,
+    singly: &mut bool,
+) -> Result<Vec<bool>, tonic::Status> {
+    if !*singly {
+        let mut answer = flush.report_many(reports.clone()).await;
+        if matches!(&answer, Err(status) if status.code() == tonic::Code::Unavailable) {
+            answer = flush.report_many(reports.clone()).await;
+        }
+        match answer {
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::warn!("the queue has no CompleteMany; reporting one batch per call");
+                *singly = true;
+            }
+            answer => return answer,
+        }
+    }
+    let mut recorded = Vec::with_capacity(reports.len());
+    for report in reports {
+        recorded.push(flush.report_one(report).await?);
+    }
+    Ok(recorded)
 }
 
 type Pending = (
@@ -74,6 +114,7 @@ impl Reporter {
 
 async fn run(flush: impl Flush, mut rx: mpsc::UnboundedReceiver<Pending>) {
     let mut pending = Vec::with_capacity(MAX_FLUSH);
+    let mut singly = false;
     while rx.recv_many(&mut pending, MAX_FLUSH).await > 0 {
         let span = tracing::info_span!(
             "report outcomes",
@@ -85,7 +126,10 @@ async fn run(flush: impl Flush, mut rx: mpsc::UnboundedReceiver<Pending>) {
             .drain(..)
             .map(|(report, _, answer)| (report, answer))
             .unzip();
-        match flush.flush(reports).instrument(span).await {
+        match send_flush(&flush, reports, &mut singly)
+            .instrument(span)
+            .await
+        {
             Ok(recorded) => {
                 for (answer, recorded) in answers.into_iter().zip(recorded) {
                     let _ = answer.send(Ok(recorded));
@@ -112,22 +156,36 @@ mod tests {
     #[derive(Clone)]
     struct Recording {
         flushes: Arc<Mutex<Vec<Vec<String>>>>,
+        singles: Arc<Mutex<Vec<String>>>,
         gate: Arc<Semaphore>,
-        fail: bool,
+        /// Answers to the next `CompleteMany` calls, before the recorded default.
+        failures: Arc<Mutex<Vec<tonic::Code>>>,
     }
 
     impl Default for Recording {
         fn default() -> Self {
             Self {
                 flushes: Default::default(),
+                singles: Default::default(),
                 gate: Arc::new(Semaphore::new(0)),
-                fail: false,
+                failures: Default::default(),
             }
         }
     }
 
+    /// The lease holds for even-numbered batches only.
+    fn held(report: &queue_pb::CompleteRequest) -> bool {
+        report
+            .batch_id
+            .trim_start_matches('b')
+            .parse::<u32>()
+            .unwrap()
+            % 2
+            == 0
+    }
+
     impl Flush for Recording {
-        async fn flush(
+        async fn report_many(
             &self,
             reports: Vec<queue_pb::CompleteRequest>,
         ) -> Result<Vec<bool>, tonic::Status> {
@@ -136,14 +194,22 @@ mod tests {
                 .unwrap()
                 .push(reports.iter().map(|r| r.batch_id.clone()).collect());
             self.gate.acquire().await.unwrap().forget();
-            if self.fail {
-                return Err(tonic::Status::unavailable("queue down"));
+            let failure = {
+                let mut failures = self.failures.lock().unwrap();
+                (!failures.is_empty()).then(|| failures.remove(0))
+            };
+            if let Some(code) = failure {
+                return Err(tonic::Status::new(code, "refused"));
             }
-            // The lease holds for even-numbered batches only.
-            Ok(reports
-                .iter()
-                .map(|r| r.batch_id.trim_start_matches('b').parse::<u32>().unwrap() % 2 == 0)
-                .collect())
+            Ok(reports.iter().map(held).collect())
+        }
+
+        async fn report_one(
+            &self,
+            report: queue_pb::CompleteRequest,
+        ) -> Result<bool, tonic::Status> {
+            self.singles.lock().unwrap().push(report.batch_id.clone());
+            Ok(held(&report))
         }
     }
 
@@ -198,15 +264,37 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_failed_flush_fails_each_of_its_reports() {
-        let recording = Recording {
-            fail: true,
-            ..Default::default()
-        };
-        recording.gate.add_permits(1);
+    async fn a_flush_the_queue_could_not_commit_is_sent_once_more_then_fails() {
+        let recording = Recording::default();
+        recording.gate.add_permits(usize::MAX >> 4);
+        *recording.failures.lock().unwrap() = vec![tonic::Code::Unavailable];
         let (reporter, task) = Reporter::spawn(recording.clone());
-        let status = reporter.complete(report(2)).await.unwrap_err();
+        assert!(
+            reporter.complete(report(2)).await.unwrap(),
+            "the second try"
+        );
+        *recording.failures.lock().unwrap() =
+            vec![tonic::Code::Unavailable, tonic::Code::Unavailable];
+        let status = reporter.complete(report(4)).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::Unavailable);
+        *recording.failures.lock().unwrap() = vec![tonic::Code::InvalidArgument];
+        let status = reporter.complete(report(6)).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "not retried");
+        assert_eq!(recording.flushes.lock().unwrap().len(), 5);
+        drop(reporter);
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_queue_without_complete_many_gets_single_reports() {
+        let recording = Recording::default();
+        recording.gate.add_permits(usize::MAX >> 4);
+        *recording.failures.lock().unwrap() = vec![tonic::Code::Unimplemented];
+        let (reporter, task) = Reporter::spawn(recording.clone());
+        assert!(reporter.complete(report(2)).await.unwrap());
+        assert!(!reporter.complete(report(3)).await.unwrap());
+        assert_eq!(recording.flushes.lock().unwrap().len(), 1, "asked once");
+        assert_eq!(*recording.singles.lock().unwrap(), ["b2", "b3"]);
         drop(reporter);
         task.await.unwrap();
     }
