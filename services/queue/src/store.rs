@@ -221,11 +221,14 @@ macro_rules! queue_store {
                 batches: &[(&str, Option<&str>, &str, &str)],
                 now: i64,
             ) -> Result<Vec<bool>, sqlx::Error> {
-                let mut finished = Vec::with_capacity(batches.len());
+                let mut finished = vec![false; batches.len()];
                 let mut by_state: Vec<(&str, Vec<&str>)> = Vec::new();
-                // A lease-checked update that does not match (a lapsed lease) takes no row lock,
-                // so two flushes never hold the same batch.
-                for &(batch_id, lease, state, reason) in batches {
+                // Batches before their recipients, in batch id order: the order a dismissal takes
+                // them in too (`cancel_covered_alerts`), so the two cannot deadlock.
+                let mut order: Vec<usize> = (0..batches.len()).collect();
+                order.sort_unstable_by_key(|&i| batches[i].0);
+                for i in order {
+                    let (batch_id, lease, state, reason) = batches[i];
                     let ended = sqlx::query(
                         "UPDATE push_delivery_batches SET state = $2, finished_at = $3, lease_token = NULL, \
                          last_reason = $4 WHERE batch_id = $1 \
@@ -240,7 +243,7 @@ macro_rules! queue_store {
                     .await?
                     .rows_affected()
                         == 1;
-                    finished.push(ended);
+                    finished[i] = ended;
                     if ended {
                         match by_state.iter_mut().find(|(s, _)| *s == state) {
                             Some((_, ids)) => ids.push(batch_id),
@@ -434,6 +437,19 @@ macro_rules! queue_store {
                 registration_id: &str,
                 now: i64,
             ) -> Result<(), sqlx::Error> {
+                if !Self::FOR_UPDATE.is_empty() {
+                    // The phone's batches before their recipients, in id order, as a lane's report
+                    // takes them: otherwise a dismissal and the report of the alerts it covers each
+                    // hold what the other waits for.
+                    sqlx::query(&format!(
+                        "SELECT batch_id FROM push_delivery_batches WHERE registration_id = $1 \
+                         AND state IN ('open', 'pending', 'leased') ORDER BY batch_id{}",
+                        Self::FOR_UPDATE
+                    ))
+                    .bind(registration_id)
+                    .fetch_all(&mut **tx)
+                    .await?;
+                }
                 let cancelled = sqlx::query(
                     "UPDATE push_event_recipients SET status = 'cancelled', updated_at = $6 \
                      WHERE registration_id = $1 AND status = 'pending' \

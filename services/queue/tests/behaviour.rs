@@ -132,6 +132,7 @@ on_both_backends!(
     outcomes_are_recorded_per_recipient,
     many_outcomes_commit_together_each_against_its_own_lease,
     concurrent_reports_on_shared_events_all_commit,
+    dismissals_racing_the_reports_of_their_alerts_both_commit,
     cleanup_never_clears_a_payload_under_a_recipient_being_added,
     cleanup_clears_payloads_and_forgets_after_24_hours,
     silent_recipients_are_delivered_silently,
@@ -832,6 +833,48 @@ async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
             .unwrap()
             .is_none()
     );
+}
+
+async fn dismissals_racing_the_reports_of_their_alerts_both_commit(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    for round in 0..20 {
+        let alerts: Vec<_> = (0..8).map(|i| alert(round * 100 + i, &["r1"])).collect();
+        for a in &alerts {
+            h.admit(a).await;
+        }
+        let batches = h.claim_all().await;
+        assert_eq!(batches.len(), 8);
+        let reports = batches
+            .iter()
+            .map(|b| Completion {
+                batch_id: b.batch_id.clone(),
+                lease_token: b.lease_token.clone(),
+                outcome: Outcome::Sent,
+                reason: "200".into(),
+            })
+            .collect();
+        // A lane reports the alerts while the host dismisses them (dismissals take back what is
+        // still pending of their alerts, on the same phone's batches).
+        let queue = h.queue.clone();
+        let dismissals = tokio::spawn(async move {
+            for a in &alerts {
+                queue
+                    .enqueue(&dismiss(a, a.notification_seq + 50, &["r1"]))
+                    .await
+                    .expect("a dismissal");
+            }
+        });
+        let reported = h.queue.complete_many(reports).await;
+        dismissals.await.unwrap();
+        reported.expect("the lane's reports");
+        // Dismissal batches are due at once; clear them for the next round.
+        for b in h.claim_all().await {
+            h.queue
+                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+                .await
+                .unwrap();
+        }
+    }
 }
 
 async fn cleanup_never_clears_a_payload_under_a_recipient_being_added(backend: Backend) {
