@@ -224,7 +224,7 @@ macro_rules! queue_store {
                 let mut finished = vec![false; batches.len()];
                 let mut by_state: Vec<(&str, Vec<&str>)> = Vec::new();
                 // Batches before their recipients, in batch id order: the order a dismissal takes
-                // them in too (`cancel_covered_alerts`), so the two cannot deadlock.
+                // them in too (see `enqueue`), so the two cannot deadlock.
                 let mut order: Vec<usize> = (0..batches.len()).collect();
                 order.sort_unstable_by_key(|&i| batches[i].0);
                 for i in order {
@@ -437,19 +437,6 @@ macro_rules! queue_store {
                 registration_id: &str,
                 now: i64,
             ) -> Result<(), sqlx::Error> {
-                if !Self::FOR_UPDATE.is_empty() {
-                    // The phone's batches before their recipients, in id order, as a lane's report
-                    // takes them: otherwise a dismissal and the report of the alerts it covers each
-                    // hold what the other waits for.
-                    sqlx::query(&format!(
-                        "SELECT batch_id FROM push_delivery_batches WHERE registration_id = $1 \
-                         AND state IN ('open', 'pending', 'leased') ORDER BY batch_id{}",
-                        Self::FOR_UPDATE
-                    ))
-                    .bind(registration_id)
-                    .fetch_all(&mut **tx)
-                    .await?;
-                }
                 let cancelled = sqlx::query(
                     "UPDATE push_event_recipients SET status = 'cancelled', updated_at = $6 \
                      WHERE registration_id = $1 AND status = 'pending' \
@@ -498,6 +485,23 @@ macro_rules! queue_store {
                     next_due_at: None,
                 };
                 let mut tx = self.begin_host_write(&a.host_fingerprint).await?;
+                if a.kind == Kind::Dismiss && !Self::FOR_UPDATE.is_empty() {
+                    // A dismissal takes back pending alerts from batches a lane may be reporting. It
+                    // locks every named phone's active batches first, all in one id order, as a
+                    // report flush takes them, and before the event row: otherwise the two each
+                    // hold what the other waits for.
+                    let mut lock = sqlx::QueryBuilder::new(
+                        "SELECT batch_id FROM push_delivery_batches \
+                         WHERE state IN ('open', 'pending', 'leased') AND registration_id IN (",
+                    );
+                    let mut list = lock.separated(", ");
+                    for r in &a.recipients {
+                        list.push_bind(r.registration_id.as_str());
+                    }
+                    lock.push(") ORDER BY batch_id");
+                    lock.push(Self::FOR_UPDATE);
+                    lock.build().fetch_all(&mut *tx).await?;
+                }
                 let hash = a.content.hash();
                 // One read for what admission needs to know first: the event if it is a retry, the
                 // host's quota use, and the dismissal fence of the notification.

@@ -838,12 +838,14 @@ async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
 async fn dismissals_racing_the_reports_of_their_alerts_both_commit(backend: Backend) {
     let h = harness_with(backend, 0).await;
     for round in 0..20 {
-        let alerts: Vec<_> = (0..8).map(|i| alert(round * 100 + i, &["r1"])).collect();
+        let alerts: Vec<_> = (0..8)
+            .map(|i| alert(round * 100 + i, &["r1", "r2"]))
+            .collect();
         for a in &alerts {
             h.admit(a).await;
         }
         let batches = h.claim_all().await;
-        assert_eq!(batches.len(), 8);
+        assert_eq!(batches.len(), 16);
         let reports = batches
             .iter()
             .map(|b| Completion {
@@ -857,9 +859,14 @@ async fn dismissals_racing_the_reports_of_their_alerts_both_commit(backend: Back
         // still pending of their alerts, on the same phone's batches).
         let queue = h.queue.clone();
         let dismissals = tokio::spawn(async move {
-            for a in &alerts {
+            for (i, a) in alerts.iter().enumerate() {
+                let phones: &[&str] = if i % 2 == 0 {
+                    &["r1", "r2"]
+                } else {
+                    &["r2", "r1"]
+                };
                 queue
-                    .enqueue(&dismiss(a, a.notification_seq + 50, &["r1"]))
+                    .enqueue(&dismiss(a, a.notification_seq + 50, phones))
                     .await
                     .expect("a dismissal");
             }

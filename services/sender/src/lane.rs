@@ -36,6 +36,9 @@ pub const IN_FLIGHT_PER_LANE: usize = 256;
 /// batch; at 64 it held SQLite's writer (and PostgreSQL's row locks) long enough to stall
 /// admissions, and the benchmark measured 20-50% more accepted sends at 16.
 const CLAIM_BATCHES: usize = 16;
+/// After the hard stop, how long a lane still lets its reporter send the reports already made.
+/// The drain grace (8 s) plus this stays under the platform's 10 s.
+const REPORT_GRACE: Duration = Duration::from_secs(1);
 /// How long a claim waits for due work before asking again.
 const CLAIM_WAIT_MS: u32 = 10_000;
 
@@ -162,13 +165,24 @@ impl Sender {
                 in_flight.abort_all();
             }
         }
-        // The last reports go out before the lane ends, within the grace: after it, what is left
-        // is left to lease expiry.
+        // The last reports go out before the lane ends. Past the grace, reports already made get
+        // one more second (a dropped report is a redelivery once its lease lapses); what is still
+        // left then is left to lease expiry.
         drop(reporter);
         let mut reporting = reporting;
         tokio::select! {
-            _ = &mut reporting => {}
-            _ = hard_stop.cancelled() => reporting.abort(),
+            _ = &mut reporting => return,
+            _ = hard_stop.cancelled() => {}
+        }
+        if tokio::time::timeout(REPORT_GRACE, &mut reporting)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                lane = index,
+                "reports still unsent at the hard stop; leaving them to lease expiry"
+            );
+            reporting.abort();
         }
     }
 
