@@ -111,6 +111,8 @@ pub struct Config {
     pub providers: ProviderSettings,
     /// Sender lease on a batch (ours: `ORCA_PUSH_LEASE_MS`).
     pub lease_ms: u32,
+    /// The first retry's backoff (ours: `ORCA_PUSH_RETRY_BASE_MS`); it doubles up to 30 s.
+    pub retry_base_ms: u32,
     /// Where `/metrics` is served.
     pub metrics_addr: SocketAddr,
     /// OTLP/gRPC collector for spans, from the standard `OTEL_*` variables; None: no export.
@@ -122,6 +124,18 @@ pub struct Config {
 }
 
 impl Config {
+    /// What a sender instance of this process is told.
+    pub fn sender_settings(&self) -> orca_push_sender::SenderSettings {
+        orca_push_sender::SenderSettings {
+            instance: crate::topology::instance_name("sender"),
+            lease_ms: self.lease_ms,
+            backoff: orca_push_sender::verdict::Backoff {
+                base: std::time::Duration::from_millis(u64::from(self.retry_base_ms)),
+                cap: orca_push_sender::verdict::BACKOFF_CAP,
+            },
+        }
+    }
+
     pub fn from_env() -> Result<Self, ConfigError> {
         Self::from_lookup(|name| std::env::var(name).ok())
     }
@@ -253,6 +267,16 @@ impl Config {
                 .ok_or_else(|| invalid("ORCA_PUSH_LEASE_MS", "must be milliseconds 1000-300000"))?,
             None => orca_push_sender::lane::DEFAULT_LEASE_MS,
         };
+        let retry_base_ms = match get("ORCA_PUSH_RETRY_BASE_MS") {
+            Some(v) => v
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (10..=30_000).contains(n))
+                .ok_or_else(|| {
+                    invalid("ORCA_PUSH_RETRY_BASE_MS", "must be milliseconds 10-30000")
+                })?,
+            None => 1_000,
+        };
         Ok(Self {
             port,
             public_url,
@@ -264,6 +288,7 @@ impl Config {
             grpc_addr,
             providers,
             lease_ms,
+            retry_base_ms,
             metrics_addr,
             otlp_endpoint,
             otel_service_name,

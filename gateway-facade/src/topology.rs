@@ -98,8 +98,7 @@ pub async fn serve_all_in_one(
         queue_url.clone(),
         registry_url.clone(),
         clock.clone(),
-        instance_name("sender"),
-        config.lease_ms,
+        config.sender_settings(),
         key.clone(),
         drain.clone(),
         stop.clone(),
@@ -117,15 +116,18 @@ pub async fn serve_all_in_one(
     .context("service channels")?;
     let state = AppState::serving(backends, Limits::new(config.trusted_proxy_hops));
     let facade = serve_facade(listener, state, drain.clone(), stop.clone());
-    let result = tokio::select! {
-        result = facade => result,
-        Some(joined) = tasks.join_next() => {
-            // A service stopping on its own is fatal for the whole process.
-            match joined {
-                Ok(Ok(())) => Err(anyhow::anyhow!("a service stopped unexpectedly")),
-                Ok(Err(error)) => Err(anyhow::Error::new(error).context("a service failed")),
-                Err(error) => Err(anyhow::Error::new(error).context("a service panicked")),
-            }
+    tokio::pin!(facade);
+    let result = loop {
+        tokio::select! {
+            result = &mut facade => break result,
+            Some(joined) = tasks.join_next() => match joined {
+                // Stopping as asked (the sender drained): the facade finishes its own stop.
+                Ok(Ok(())) if stop.is_cancelled() => continue,
+                // A service stopping on its own is fatal for the whole process.
+                Ok(Ok(())) => break Err(anyhow::anyhow!("a service stopped unexpectedly")),
+                Ok(Err(error)) => break Err(anyhow::Error::new(error).context("a service failed")),
+                Err(error) => break Err(anyhow::Error::new(error).context("a service panicked")),
+            },
         }
     };
     stop.cancel();
@@ -227,8 +229,7 @@ pub async fn serve_split(
                 config.require_url(ServiceName::Queue)?,
                 config.require_url(ServiceName::Registry)?,
                 Arc::new(SystemClock),
-                instance_name("sender"),
-                config.lease_ms,
+                config.sender_settings(),
                 key,
                 drain,
                 stop,

@@ -3,6 +3,7 @@
 
 pub mod mock_apns;
 pub mod mock_fcm;
+pub mod world;
 
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -197,14 +198,24 @@ impl Process {
 
     /// SIGTERM, then the time it took the process to exit (or None after `within`).
     pub async fn terminate(&mut self, within: Duration) -> Option<Duration> {
+        self.terminate_with_status(within)
+            .await
+            .map(|(took, _)| took)
+    }
+
+    /// SIGTERM, then the time it took the process to exit and how it exited.
+    pub async fn terminate_with_status(
+        &mut self,
+        within: Duration,
+    ) -> Option<(Duration, std::process::ExitStatus)> {
         let pid = self.child.id()?;
         let started = std::time::Instant::now();
         let _ = std::process::Command::new("kill")
             .args(["-TERM", &pid.to_string()])
             .status();
         match tokio::time::timeout(within, self.child.wait()).await {
-            Ok(_) => Some(started.elapsed()),
-            Err(_) => None,
+            Ok(Ok(status)) => Some((started.elapsed(), status)),
+            _ => None,
         }
     }
 

@@ -175,6 +175,11 @@ impl MockApns {
             .insert(token.to_owned(), answer);
     }
 
+    /// Ends every `always` answer: the provider recovers.
+    pub fn heal(&self) {
+        self.state.lock().unwrap().always.clear();
+    }
+
     /// Sends every request's arrival to `sink` instead of keeping it in `calls()`.
     pub fn stream_to(&self, sink: crate::ArrivalSink) {
         self.state.lock().unwrap().sink = Some(sink);

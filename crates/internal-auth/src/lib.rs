@@ -150,6 +150,11 @@ pub type ServiceRouter = tonic::transport::server::Router<
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RunToCompletion;
 
+/// Calls that end with their caller instead: a long-poll claim waits up to 30 s for work, and a
+/// lane that stops must not leave it running to lease work to nobody. The queue runs the claim's
+/// transaction on a task of its own and hands back what it leased if the caller is gone by then.
+pub const ENDS_WITH_CALLER: &[&str] = &["/orca.push.queue.v1.QueueService/Claim"];
+
 impl<S> tower::Layer<S> for RunToCompletion {
     type Service = RunToCompletionService<S>;
 
@@ -180,6 +185,10 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         use tracing::Instrument as _;
+        if ENDS_WITH_CALLER.contains(&request.uri().path()) {
+            // It guards its own writes (see the list) and must stop waiting when its caller goes.
+            return Box::pin(self.inner.call(request));
+        }
         let call = tokio::spawn(
             self.inner
                 .call(request)

@@ -196,12 +196,22 @@ pub async fn send(
             Some(_) => "queued",
         }
     };
+    // In request order.
     let deliverable: Vec<queue_pb::Recipient> = ids
         .iter()
-        .filter(|id| status_of_registration(id) == "queued")
-        .map(|id| queue_pb::Recipient {
-            registration_id: id.clone(),
+        .filter_map(|id| {
+            resolved
+                .iter()
+                .find(|r| &r.registration_id == id && !r.dead)
+        })
+        .map(|r| queue_pb::Recipient {
+            registration_id: r.registration_id.clone(),
             silent,
+            provider: if r.platform == registry_pb::Platform::Ios as i32 {
+                queue_pb::Provider::Apns
+            } else {
+                queue_pb::Provider::Fcm
+            } as i32,
         })
         .collect();
     let admitted = if deliverable.is_empty() {

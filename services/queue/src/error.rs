@@ -7,6 +7,8 @@ pub enum QueueError {
     InvalidRequest(&'static str),
     #[error("storage: {0}")]
     Storage(#[from] sqlx::Error),
+    #[error("the claim task ended without an answer")]
+    ClaimTask,
 }
 
 impl From<QueueError> for tonic::Status {
@@ -18,6 +20,10 @@ impl From<QueueError> for tonic::Status {
             }
             QueueError::Storage(error) => {
                 tracing::error!(%error, "queue: storage failure");
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
+            QueueError::ClaimTask => {
+                tracing::error!("queue: the claim task ended without an answer");
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }
         }

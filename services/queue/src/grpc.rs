@@ -6,9 +6,9 @@ use orca_push_proto::queue::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::error::QueueError;
-use crate::model::{Admission, AdmissionRecipient, AdmissionStatus, Content, Kind};
+use crate::model::{Admission, AdmissionRecipient, AdmissionStatus, Content, Kind, Provider};
 use crate::queue::DeliveryQueue;
-use crate::store::{AnyQueueStore, Completion, Outcome, RetryResult};
+use crate::store::{AnyQueueStore, Completion, Outcome, Retry, RetryResult};
 
 pub struct QueueGrpc {
     queue: Arc<DeliveryQueue<AnyQueueStore>>,
@@ -32,6 +32,23 @@ fn kind_to_wire(kind: Kind) -> i32 {
     match kind {
         Kind::Alert => pb::Kind::Alert as i32,
         Kind::Dismiss => pb::Kind::Dismiss as i32,
+    }
+}
+
+/// An unknown value is a provider this queue does not know yet: no hint, not an error.
+fn provider_from_wire(value: i32) -> Provider {
+    match pb::Provider::try_from(value) {
+        Ok(pb::Provider::Apns) => Provider::Apns,
+        Ok(pb::Provider::Fcm) => Provider::Fcm,
+        _ => Provider::Unknown,
+    }
+}
+
+fn provider_to_wire(provider: Provider) -> i32 {
+    match provider {
+        Provider::Unknown => pb::Provider::Unspecified as i32,
+        Provider::Apns => pb::Provider::Apns as i32,
+        Provider::Fcm => pb::Provider::Fcm as i32,
     }
 }
 
@@ -89,6 +106,7 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
                 .map(|p| AdmissionRecipient {
                     registration_id: p.registration_id,
                     silent: p.silent,
+                    provider: provider_from_wire(p.provider),
                 })
                 .collect(),
             trace_parent: current_traceparent(),
@@ -135,6 +153,8 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
                     host_fingerprint: batch.host_fingerprint,
                     kind: kind_to_wire(batch.kind),
                     attempt: batch.attempt,
+                    retries: batch.retries,
+                    provider: provider_to_wire(batch.provider),
                     deadline_ms: batch.deadline,
                     collapse_id: delivery.collapse_id,
                     silent: batch.silent,
@@ -198,6 +218,7 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
                 &r.lease_token,
                 outcome_from_wire(r.outcome)?,
                 &r.reason,
+                r.provider_answered,
             )
             .await?;
         Ok(Response::new(pb::CompleteResponse { recorded }))
@@ -218,6 +239,7 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
                     batch_id: r.batch_id,
                     lease_token: r.lease_token,
                     reason: r.reason,
+                    answered: r.provider_answered,
                 })
             })
             .collect::<Result<Vec<_>, QueueError>>()?;
@@ -230,14 +252,31 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
         request: Request<pb::RetryRequest>,
     ) -> Result<Response<pb::RetryResponse>, Status> {
         let r = request.into_inner();
+        let how = match (r.hand_back, r.provider_answered) {
+            (true, _) => Retry::HandBack,
+            (false, true) => Retry::Answered,
+            (false, false) => Retry::Unanswered,
+        };
         let result = self
             .queue
-            .retry(&r.batch_id, &r.lease_token, r.retry_at_ms, &r.reason)
+            .retry(&r.batch_id, &r.lease_token, r.retry_at_ms, &r.reason, how)
             .await?;
         Ok(Response::new(pb::RetryResponse {
             scheduled: result == RetryResult::Scheduled,
             expired: result == RetryResult::Expired,
         }))
+    }
+
+    async fn hold_provider(
+        &self,
+        request: Request<pb::HoldProviderRequest>,
+    ) -> Result<Response<pb::HoldProviderResponse>, Status> {
+        let r = request.into_inner();
+        let held = self
+            .queue
+            .hold(provider_from_wire(r.provider), r.until_ms, r.release)
+            .await?;
+        Ok(Response::new(pb::HoldProviderResponse { held }))
     }
 
     async fn get_event_outcomes(

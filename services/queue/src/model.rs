@@ -132,6 +132,36 @@ pub struct Admission {
 pub struct AdmissionRecipient {
     pub registration_id: String,
     pub silent: bool,
+    /// `apns`, `fcm`, or empty when the caller did not say (an older facade).
+    pub provider: Provider,
+}
+
+/// Which provider delivers to a batch's device: a scheduling hint for holding the work of a
+/// provider that fails for everyone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Provider {
+    #[default]
+    Unknown,
+    Apns,
+    Fcm,
+}
+
+impl Provider {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unknown => "",
+            Self::Apns => "apns",
+            Self::Fcm => "fcm",
+        }
+    }
+
+    pub fn parse(value: &str) -> Self {
+        match value {
+            "apns" => Self::Apns,
+            "fcm" => Self::Fcm,
+            _ => Self::Unknown,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,6 +228,8 @@ pub struct Member {
     pub notification_seq: i64,
     pub content: Content,
     pub trace_parent: Option<String>,
+    /// The member event's own deadline: a summary is sent only with members still before theirs.
+    pub deadline: i64,
 }
 
 /// What a lane delivers for one batch.
@@ -327,6 +359,7 @@ mod tests {
                 worktree_id: Some(format!("wt-{id}")),
             },
             trace_parent: None,
+            deadline: i64::MAX,
         }
     }
 

@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use orca_push_storage::Clock;
 use tokio::sync::Notify;
+use tracing::Instrument as _;
 
 use crate::error::QueueError;
-use crate::model::{Admission, Kind};
+use crate::model::{Admission, Kind, Provider};
 use crate::store::{
-    ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, RetryResult,
+    ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry, RetryResult,
 };
 
 /// Leases a lane may ask for, and claims per call.
@@ -20,6 +21,8 @@ pub const MAX_CLAIM: i64 = 64;
 pub const MAX_COMPLETIONS: usize = 256;
 /// The longest a claim waits for work before answering empty.
 pub const MAX_WAIT_MS: u64 = 30_000;
+/// The longest a provider's work is held in one call.
+pub const MAX_HOLD_MS: i64 = 5 * 60 * 1000;
 
 pub struct DeliveryQueue<S> {
     store: S,
@@ -92,10 +95,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             let woken = self.wake.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            let batches = self
-                .store
-                .claim(lane, max, lease_ms, now(&*self.clock))
-                .await?;
+            let batches = self.claim_once(lane, max, lease_ms).await?;
             if !batches.is_empty() {
                 for batch in batches.iter().filter(|b| b.recovered) {
                     tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
@@ -125,6 +125,32 @@ impl<S: QueueStore> DeliveryQueue<S> {
         }
     }
 
+    /// One claim transaction, run on a task of its own: a caller that goes away mid-claim (the
+    /// gRPC call ends with its caller) neither drops a write transaction halfway nor leaves what it
+    /// leased to wait out the lease: that work is handed back at once.
+    async fn claim_once(
+        &self,
+        lane: &str,
+        max: i64,
+        lease_ms: i64,
+    ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        let store = self.store.clone();
+        let clock = self.clock.clone();
+        let lane = lane.to_owned();
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        tokio::spawn(
+            async move {
+                let now = now(&*clock);
+                let claimed = store.claim(&lane, max, lease_ms, now).await;
+                if let Err(Ok(batches)) = answer.send(claimed) {
+                    hand_back(&store, &batches, now).await;
+                }
+            }
+            .in_current_span(),
+        );
+        answered.await.map_err(|_| QueueError::ClaimTask)?
+    }
+
     pub async fn renew(
         &self,
         batch_id: &str,
@@ -148,6 +174,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         token: &str,
         outcome: Outcome,
         reason: &str,
+        answered: bool,
     ) -> Result<bool, QueueError> {
         let recorded = self
             .complete_many(vec![Completion {
@@ -155,6 +182,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 lease_token: token.to_owned(),
                 outcome,
                 reason: reason.to_owned(),
+                answered,
             }])
             .await?;
         Ok(recorded.first().copied().unwrap_or(false))
@@ -180,6 +208,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         token: &str,
         at: i64,
         reason: &str,
+        how: Retry,
     ) -> Result<RetryResult, QueueError> {
         let result = self
             .store
@@ -188,6 +217,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 token,
                 at,
                 &bounded_reason(reason),
+                how,
                 now(&*self.clock),
             )
             .await?;
@@ -195,6 +225,47 @@ impl<S: QueueStore> DeliveryQueue<S> {
             self.wake.notify_waiters();
         }
         Ok(result)
+    }
+
+    /// Holds a failing provider's pending work until `until` (at most five minutes ahead: every
+    /// deadline is, so a longer hold only means expiry); with `release`, makes the held work due
+    /// again (the provider recovered).
+    pub async fn hold(
+        &self,
+        provider: Provider,
+        until: i64,
+        release: bool,
+    ) -> Result<u64, QueueError> {
+        let now = now(&*self.clock);
+        if provider == Provider::Unknown || (!release && until <= now) {
+            return Err(QueueError::InvalidRequest(
+                "a provider, and a time in the future unless releasing",
+            ));
+        }
+        if release {
+            let released = self.store.release(provider, now).await?;
+            if released > 0 {
+                self.wake.notify_waiters();
+                tracing::info!(
+                    provider = provider.as_str(),
+                    released,
+                    "released a recovered provider's work"
+                );
+            }
+            return Ok(released);
+        }
+        let held = self
+            .store
+            .hold(provider, until.min(now + MAX_HOLD_MS))
+            .await?;
+        if held > 0 {
+            tracing::info!(
+                provider = provider.as_str(),
+                held,
+                "holding a failing provider's work"
+            );
+        }
+        Ok(held)
     }
 
     pub async fn event_record(
@@ -229,6 +300,33 @@ impl<S: QueueStore> DeliveryQueue<S> {
 
     pub async fn cleanup(&self) -> Result<Cleaned, QueueError> {
         self.store.cleanup(now(&*self.clock)).await
+    }
+}
+
+/// Gives back batches claimed for a caller that went away: untried, so neither an attempt nor a
+/// retry, due again at once.
+async fn hand_back<S: QueueStore>(store: &S, batches: &[ClaimedBatch], now: i64) {
+    if batches.is_empty() {
+        return;
+    }
+    tracing::info!(
+        batches = batches.len(),
+        "the claiming lane went away; handing its batches back"
+    );
+    for batch in batches {
+        if let Err(error) = store
+            .retry(
+                &batch.batch_id,
+                &batch.lease_token,
+                now,
+                "caller_gone",
+                Retry::HandBack,
+                now,
+            )
+            .await
+        {
+            tracing::warn!(%error, "could not hand back a batch; its lease will lapse");
+        }
     }
 }
 

@@ -14,9 +14,9 @@ use sqlx::Row as _;
 
 use crate::error::QueueError;
 use crate::model::{
-    Admission, AdmissionStatus, CLEANUP_BATCH, CLEANUP_PAYLOAD_ROUNDS, Content, Kind,
-    MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS,
-    member_bytes, summary_fits,
+    Admission, AdmissionRecipient, AdmissionStatus, CLEANUP_BATCH, CLEANUP_PAYLOAD_ROUNDS, Content,
+    Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, Provider, QUOTA_PER_KIND, QUOTA_WINDOW_MS,
+    RETENTION_MS, member_bytes, summary_fits,
 };
 
 static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/queue/sqlite");
@@ -57,9 +57,14 @@ pub struct ClaimedBatch {
     pub registration_id: String,
     pub host_fingerprint: String,
     pub kind: Kind,
+    /// Provider answers so far, plus one.
     pub attempt: u32,
+    /// Retries scheduled so far: the backoff grows with it.
+    pub retries: u32,
+    /// The earliest deadline of the members being sent: none is sent past its own.
     pub deadline: i64,
     pub silent: bool,
+    pub provider: Provider,
     /// The lease of a lane that stopped answering had lapsed: this is a recovery.
     pub recovered: bool,
     pub members: Vec<Member>,
@@ -91,6 +96,29 @@ pub struct Completion {
     pub lease_token: String,
     pub outcome: Outcome,
     pub reason: String,
+    /// The provider answered this attempt: it counts as one.
+    pub answered: bool,
+}
+
+/// How a lane gives a batch back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// The provider answered: an attempt, and a retry.
+    Answered,
+    /// The provider was not reached (connection, registry, token endpoint): a retry only.
+    Unanswered,
+    /// Untried (a stopping lane, a provider on hold): neither.
+    HandBack,
+}
+
+impl Retry {
+    fn counts(self) -> (i32, i32) {
+        match self {
+            Self::Answered => (1, 1),
+            Self::Unanswered => (0, 1),
+            Self::HandBack => (0, 0),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,7 +161,7 @@ pub struct Cleaned {
     pub deleted_fences: u64,
 }
 
-pub trait QueueStore: Send + Sync + 'static {
+pub trait QueueStore: Clone + Send + Sync + 'static {
     fn enqueue(
         &self,
         admission: &Admission,
@@ -161,14 +189,29 @@ pub trait QueueStore: Send + Sync + 'static {
         completions: &[Completion],
         now: i64,
     ) -> impl Future<Output = Result<Vec<bool>, QueueError>> + Send;
+    #[allow(clippy::too_many_arguments)]
     fn retry(
         &self,
         batch_id: &str,
         token: &str,
         at: i64,
         reason: &str,
+        how: Retry,
         now: i64,
     ) -> impl Future<Output = Result<RetryResult, QueueError>> + Send;
+    /// Moves the pending batches of `provider` to `until` (not earlier ones' later times); how
+    /// many it moved.
+    fn hold(
+        &self,
+        provider: Provider,
+        until: i64,
+    ) -> impl Future<Output = Result<u64, QueueError>> + Send;
+    /// Makes the held batches of `provider` due again (not before their own retry time).
+    fn release(
+        &self,
+        provider: Provider,
+        now: i64,
+    ) -> impl Future<Output = Result<u64, QueueError>> + Send;
     fn event_record(
         &self,
         host: &str,
@@ -195,30 +238,29 @@ macro_rules! queue_store {
                 batch_id: &str,
                 now: i64,
             ) -> Result<(), sqlx::Error> {
-                Self::finish_batch(tx, batch_id, None, "expired", "deadline", now).await.map(drop)
+                Self::finish_batch(tx, batch_id, "expired", "deadline", now).await.map(drop)
             }
 
-            /// Ends a batch and its pending recipients in `state`. With `lease`, only while that
-            /// lease still holds the batch (false, and nothing written, when it does not).
+            /// Ends a batch nobody holds, and its pending recipients, in `state`.
             async fn finish_batch(
                 tx: &mut <$store as Backend>::Tx,
                 batch_id: &str,
-                lease: Option<&str>,
                 state: &str,
                 reason: &str,
                 now: i64,
             ) -> Result<bool, sqlx::Error> {
-                let finished = Self::finish_batches(tx, &[(batch_id, lease, state, reason)], now).await?;
+                let finished = Self::finish_batches(tx, &[(batch_id, None, state, reason, false)], now).await?;
                 Ok(finished.first().copied().unwrap_or(false))
             }
 
-            /// Ends each batch (id, lease, state, reason) and its pending recipients, then clears
+            /// Ends each batch (id, lease, state, reason, provider answered) and its pending
+            /// recipients, then clears
             /// the payloads no recipient waits for any more. A batch with a lease is ended only
             /// while that lease still holds it: the check and the write are one statement, which
             /// also row-locks the batch on PostgreSQL. One flag per batch, in order.
             async fn finish_batches(
                 tx: &mut <$store as Backend>::Tx,
-                batches: &[(&str, Option<&str>, &str, &str)],
+                batches: &[(&str, Option<&str>, &str, &str, bool)],
                 now: i64,
             ) -> Result<Vec<bool>, sqlx::Error> {
                 let mut finished = vec![false; batches.len()];
@@ -228,10 +270,10 @@ macro_rules! queue_store {
                 let mut order: Vec<usize> = (0..batches.len()).collect();
                 order.sort_unstable_by_key(|&i| batches[i].0);
                 for i in order {
-                    let (batch_id, lease, state, reason) = batches[i];
+                    let (batch_id, lease, state, reason, answered) = batches[i];
                     let ended = sqlx::query(
                         "UPDATE push_delivery_batches SET state = $2, finished_at = $3, lease_token = NULL, \
-                         last_reason = $4 WHERE batch_id = $1 \
+                         last_reason = $4, attempts = attempts + $6 WHERE batch_id = $1 \
                          AND ($5 IS NULL OR (lease_token = $5 AND state = 'leased'))",
                     )
                     .bind(batch_id)
@@ -239,6 +281,7 @@ macro_rules! queue_store {
                     .bind(now)
                     .bind(reason)
                     .bind(lease)
+                    .bind(i32::from(answered))
                     .execute(&mut **tx)
                     .await?
                     .rows_affected()
@@ -322,23 +365,22 @@ macro_rules! queue_store {
             async fn open_batch(
                 tx: &mut <$store as Backend>::Tx,
                 a: &Admission,
-                registration_id: &str,
+                recipient: &AdmissionRecipient,
                 coalescible: bool,
                 window_ends_at: i64,
                 members_bytes: i64,
                 deadline: i64,
-                silent: bool,
                 now: i64,
             ) -> Result<String, sqlx::Error> {
                 let batch_id = random_id();
                 sqlx::query(
                     "INSERT INTO push_delivery_batches (batch_id, registration_id, host_fingerprint, kind, \
                      state, coalescible, window_ends_at, available_at, member_count, members_bytes, \
-                     routing_bytes, deadline, silent, attempts, created_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $7, 1, $8, $9, $10, $11, 0, $12)",
+                     routing_bytes, deadline, silent, attempts, created_at, provider) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $7, 1, $8, $9, $10, $11, 0, $12, $13)",
                 )
                 .bind(&batch_id)
-                .bind(registration_id)
+                .bind(&recipient.registration_id)
                 .bind(&a.host_fingerprint)
                 .bind(a.kind.as_str())
                 .bind(if coalescible { "open" } else { "pending" })
@@ -347,8 +389,9 @@ macro_rules! queue_store {
                 .bind(members_bytes)
                 .bind(a.content.routing_bytes())
                 .bind(deadline)
-                .bind(flag(silent))
+                .bind(flag(recipient.silent))
                 .bind(now)
+                .bind(recipient.provider.as_str())
                 .execute(&mut **tx)
                 .await?;
                 Ok(batch_id)
@@ -359,12 +402,12 @@ macro_rules! queue_store {
             async fn coalesce(
                 tx: &mut <$store as Backend>::Tx,
                 a: &Admission,
-                registration_id: &str,
-                silent: bool,
+                recipient: &AdmissionRecipient,
                 deadline: i64,
                 now: i64,
                 coalesce_ms: i64,
             ) -> Result<(String, i64), sqlx::Error> {
+                let (registration_id, silent) = (recipient.registration_id.as_str(), recipient.silent);
                 let id = a.content.notification_id.as_deref().unwrap_or_default();
                 let bytes = member_bytes(id, &a.notification_epoch);
                 let routing = a.content.routing_bytes();
@@ -426,7 +469,7 @@ macro_rules! queue_store {
                 }
                 let due = now + coalesce_ms;
                 let batch_id =
-                    Self::open_batch(tx, a, registration_id, true, due, bytes, deadline, silent, now).await?;
+                    Self::open_batch(tx, a, recipient, true, due, bytes, deadline, now).await?;
                 Ok((batch_id, due))
             }
 
@@ -614,25 +657,20 @@ macro_rules! queue_store {
                                         &a.notification_epoch,
                                     );
                                     let id = Self::open_batch(
-                                        &mut tx, a, &recipient.registration_id, false, now, bytes, deadline,
-                                        recipient.silent, now,
+                                        &mut tx, a, recipient, false, now, bytes, deadline, now,
                                     )
                                     .await?;
                                     (id, now)
                                 }
                                 Kind::Alert if coalesce_ms == 0 || a.content.notification_id.is_none() => {
                                     let id = Self::open_batch(
-                                        &mut tx, a, &recipient.registration_id, false, now, 0, deadline,
-                                        recipient.silent, now,
+                                        &mut tx, a, recipient, false, now, 0, deadline, now,
                                     )
                                     .await?;
                                     (id, now)
                                 }
                                 Kind::Alert => {
-                                    Self::coalesce(
-                                        &mut tx, a, &recipient.registration_id, recipient.silent, deadline, now,
-                                        coalesce_ms,
-                                    )
+                                    Self::coalesce(&mut tx, a, recipient, deadline, now, coalesce_ms)
                                     .await?
                                 }
                             };
@@ -702,7 +740,7 @@ macro_rules! queue_store {
                 // The pending members of every due batch, in one statement, in delivery order.
                 let mut query = sqlx::QueryBuilder::new(
                     "SELECT r.batch_id, e.event_id, e.notification_epoch, e.notification_seq, \
-                     e.payload_json, e.trace_parent \
+                     e.payload_json, e.trace_parent, e.expires_at \
                      FROM push_event_recipients r JOIN push_events e ON e.event_id = r.event_id \
                      WHERE r.status = 'pending' AND r.batch_id IN (",
                 );
@@ -715,12 +753,13 @@ macro_rules! queue_store {
                 let mut members: HashMap<String, Vec<Member>> = HashMap::with_capacity(due.len());
                 for m in &member_rows {
                     let batch_id: String = m.try_get("batch_id")?;
-                    let Some(content) = m
+                    let member_deadline: i64 = m.try_get("expires_at")?;
+                    let content = m
                         .try_get::<Option<String>, _>("payload_json")?
-                        .and_then(|json| serde_json::from_str::<Content>(&json).ok())
-                    else {
-                        // Its payload was cleared at its own deadline: it expired, and must not
-                        // be reported as sent with the rest of the batch.
+                        .and_then(|json| serde_json::from_str::<Content>(&json).ok());
+                    let Some(content) = content.filter(|_| now < member_deadline) else {
+                        // Past its own deadline (its payload may already be cleared): it expired,
+                        // and must be neither sent nor reported as sent with the rest of the batch.
                         sqlx::query(
                             "UPDATE push_event_recipients SET status = 'expired', updated_at = $3 \
                              WHERE event_id = $1 AND batch_id = $2 AND status = 'pending'",
@@ -737,6 +776,7 @@ macro_rules! queue_store {
                         notification_seq: m.try_get("notification_seq")?,
                         content,
                         trace_parent: m.try_get("trace_parent")?,
+                        deadline: member_deadline,
                     });
                 }
                 // One lease token for the whole claim: a lease is still checked per batch (id and
@@ -746,7 +786,7 @@ macro_rules! queue_store {
                 let mut claimed = Vec::with_capacity(due.len());
                 for (batch_id, row) in due {
                     let Some(members) = members.remove(&batch_id) else {
-                        Self::finish_batch(&mut tx, &batch_id, None, "cancelled", "no pending members", now).await?;
+                        Self::finish_batch(&mut tx, &batch_id, "cancelled", "no pending members", now).await?;
                         continue;
                     };
                     let kind: String = row.try_get("kind")?;
@@ -757,8 +797,10 @@ macro_rules! queue_store {
                         host_fingerprint: row.try_get("host_fingerprint")?,
                         kind: Kind::parse(&kind).unwrap_or(Kind::Alert),
                         attempt: u32::try_from(row.try_get::<i32, _>("attempts")? + 1).unwrap_or(u32::MAX),
-                        deadline: row.try_get("deadline")?,
+                        retries: u32::try_from(row.try_get::<i32, _>("retries")?).unwrap_or(0),
+                        deadline: members.iter().map(|m| m.deadline).min().unwrap_or(now),
                         silent: row.try_get::<i32, _>("silent")? != 0,
+                        provider: Provider::parse(&row.try_get::<String, _>("provider")?),
                         recovered: row.try_get::<String, _>("state")? == "leased",
                         members,
                         batch_id,
@@ -773,7 +815,9 @@ macro_rules! queue_store {
                     lease.push(", available_at = ").push_bind(lease_expires_at);
                     lease.push(", window_ends_at = CASE WHEN window_ends_at > ").push_bind(now);
                     lease.push(" THEN ").push_bind(now);
-                    lease.push(" ELSE window_ends_at END, attempts = attempts + 1 WHERE batch_id IN (");
+                    // Attempts are counted when a provider answers (see `retry` and `complete`): a
+                    // claim whose lane never reached the provider costs the batch nothing.
+                    lease.push(" ELSE window_ends_at END WHERE batch_id IN (");
                     let mut ids = lease.separated(", ");
                     for batch in &claimed {
                         ids.push_bind(batch.batch_id.as_str());
@@ -819,7 +863,9 @@ macro_rules! queue_store {
                 let mut tx = self.begin_claim().await?;
                 let batches: Vec<_> = completions
                     .iter()
-                    .map(|c| (c.batch_id.as_str(), Some(c.lease_token.as_str()), c.outcome.as_str(), c.reason.as_str()))
+                    .map(|c| {
+                        (c.batch_id.as_str(), Some(c.lease_token.as_str()), c.outcome.as_str(), c.reason.as_str(), c.answered)
+                    })
                     .collect();
                 // A lost lease writes nothing, so the others can still commit.
                 let recorded = Self::finish_batches(&mut tx, &batches, now).await?;
@@ -833,8 +879,10 @@ macro_rules! queue_store {
                 token: &str,
                 at: i64,
                 reason: &str,
+                how: Retry,
                 now: i64,
             ) -> Result<RetryResult, QueueError> {
+                let (attempts, retries) = how.counts();
                 let mut tx = self.begin_claim().await?;
                 if !Self::hold_lease(&mut tx, batch_id, token).await? {
                     return Ok(RetryResult::LeaseLost);
@@ -846,22 +894,69 @@ macro_rules! queue_store {
                         .await?;
                 // A retry is never moved earlier to fit the deadline: it expires instead.
                 if at >= deadline {
+                    sqlx::query(
+                        "UPDATE push_delivery_batches SET attempts = attempts + $2, retries = retries + $3 \
+                         WHERE batch_id = $1",
+                    )
+                    .bind(batch_id)
+                    .bind(attempts)
+                    .bind(retries)
+                    .execute(&mut *tx)
+                    .await?;
                     Self::expire_batch(&mut tx, batch_id, now).await?;
                     tx.commit().await?;
                     return Ok(RetryResult::Expired);
                 }
                 sqlx::query(
-                    "UPDATE push_delivery_batches SET state = 'pending', available_at = $2, lease_token = NULL, \
-                     last_reason = $3 WHERE batch_id = $1",
+                    "UPDATE push_delivery_batches SET state = 'pending', available_at = $2, not_before = $2, \
+                     lease_token = NULL, last_reason = $3, attempts = attempts + $4, retries = retries + $5 \
+                     WHERE batch_id = $1",
                 )
                 .bind(batch_id)
                 .bind(at)
                 .bind(reason)
+                .bind(attempts)
+                .bind(retries)
                 .execute(&mut *tx)
                 .await?;
                 Self::wake_replicas(&mut tx).await?;
                 tx.commit().await?;
                 Ok(RetryResult::Scheduled)
+            }
+
+            async fn hold(&self, provider: Provider, until: i64) -> Result<u64, QueueError> {
+                if provider == Provider::Unknown {
+                    return Ok(0);
+                }
+                let held = sqlx::query(
+                    "UPDATE push_delivery_batches SET available_at = $2, last_reason = 'held' \
+                     WHERE provider = $1 AND state = 'pending' AND available_at < $2",
+                )
+                .bind(provider.as_str())
+                .bind(until)
+                .execute(&self.pool)
+                .await?;
+                Ok(held.rows_affected())
+            }
+
+            async fn release(&self, provider: Provider, now: i64) -> Result<u64, QueueError> {
+                let mut tx = self.begin_claim().await?;
+                // Never before a retry's own time (backoff, Retry-After).
+                let released = sqlx::query(
+                    "UPDATE push_delivery_batches SET last_reason = 'released', \
+                     available_at = CASE WHEN not_before > $2 THEN not_before ELSE $2 END \
+                     WHERE provider = $1 AND state = 'pending' AND last_reason = 'held'",
+                )
+                .bind(provider.as_str())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                if released > 0 {
+                    Self::wake_replicas(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(released)
             }
 
             async fn event_record(
@@ -1068,7 +1163,7 @@ impl Backend for SqliteQueueStore {
 
 impl SqliteQueueStore {
     const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
-         deadline, silent, attempts FROM push_delivery_batches \
+         deadline, silent, attempts, retries, provider FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
          ORDER BY available_at LIMIT $2";
     /// One writer at a time: nothing to lock.
@@ -1113,7 +1208,7 @@ impl Backend for PgQueueStore {
 
 impl PgQueueStore {
     const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
-         deadline, silent, attempts FROM push_delivery_batches \
+         deadline, silent, attempts, retries, provider FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
          ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
     /// Row locks taken by a reading statement.
@@ -1225,9 +1320,16 @@ impl QueueStore for AnyQueueStore {
         token: &str,
         at: i64,
         reason: &str,
+        how: Retry,
         now: i64,
     ) -> Result<RetryResult, QueueError> {
-        delegate!(self, s => s.retry(batch_id, token, at, reason, now))
+        delegate!(self, s => s.retry(batch_id, token, at, reason, how, now))
+    }
+    async fn hold(&self, provider: Provider, until: i64) -> Result<u64, QueueError> {
+        delegate!(self, s => s.hold(provider, until))
+    }
+    async fn release(&self, provider: Provider, now: i64) -> Result<u64, QueueError> {
+        delegate!(self, s => s.release(provider, now))
     }
     async fn event_record(
         &self,

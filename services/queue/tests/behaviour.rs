@@ -2,116 +2,14 @@
 
 use std::sync::Arc;
 
-use orca_push_queue::model::{
-    Admission, AdmissionRecipient, AdmissionStatus, Content, Kind, delivery_of,
-};
-use orca_push_queue::store::{Completion, Outcome, RetryResult};
-use orca_push_queue::{AnyQueueStore, DeliveryQueue, open_and_migrate};
-use orca_push_storage::testing::{Backend, TestDbGuard, fresh};
-use orca_push_storage::{DatabaseConfig, ManualClock};
-use tokio::sync::Notify;
+use orca_push_queue::model::{AdmissionStatus, Kind, delivery_of};
+use orca_push_queue::store::{Completion, Outcome, Retry, RetryResult};
+use orca_push_queue::{AnyQueueStore, DeliveryQueue};
+use orca_push_storage::testing::Backend;
 
-const T0: u64 = 1_800_000_000_000;
-const HOST: &str = "hostAAAAAAAAAAAA";
-const WINDOW: u64 = 3000;
-const LEASE: i64 = 30_000;
+mod support;
 
-struct Harness {
-    queue: Arc<DeliveryQueue<AnyQueueStore>>,
-    clock: ManualClock,
-    config: DatabaseConfig,
-    _db: TestDbGuard,
-}
-
-async fn harness(backend: Backend) -> Harness {
-    harness_with(backend, WINDOW).await
-}
-
-async fn harness_with(backend: Backend, window: u64) -> Harness {
-    let (config, guard) = fresh(backend).await;
-    let pool = open_and_migrate(&config).await.expect("open and migrate");
-    let clock = ManualClock::new(T0);
-    let queue = DeliveryQueue::new(
-        AnyQueueStore::new(pool),
-        Arc::new(clock.clone()),
-        window,
-        Arc::new(Notify::new()),
-    );
-    Harness {
-        queue: Arc::new(queue),
-        clock,
-        config,
-        _db: guard,
-    }
-}
-
-fn alert(seq: i64, recipients: &[&str]) -> Admission {
-    Admission {
-        host_fingerprint: HOST.into(),
-        kind: Kind::Alert,
-        notification_epoch: "epoch-1".into(),
-        notification_seq: seq,
-        content: Content {
-            notification_id: Some(format!("n-{seq}")),
-            source: "agent-task-complete".into(),
-            agent_state: Some("finished".into()),
-            title: format!("Task {seq} done"),
-            body: "All good".into(),
-            worktree_id: Some("wt-1".into()),
-        },
-        expires_at_ms: None,
-        recipients: recipients
-            .iter()
-            .map(|r| AdmissionRecipient {
-                registration_id: (*r).into(),
-                silent: false,
-            })
-            .collect(),
-        trace_parent: None,
-    }
-}
-
-fn dismiss(of: &Admission, seq: i64, recipients: &[&str]) -> Admission {
-    let mut d = alert(seq, recipients);
-    d.kind = Kind::Dismiss;
-    d.content.notification_id = of.content.notification_id.clone();
-    d
-}
-
-impl Harness {
-    async fn admit(&self, a: &Admission) -> Vec<AdmissionStatus> {
-        self.queue
-            .enqueue(a)
-            .await
-            .expect("enqueue")
-            .statuses
-            .into_iter()
-            .map(|(_, s)| s)
-            .collect()
-    }
-
-    async fn claim_all(&self) -> Vec<orca_push_queue::store::ClaimedBatch> {
-        self.queue
-            .claim("lane-test", 64, LEASE, 0)
-            .await
-            .expect("claim")
-    }
-}
-
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn sqlite() {
-                super::$name(orca_push_storage::testing::Backend::Sqlite).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn postgres() {
-                super::$name(orca_push_storage::testing::Backend::Postgres).await;
-            }
-        }
-    )*};
-}
+use support::*;
 
 on_both_backends!(
     quota_is_300_alerts_and_300_dismissals_per_rolling_15_minutes,
@@ -541,12 +439,19 @@ async fn leases_lapse_renew_and_guard_completion(backend: Backend) {
         .pop()
         .expect("reclaimed after the lease lapsed");
     assert_eq!(second.batch_id, first.batch_id);
-    assert_eq!(second.attempt, 2);
+    // A lease that lapsed is not a provider answer: it costs the batch no attempt.
+    assert_eq!(second.attempt, 1);
     assert!(second.recovered);
     // The first lane's late answer is not recorded.
     assert!(
         !h.queue
-            .complete(&first.batch_id, &first.lease_token, Outcome::Sent, "200")
+            .complete(
+                &first.batch_id,
+                &first.lease_token,
+                Outcome::Sent,
+                "200",
+                true
+            )
             .await
             .unwrap()
     );
@@ -559,7 +464,13 @@ async fn leases_lapse_renew_and_guard_completion(backend: Backend) {
     );
     assert!(
         h.queue
-            .complete(&second.batch_id, &second.lease_token, Outcome::Sent, "200")
+            .complete(
+                &second.batch_id,
+                &second.lease_token,
+                Outcome::Sent,
+                "200",
+                true
+            )
             .await
             .unwrap()
     );
@@ -574,7 +485,7 @@ async fn retries_are_persistent_and_never_pass_the_deadline(backend: Backend) {
     let at = T0 as i64 + 10_000;
     assert_eq!(
         h.queue
-            .retry(&b.batch_id, &b.lease_token, at, "http_429")
+            .retry(&b.batch_id, &b.lease_token, at, "http_429", Retry::Answered)
             .await
             .unwrap(),
         RetryResult::Scheduled
@@ -588,7 +499,13 @@ async fn retries_are_persistent_and_never_pass_the_deadline(backend: Backend) {
     let past = b.deadline + 1;
     assert_eq!(
         h.queue
-            .retry(&b.batch_id, &b.lease_token, past, "http_429")
+            .retry(
+                &b.batch_id,
+                &b.lease_token,
+                past,
+                "http_429",
+                Retry::Answered
+            )
             .await
             .unwrap(),
         RetryResult::Expired
@@ -616,7 +533,7 @@ async fn outcomes_are_recorded_per_recipient(backend: Backend) {
         };
         assert!(
             h.queue
-                .complete(&b.batch_id, &b.lease_token, outcome, "x")
+                .complete(&b.batch_id, &b.lease_token, outcome, "x", true)
                 .await
                 .unwrap()
         );
@@ -660,6 +577,7 @@ async fn many_outcomes_commit_together_each_against_its_own_lease(backend: Backe
         lease_token: token.into(),
         outcome,
         reason: "x".into(),
+        answered: true,
     };
     let by = |r: &str, seq: i64| {
         batches
@@ -704,7 +622,7 @@ async fn many_outcomes_commit_together_each_against_its_own_lease(backend: Backe
     // The lane that holds r2 answers later, alone.
     assert!(
         h.queue
-            .complete(&r2.batch_id, &r2.lease_token, Outcome::Sent, "200")
+            .complete(&r2.batch_id, &r2.lease_token, Outcome::Sent, "200", true)
             .await
             .unwrap()
     );
@@ -740,13 +658,13 @@ async fn a_phone_named_twice_in_one_admission_gets_it_once(backend: Backend) {
     for b in &batches {
         assert!(
             h.queue
-                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
                 .await
                 .unwrap()
         );
         assert!(
             !h.queue
-                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
                 .await
                 .unwrap(),
             "a finished batch is not finished twice"
@@ -772,6 +690,7 @@ async fn concurrent_reports_on_shared_events_all_commit(backend: Backend) {
                     lease_token: b.lease_token.clone(),
                     outcome: Outcome::Sent,
                     reason: "200".into(),
+                    answered: true,
                 })
                 .collect::<Vec<_>>()
         };
@@ -800,7 +719,7 @@ async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
     h.admit(&alert(1, &["r1"])).await;
     let b = h.claim_all().await.pop().unwrap();
     h.queue
-        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
         .await
         .unwrap();
     h.admit(&alert(2, &["r1"])).await;
@@ -853,6 +772,7 @@ async fn dismissals_racing_the_reports_of_their_alerts_both_commit(backend: Back
                 lease_token: b.lease_token.clone(),
                 outcome: Outcome::Sent,
                 reason: "200".into(),
+                answered: true,
             })
             .collect();
         // A lane reports the alerts while the host dismisses them (dismissals take back what is
@@ -877,7 +797,7 @@ async fn dismissals_racing_the_reports_of_their_alerts_both_commit(backend: Back
         // Dismissal batches are due at once; clear them for the next round.
         for b in h.claim_all().await {
             h.queue
-                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+                .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
                 .await
                 .unwrap();
         }
@@ -890,7 +810,7 @@ async fn cleanup_never_clears_a_payload_under_a_recipient_being_added(backend: B
     let b = h.claim_all().await.pop().unwrap();
     assert!(
         h.queue
-            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200")
+            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
             .await
             .unwrap()
     );
@@ -1021,6 +941,7 @@ async fn a_dismissal_stops_an_alert_in_flight_from_being_retried(backend: Backen
             &in_flight.lease_token,
             T0 as i64 + 1_000,
             "http_503",
+            Retry::Answered,
         )
         .await
         .unwrap();

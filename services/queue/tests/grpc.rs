@@ -51,6 +51,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
             recipients: vec![pb::Recipient {
                 registration_id: "r1".into(),
                 silent: true,
+                provider: pb::Provider::Apns as i32,
             }],
         })
         .await
@@ -114,6 +115,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
             lease_token: batch.lease_token.clone(),
             outcome: pb::Outcome::Sent as i32,
             reason: "200".into(),
+            provider_answered: true,
         })
         .await
         .unwrap()
@@ -140,6 +142,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
         lease_token: batch.lease_token.clone(),
         outcome,
         reason: "200".into(),
+        provider_answered: true,
     };
     let err = client
         .complete_many(pb::CompleteManyRequest {
@@ -179,6 +182,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
             recipients: vec![pb::Recipient {
                 registration_id: "r1".into(),
                 silent: false,
+                provider: pb::Provider::Fcm as i32,
             }],
         })
         .await

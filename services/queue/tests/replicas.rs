@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orca_push_queue::model::{Admission, AdmissionRecipient, Content, Kind, delivery_of};
+use orca_push_queue::model::{Admission, AdmissionRecipient, Content, Kind, Provider, delivery_of};
 use orca_push_queue::{AnyQueueStore, DeliveryQueue, delivery_queue, open_and_migrate};
 use orca_push_storage::testing::{Backend, fresh};
 use orca_push_storage::{DatabaseConfig, SystemClock};
@@ -28,6 +28,7 @@ fn alert(seq: i64, registration: &str) -> Admission {
         recipients: vec![AdmissionRecipient {
             registration_id: registration.into(),
             silent: false,
+            provider: Provider::Fcm,
         }],
         trace_parent: None,
     }
@@ -94,6 +95,7 @@ async fn a_waiting_lane_is_handed_due_work_from_another_replica_at_once() {
                 &batch.lease_token,
                 orca_push_queue::store::Outcome::Sent,
                 "200",
+                true,
             )
             .await
             .unwrap();

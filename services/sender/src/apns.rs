@@ -12,7 +12,7 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use crate::payload::ApnsRequest;
-use crate::verdict::{Verdict, parse_retry_after};
+use crate::verdict::{RetryClass, Verdict, parse_retry_after};
 
 /// Provider tokens are refreshed this often (Apple accepts 20 to 60 minutes).
 pub const TOKEN_REFRESH: Duration = Duration::from_secs(50 * 60);
@@ -20,8 +20,12 @@ pub const TOKEN_REFRESH: Duration = Duration::from_secs(50 * 60);
 pub const DEFAULT_STREAMS_PER_CONNECTION: usize = 1000;
 /// Connections per environment at most.
 pub const MAX_CONNECTIONS: usize = 8;
+/// One deadline for TCP connect, TLS handshake and HTTP/2 handshake together: a peer that stalls
+/// any of them cannot hold the pool's connect lock longer.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// One deadline for a whole send: waiting for a connection (and the connect lock), the request and
+/// reading the answer.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 const PING_INTERVAL: Duration = Duration::from_secs(60);
 const PING_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -38,7 +42,21 @@ pub struct ProviderToken {
     key: jsonwebtoken::EncodingKey,
     key_id: String,
     team_id: String,
-    cached: std::sync::Mutex<Option<(String, Instant)>>,
+    cached: std::sync::Mutex<Option<Signed>>,
+    signatures: std::sync::atomic::AtomicU64,
+}
+
+struct Signed {
+    token: String,
+    at: Instant,
+    generation: u64,
+}
+
+/// A provider token and its generation (which signing made it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bearer {
+    pub token: String,
+    pub generation: u64,
 }
 
 #[derive(serde::Serialize)]
@@ -57,27 +75,37 @@ impl ProviderToken {
             key_id: key_id.to_owned(),
             team_id: team_id.to_owned(),
             cached: std::sync::Mutex::new(None),
+            signatures: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
     /// The cached token, or a fresh one when it is 50 minutes old.
-    pub fn bearer(&self, force: bool) -> Result<String, ApnsError> {
-        self.bearer_replacing(force.then_some(""))
+    pub fn bearer(&self) -> Result<Bearer, ApnsError> {
+        self.bearer_replacing(None)
     }
 
-    /// After APNs refused `stale` as expired: a fresh token, minted once however many requests
-    /// saw the refusal (APNs throttles re-signing with TooManyProviderTokenUpdates).
-    pub fn refresh_after(&self, stale: &str) -> Result<String, ApnsError> {
-        self.bearer_replacing(Some(stale))
+    /// After APNs refused the token of `generation` as expired: a fresh token, signed once
+    /// however many requests saw the refusal (APNs throttles re-signing with
+    /// TooManyProviderTokenUpdates); a later generation is already fresh and is kept.
+    pub fn refresh_after(&self, generation: u64) -> Result<Bearer, ApnsError> {
+        self.bearer_replacing(Some(generation))
     }
 
-    fn bearer_replacing(&self, stale: Option<&str>) -> Result<String, ApnsError> {
+    /// How many tokens were signed so far.
+    pub fn signatures(&self) -> u64 {
+        self.signatures.load(Ordering::Relaxed)
+    }
+
+    fn bearer_replacing(&self, stale: Option<u64>) -> Result<Bearer, ApnsError> {
         let mut cached = self.cached.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((token, at)) = cached.as_ref()
-            && at.elapsed() < TOKEN_REFRESH
-            && stale.is_none_or(|s| !s.is_empty() && s != token)
+        if let Some(signed) = cached.as_ref()
+            && signed.at.elapsed() < TOKEN_REFRESH
+            && stale.is_none_or(|g| g != signed.generation)
         {
-            return Ok(token.clone());
+            return Ok(Bearer {
+                token: signed.token.clone(),
+                generation: signed.generation,
+            });
         }
         let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
         header.kid = Some(self.key_id.clone());
@@ -94,14 +122,36 @@ impl ProviderToken {
             &self.key,
         )
         .map_err(|e| ApnsError::Key(format!("cannot sign the provider token: {e}")))?;
-        *cached = Some((token.clone(), Instant::now()));
-        Ok(token)
+        let generation = self.signatures.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics::counter!("orca_push_apns_tokens_signed_total").increment(1);
+        *cached = Some(Signed {
+            token: token.clone(),
+            at: Instant::now(),
+            generation,
+        });
+        Ok(Bearer { token, generation })
     }
 }
 
 struct Connection {
     sender: SendRequest<Full<Bytes>>,
     in_flight: AtomicUsize,
+}
+
+/// One stream counted on its connection for as long as it lives.
+struct InFlight<'a>(&'a Connection);
+
+impl<'a> InFlight<'a> {
+    fn enter(connection: &'a Connection) -> Self {
+        connection.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(connection)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Where one environment's connections go.
@@ -221,7 +271,10 @@ impl ApnsPool {
                 TransportError::Connect("reconnecting after failures (backoff)".into())
             });
         }
-        match self.connect().await {
+        let connected = tokio::time::timeout(CONNECT_TIMEOUT, self.connect())
+            .await
+            .unwrap_or(Err(TransportError::Timeout));
+        match connected {
             Ok(connection) => {
                 state.failures = 0;
                 state.not_before = None;
@@ -255,13 +308,9 @@ impl ApnsPool {
 
     async fn connect(&self) -> Result<Connection, TransportError> {
         let e = &self.endpoint;
-        let tcp = tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            tokio::net::TcpStream::connect((e.host.as_str(), e.port)),
-        )
-        .await
-        .map_err(|_| TransportError::Timeout)?
-        .map_err(|err| TransportError::Connect(err.to_string()))?;
+        let tcp = tokio::net::TcpStream::connect((e.host.as_str(), e.port))
+            .await
+            .map_err(|err| TransportError::Connect(err.to_string()))?;
         let _ = tcp.set_nodelay(true);
         let mut builder = hyper::client::conn::http2::Builder::new(TokioExecutor::new());
         builder
@@ -310,8 +359,18 @@ impl ApnsPool {
         })
     }
 
-    /// Sends one request and reads the whole answer.
+    /// Sends one request and reads the whole answer, all within [`SEND_TIMEOUT`].
     pub async fn send(
+        &self,
+        request: &ApnsRequest,
+        bearer: &str,
+    ) -> Result<(u16, http::HeaderMap, Bytes), TransportError> {
+        tokio::time::timeout(SEND_TIMEOUT, self.send_within(request, bearer))
+            .await
+            .unwrap_or(Err(TransportError::Timeout))
+    }
+
+    async fn send_within(
         &self,
         request: &ApnsRequest,
         bearer: &str,
@@ -329,29 +388,24 @@ impl ApnsPool {
         let http_request = builder
             .body(Full::new(Bytes::from(request.body.clone())))
             .map_err(|err| TransportError::Request(err.to_string()))?;
-        connection.in_flight.fetch_add(1, Ordering::AcqRel);
-        let result = tokio::time::timeout(REQUEST_TIMEOUT, async {
-            let mut sender = connection.sender.clone();
-            sender
-                .ready()
-                .await
-                .map_err(|err| TransportError::Request(err.to_string()))?;
-            let response = sender
-                .send_request(http_request)
-                .await
-                .map_err(|err| TransportError::Request(err.to_string()))?;
-            let (parts, body) = response.into_parts();
-            let body = body
-                .collect()
-                .await
-                .map_err(|err| TransportError::Request(err.to_string()))?
-                .to_bytes();
-            Ok((parts.status.as_u16(), parts.headers, body))
-        })
-        .await
-        .unwrap_or(Err(TransportError::Timeout));
-        connection.in_flight.fetch_sub(1, Ordering::AcqRel);
-        result
+        // Counted while in flight, also when the deadline drops this future.
+        let _stream = InFlight::enter(&connection);
+        let mut sender = connection.sender.clone();
+        sender
+            .ready()
+            .await
+            .map_err(|err| TransportError::Request(err.to_string()))?;
+        let response = sender
+            .send_request(http_request)
+            .await
+            .map_err(|err| TransportError::Request(err.to_string()))?;
+        let (parts, body) = response.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map_err(|err| TransportError::Request(err.to_string()))?
+            .to_bytes();
+        Ok((parts.status.as_u16(), parts.headers, body))
     }
 
     /// Closes every connection (shutdown, last).
@@ -371,6 +425,13 @@ pub fn classify(status: u16, headers: &http::HeaderMap, body: &[u8]) -> Verdict 
         .and_then(|v| v.to_str().ok())
         .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()))
         .unwrap_or(Duration::ZERO);
+    let reason_or_status = |reason: String| {
+        if reason.is_empty() {
+            format!("http_{status}")
+        } else {
+            reason
+        }
+    };
     match (status, reason.as_str()) {
         (200, _) => Verdict::Sent,
         (410, _) | (400, "BadDeviceToken" | "Unregistered" | "DeviceTokenNotForTopic") => {
@@ -381,23 +442,17 @@ pub fn classify(status: u16, headers: &http::HeaderMap, body: &[u8]) -> Verdict 
             })
         }
         // A stale provider token: retried at once with a fresh one.
-        (403, "ExpiredProviderToken") => Verdict::Retry {
-            reason,
-            not_before: retry_after,
-        },
-        (429, _) | (500..=599, _) => Verdict::Retry {
-            reason: if reason.is_empty() {
-                format!("http_{status}")
-            } else {
-                reason
-            },
-            not_before: retry_after,
-        },
-        _ => Verdict::Failed(if reason.is_empty() {
-            format!("http_{status}")
-        } else {
-            reason
-        }),
+        (403, "ExpiredProviderToken") => {
+            Verdict::answered_retry(reason, retry_after, RetryClass::Transient)
+        }
+        (429, _) | (500..=599, _) => {
+            Verdict::answered_retry(reason_or_status(reason), retry_after, RetryClass::Transient)
+        }
+        // The request itself is wrong (payload, headers, size, method): it would fail the same way.
+        (400 | 405 | 413, _) => Verdict::Failed(reason_or_status(reason)),
+        // A credentials refusal (an operator may be rotating the key) or a status APNs does not
+        // document: a few more tries, then give up.
+        _ => Verdict::answered_retry(reason_or_status(reason), retry_after, RetryClass::Suspect),
     }
 }
 
@@ -407,6 +462,28 @@ mod tests {
 
     fn body(reason: &str) -> Vec<u8> {
         format!(r#"{{"reason":"{reason}"}}"#).into_bytes()
+    }
+
+    fn token() -> ProviderToken {
+        let key = rcgen::KeyPair::generate().expect("P-256 key");
+        ProviderToken::new(&key.serialize_pem(), "KEYID12345", "TEAMID1234").expect("a valid key")
+    }
+
+    #[test]
+    fn an_expired_token_is_re_signed_once_per_generation() {
+        let token = token();
+        let first = token.bearer().unwrap();
+        assert_eq!(token.signatures(), 1);
+        // Fifty requests were refused with the same token: one new signature.
+        let fresh: Vec<Bearer> = (0..50)
+            .map(|_| token.refresh_after(first.generation).unwrap())
+            .collect();
+        assert_eq!(token.signatures(), 2);
+        assert!(fresh.iter().all(|b| b.generation == 2));
+        assert_eq!(token.bearer().unwrap().generation, 2);
+        // The new one refused in turn: one more.
+        token.refresh_after(2).unwrap();
+        assert_eq!(token.signatures(), 3);
     }
 
     #[test]
@@ -438,10 +515,11 @@ mod tests {
         h.insert("retry-after", http::HeaderValue::from_static("7"));
         assert_eq!(
             classify(429, &h, &body("TooManyRequests")),
-            Verdict::Retry {
-                reason: "TooManyRequests".into(),
-                not_before: Duration::from_secs(7)
-            }
+            Verdict::answered_retry(
+                "TooManyRequests",
+                Duration::from_secs(7),
+                RetryClass::Transient
+            )
         );
         assert!(matches!(
             classify(503, &http::HeaderMap::new(), b""),
@@ -453,7 +531,19 @@ mod tests {
         ));
         assert!(matches!(
             classify(403, &h, &body("InvalidProviderToken")),
-            Verdict::Failed(_)
+            Verdict::Retry {
+                class: RetryClass::Suspect,
+                answered: true,
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify(503, &h, b""),
+            Verdict::Retry {
+                class: RetryClass::Transient,
+                answered: true,
+                ..
+            }
         ));
     }
 }

@@ -11,12 +11,16 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::Value;
 
-use crate::verdict::{Verdict, parse_retry_after};
+use crate::verdict::{RetryClass, Verdict, parse_retry_after};
 
 pub const SCOPE: &str = "https://www.googleapis.com/auth/firebase.messaging";
 /// Google asks for at least a minute before retrying a quota refusal.
 pub const QUOTA_MIN_DELAY: Duration = Duration::from_secs(60);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one OAuth token fetch (and the wait for another lane's fetch) may take.
+pub const TOKEN_TIMEOUT: Duration = Duration::from_secs(10);
+/// A cached token is replaced this long before Google says it expires.
+const TOKEN_MARGIN: Duration = Duration::from_secs(60);
 
 type Authenticator = yup_oauth2::authenticator::Authenticator<HttpsConnector<HttpConnector>>;
 
@@ -43,9 +47,23 @@ pub struct Fcm {
     send_url: String,
     auth: Authenticator,
     refresh: AtomicBool,
-    /// yup-oauth2 does not single-flight concurrent misses: one fetch at a time, the rest then hit
-    /// its cache.
+    /// The current bearer, read without a lock on every send.
+    cached: arc_swap::ArcSwapOption<CachedToken>,
+    /// yup-oauth2 does not single-flight concurrent misses: one fetch at a time (only on a miss),
+    /// the rest then find the token cached.
     fetching: tokio::sync::Mutex<()>,
+}
+
+struct CachedToken {
+    bearer: String,
+    /// Unix seconds after which it is fetched again.
+    refresh_at: u64,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl Fcm {
@@ -110,22 +128,58 @@ impl Fcm {
             ),
             auth,
             refresh: AtomicBool::new(false),
+            cached: arc_swap::ArcSwapOption::empty(),
             fetching: tokio::sync::Mutex::new(()),
         })
     }
 
+    fn cached_bearer(&self) -> Option<String> {
+        let cached = self.cached.load();
+        let token = cached.as_ref()?;
+        (unix_now() < token.refresh_at).then(|| token.bearer.clone())
+    }
+
+    /// The cached bearer (no lock, no await), or one fetch within [`TOKEN_TIMEOUT`]: a stalled
+    /// token endpoint costs a lane that long at most, and never blocks the cached path.
     async fn bearer(&self) -> Result<String, String> {
+        if let Some(bearer) = self.cached_bearer() {
+            return Ok(bearer);
+        }
+        tokio::time::timeout(TOKEN_TIMEOUT, self.fetch_bearer())
+            .await
+            .map_err(|_| "token endpoint timed out".to_owned())?
+    }
+
+    async fn fetch_bearer(&self) -> Result<String, String> {
         let _one_at_a_time = self.fetching.lock().await;
+        if let Some(bearer) = self.cached_bearer() {
+            return Ok(bearer);
+        }
         let token = if self.refresh.swap(false, Ordering::AcqRel) {
             self.auth.force_refreshed_token(&[SCOPE]).await
         } else {
             self.auth.token(&[SCOPE]).await
         }
         .map_err(|e| e.to_string())?;
-        token
+        let bearer = token
             .token()
             .map(str::to_owned)
-            .ok_or_else(|| "no access token".to_owned())
+            .ok_or_else(|| "no access token".to_owned())?;
+        let expires = token
+            .expiration_time()
+            .and_then(|at| u64::try_from(at.unix_timestamp()).ok())
+            .unwrap_or_else(|| unix_now() + 300);
+        self.cached.store(Some(Arc::new(CachedToken {
+            bearer: bearer.clone(),
+            refresh_at: expires.saturating_sub(TOKEN_MARGIN.as_secs()),
+        })));
+        Ok(bearer)
+    }
+
+    /// FCM refused our bearer: the next send fetches a fresh one.
+    fn token_went_stale(&self) {
+        self.refresh.store(true, Ordering::Release);
+        self.cached.store(None);
     }
 
     /// Sends one message; `validate_only` asks FCM to check it without delivering.
@@ -134,10 +188,7 @@ impl Fcm {
             Ok(b) => b,
             Err(error) => {
                 tracing::warn!(%error, "FCM OAuth token unavailable");
-                return Verdict::Retry {
-                    reason: "oauth_token".into(),
-                    not_before: Duration::ZERO,
-                };
+                return Verdict::unanswered("oauth_token");
             }
         };
         if validate_only {
@@ -154,10 +205,7 @@ impl Fcm {
             Ok(r) => r,
             Err(error) => {
                 tracing::warn!(error = %error.without_url(), "FCM request failed");
-                return Verdict::Retry {
-                    reason: "connection".into(),
-                    not_before: Duration::ZERO,
-                };
+                return Verdict::unanswered("connection");
             }
         };
         let status = response.status().as_u16();
@@ -170,7 +218,7 @@ impl Fcm {
         let body = response.bytes().await.unwrap_or_default();
         let verdict = classify(status, retry_after, &body);
         if status == 401 {
-            self.refresh.store(true, Ordering::Release);
+            self.token_went_stale();
         }
         verdict
     }
@@ -221,24 +269,33 @@ pub fn classify(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verd
         {
             Verdict::Dead("INVALID_ARGUMENT".into())
         }
-        429 => Verdict::Retry {
+        429 => Verdict::answered_retry(
             reason,
-            not_before: retry_after.unwrap_or(QUOTA_MIN_DELAY).max(QUOTA_MIN_DELAY),
-        },
+            retry_after.unwrap_or(QUOTA_MIN_DELAY).max(QUOTA_MIN_DELAY),
+            RetryClass::Transient,
+        ),
         // Our OAuth token went stale: refreshed for the next attempt.
         401 if error_code.is_empty()
             || grpc_status == "UNAUTHENTICATED" && error_code != "THIRD_PARTY_AUTH_ERROR" =>
         {
-            Verdict::Retry {
-                reason,
-                not_before: Duration::ZERO,
-            }
+            Verdict::answered_retry(reason, Duration::ZERO, RetryClass::Transient)
         }
-        500..=599 => Verdict::Retry {
+        500..=599 => Verdict::answered_retry(
             reason,
-            not_before: retry_after.unwrap_or(Duration::ZERO),
-        },
-        _ => Verdict::Failed(reason),
+            retry_after.unwrap_or(Duration::ZERO),
+            RetryClass::Transient,
+        ),
+        // The message itself is wrong, or the token belongs to another sender: it would fail the
+        // same way.
+        400 | 404 | 413 => Verdict::Failed(reason),
+        403 if error_code == "SENDER_ID_MISMATCH" => Verdict::Failed(reason),
+        // Credentials refused (THIRD_PARTY_AUTH_ERROR, PERMISSION_DENIED: an operator may be
+        // fixing them) or a status FCM does not document: a few more tries, then give up.
+        _ => Verdict::answered_retry(
+            reason,
+            retry_after.unwrap_or(Duration::ZERO),
+            RetryClass::Suspect,
+        ),
     }
 }
 
@@ -306,18 +363,12 @@ mod tests {
         );
         assert_eq!(
             v,
-            Verdict::Retry {
-                reason: "QUOTA_EXCEEDED".into(),
-                not_before: QUOTA_MIN_DELAY
-            }
+            Verdict::answered_retry("QUOTA_EXCEEDED", QUOTA_MIN_DELAY, RetryClass::Transient)
         );
         let v = classify(429, Some(Duration::from_secs(90)), b"");
         assert_eq!(
             v,
-            Verdict::Retry {
-                reason: "http_429".into(),
-                not_before: Duration::from_secs(90)
-            }
+            Verdict::answered_retry("http_429", Duration::from_secs(90), RetryClass::Transient)
         );
         assert!(
             matches!(classify(503, Some(Duration::from_secs(3)), b""), Verdict::Retry { not_before, .. } if not_before == Duration::from_secs(3))
@@ -333,6 +384,14 @@ mod tests {
                 &body("PERMISSION_DENIED", "SENDER_ID_MISMATCH", "x")
             ),
             Verdict::Failed(_)
+        ));
+        assert!(matches!(
+            classify(403, None, &body("PERMISSION_DENIED", "", "denied")),
+            Verdict::Retry {
+                class: RetryClass::Suspect,
+                answered: true,
+                ..
+            }
         ));
     }
 }

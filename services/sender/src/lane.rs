@@ -16,10 +16,11 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::breaker::{Breaker, Change, Gate};
 use crate::payload::Job;
 use crate::providers::{Providers, Target};
 use crate::report::Reporter;
-use crate::verdict::{MAX_ATTEMPTS, Verdict, retry_delay};
+use crate::verdict::{Backoff, Verdict, at_ms, gives_up};
 
 pub type QueueClient = queue_pb::queue_service_client::QueueServiceClient<InternalChannel>;
 pub type RegistryClient =
@@ -32,6 +33,11 @@ pub const LANES: usize = 4;
 pub const DEFAULT_LEASE_MS: u32 = 30_000;
 /// Deliveries one lane keeps in flight at once.
 pub const IN_FLIGHT_PER_LANE: usize = 256;
+/// Deliveries of one provider a lane keeps in flight at most: a provider that stalls (every
+/// request waiting out its timeout) leaves the other a quarter of the lane.
+pub const IN_FLIGHT_PER_PROVIDER: usize = IN_FLIGHT_PER_LANE * 3 / 4;
+/// A batch handed back because its provider's share of the lane was full waits this long.
+const SATURATED_RETRY: Duration = Duration::from_secs(1);
 /// Batches one claim takes at most. A claim is one write transaction with a few statements per
 /// batch; at 64 it held SQLite's writer (and PostgreSQL's row locks) long enough to stall
 /// admissions, and the benchmark measured 20-50% more accepted sends at 16.
@@ -61,6 +67,59 @@ pub struct Sender {
     pub counters: Counters,
     pub instance: String,
     pub lease_ms: u32,
+    pub backoff: Backoff,
+    pub breakers: Breakers,
+}
+
+/// One circuit breaker per provider.
+#[derive(Debug)]
+pub struct Breakers {
+    pub apns: Breaker,
+    pub fcm: Breaker,
+}
+
+impl Default for Breakers {
+    fn default() -> Self {
+        Self {
+            apns: Breaker::new("apns"),
+            fcm: Breaker::new("fcm"),
+        }
+    }
+}
+
+impl Breakers {
+    fn of(&self, target: &Target) -> (&Breaker, queue_pb::Provider) {
+        if target.provider() == "apns" {
+            (&self.apns, queue_pb::Provider::Apns)
+        } else {
+            (&self.fcm, queue_pb::Provider::Fcm)
+        }
+    }
+}
+
+/// A lane's room for each provider (see [`IN_FLIGHT_PER_PROVIDER`]).
+#[derive(Clone)]
+struct ProviderRoom {
+    apns: Arc<Semaphore>,
+    fcm: Arc<Semaphore>,
+}
+
+impl ProviderRoom {
+    fn new() -> Self {
+        Self {
+            apns: Arc::new(Semaphore::new(IN_FLIGHT_PER_PROVIDER)),
+            fcm: Arc::new(Semaphore::new(IN_FLIGHT_PER_PROVIDER)),
+        }
+    }
+
+    fn try_take(&self, target: &Target) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let room = if target.provider() == "apns" {
+            &self.apns
+        } else {
+            &self.fcm
+        };
+        room.clone().try_acquire_owned().ok()
+    }
 }
 
 fn now_ms(clock: &dyn Clock) -> i64 {
@@ -74,7 +133,10 @@ type Lookup = Result<Option<registry_pb::DeliveryDevice>, tonic::Code>;
 /// What became of one attempt.
 enum Outcome {
     Verdict(Verdict, Option<Target>),
-    Expired,
+    /// Not tried: back to the queue, at this time, as neither an attempt nor a retry (the
+    /// earliest member's deadline passed: the queue drops what expired and keeps the rest; a
+    /// provider on hold; a provider's share of the lane full).
+    HandBack(i64, &'static str),
     Gone(&'static str),
 }
 
@@ -100,6 +162,7 @@ impl Sender {
         let name = format!("{}/lane-{index}", self.instance);
         let (reporter, reporting) = Reporter::spawn(self.queue.clone());
         let capacity = Arc::new(Semaphore::new(IN_FLIGHT_PER_LANE));
+        let provider_room = ProviderRoom::new();
         let mut in_flight = tokio::task::JoinSet::new();
         loop {
             // Wait for room before asking for more work.
@@ -133,7 +196,8 @@ impl Sender {
             };
             let devices = self.look_up(&batches).await;
             let mut room = Some(room);
-            for batch in batches {
+            let mut batches = batches.into_iter();
+            while let Some(batch) = batches.next() {
                 // Several batches of one claim may go to the same phone.
                 let device = match &devices {
                     Ok(found) => Ok(found.get(&batch.registration_id).cloned()),
@@ -141,16 +205,25 @@ impl Sender {
                 };
                 let permit = match room.take() {
                     Some(p) => p,
-                    None => match capacity.clone().acquire_owned().await {
-                        Ok(p) => p,
-                        Err(_) => break,
+                    None => tokio::select! {
+                        permit = capacity.clone().acquire_owned() => match permit {
+                            Ok(p) => p,
+                            Err(_) => break,
+                        },
+                        // Stopping: work not started yet goes back to the queue now rather than
+                        // waiting out its lease.
+                        _ = stop.cancelled() => {
+                            self.hand_back_all(std::iter::once(batch).chain(batches.by_ref())).await;
+                            break;
+                        }
                     },
                 };
                 let sender = self.clone();
                 let reporter = reporter.clone();
+                let provider_room = provider_room.clone();
                 in_flight.spawn(async move {
                     sender
-                        .deliver(Job::from_claim(batch), device, &reporter)
+                        .deliver(Job::from_claim(batch), device, &provider_room, &reporter)
                         .await;
                     drop(permit);
                 });
@@ -226,7 +299,42 @@ impl Sender {
             .collect())
     }
 
-    async fn deliver(&self, job: Job, device: Lookup, reporter: &Reporter) {
+    /// Gives claimed batches back untried (a stopping lane), so another lane can take them at
+    /// once instead of after their lease.
+    async fn hand_back_all(&self, batches: impl Iterator<Item = queue_pb::ClaimedBatch>) {
+        let now = now_ms(&*self.clock);
+        for batch in batches {
+            let job = Job::from_claim(batch);
+            if let Err(status) = self.hand_back(&job, now, "stopping").await {
+                tracing::warn!(code = ?status.code(), "could not hand back a batch; its lease will lapse");
+            }
+        }
+    }
+
+    async fn hand_back(&self, job: &Job, at: i64, reason: &str) -> Result<bool, tonic::Status> {
+        let answer = self
+            .queue
+            .clone()
+            .retry(queue_pb::RetryRequest {
+                batch_id: job.batch_id.clone(),
+                lease_token: job.lease_token.clone(),
+                retry_at_ms: at,
+                reason: reason.to_owned(),
+                provider_answered: false,
+                hand_back: true,
+            })
+            .await?
+            .into_inner();
+        Ok(answer.expired)
+    }
+
+    async fn deliver(
+        &self,
+        job: Job,
+        device: Lookup,
+        provider_room: &ProviderRoom,
+        reporter: &Reporter,
+    ) {
         // Its own trace, linked to the trace of every event it carries.
         let span = tracing::info_span!(
             "delivery",
@@ -236,21 +344,29 @@ impl Sender {
             orca.attempt = job.attempt,
         );
         orca_push_telemetry::link_traces(&span, &job.member_traceparents);
-        self.deliver_in_span(job, device, reporter)
+        self.deliver_in_span(job, device, provider_room, reporter)
             .instrument(span)
             .await;
     }
 
-    async fn deliver_in_span(&self, job: Job, device: Lookup, reporter: &Reporter) {
+    async fn deliver_in_span(
+        &self,
+        job: Job,
+        device: Lookup,
+        provider_room: &ProviderRoom,
+        reporter: &Reporter,
+    ) {
         let renewing = CancellationToken::new();
         let renewer = tokio::spawn(renew_lease(
             self.queue.clone(),
             job.batch_id.clone(),
             job.lease_token.clone(),
             self.lease_ms,
+            job.deadline_ms,
+            self.clock.clone(),
             renewing.clone(),
         ));
-        let outcome = self.attempt(&job, device).await;
+        let outcome = self.attempt(&job, device, provider_room).await;
         renewing.cancel();
         let _ = renewer.await;
         if let Err(status) = self.report(&job, outcome, reporter).await {
@@ -259,20 +375,16 @@ impl Sender {
         }
     }
 
-    async fn attempt(&self, job: &Job, device: Lookup) -> Outcome {
-        if now_ms(&*self.clock) >= job.deadline_ms {
-            return Outcome::Expired;
+    async fn attempt(&self, job: &Job, device: Lookup, provider_room: &ProviderRoom) -> Outcome {
+        let now = now_ms(&*self.clock);
+        if now >= job.deadline_ms {
+            return Outcome::HandBack(now, "deadline");
         }
         let device = match device {
             Ok(device) => device,
             Err(code) => {
-                return Outcome::Verdict(
-                    Verdict::Retry {
-                        reason: format!("registry_{code:?}"),
-                        not_before: Duration::ZERO,
-                    },
-                    None,
-                );
+                // The registry, not the provider, failed: a retry that is not an attempt.
+                return Outcome::Verdict(Verdict::unanswered(format!("registry_{code:?}")), None);
             }
         };
         let Some(device) = device else {
@@ -282,11 +394,68 @@ impl Sender {
             return Outcome::Gone("dead");
         }
         let target = Target::from_device(device);
-        let verdict = self
-            .providers
-            .send(job, &target, now_ms(&*self.clock), &self.counters)
-            .await;
+        let (breaker, provider) = self.breakers.of(&target);
+        let probe = match breaker.gate(std::time::Instant::now()) {
+            Gate::Pass => false,
+            Gate::Probe => true,
+            Gate::Hold(until) => {
+                let wait = until.saturating_duration_since(std::time::Instant::now());
+                return Outcome::HandBack(at_ms(now, wait), "provider_held");
+            }
+        };
+        let Some(_room) = provider_room.try_take(&target) else {
+            if probe {
+                breaker.probe_abandoned();
+            }
+            return Outcome::HandBack(at_ms(now, SATURATED_RETRY), "provider_saturated");
+        };
+        // Nothing is sent past the earliest member's deadline, however the provider stalls.
+        let left = Duration::from_millis(u64::try_from(job.deadline_ms - now).unwrap_or(0));
+        let verdict =
+            tokio::time::timeout(left, self.providers.send(job, &target, now, &self.counters))
+                .await
+                .unwrap_or_else(|_| Verdict::unanswered("deadline"));
+        self.record_health(breaker, provider, &verdict).await;
         Outcome::Verdict(verdict, Some(target))
+    }
+
+    /// Feeds the provider's breaker; holds or releases the provider's queued work when it opens or
+    /// closes.
+    async fn record_health(
+        &self,
+        breaker: &Breaker,
+        provider: queue_pb::Provider,
+        verdict: &Verdict,
+    ) {
+        let change = match verdict {
+            // APNs throttles one device token this way: that says nothing of the provider.
+            Verdict::Retry { reason, .. } if reason == "TooManyRequests" => Change::None,
+            Verdict::Retry { .. } => breaker.failure(std::time::Instant::now()),
+            // Not-configured failures say nothing of the provider.
+            Verdict::Failed(reason) if reason.ends_with("_not_configured") => Change::None,
+            _ => breaker.success(),
+        };
+        let request = match change {
+            Change::None => return,
+            Change::Opened(until) => {
+                let wait = until.saturating_duration_since(std::time::Instant::now());
+                queue_pb::HoldProviderRequest {
+                    provider: provider as i32,
+                    until_ms: at_ms(now_ms(&*self.clock), wait),
+                    release: false,
+                }
+            }
+            Change::Closed => queue_pb::HoldProviderRequest {
+                provider: provider as i32,
+                until_ms: 0,
+                release: true,
+            },
+        };
+        if let Err(status) = self.queue.clone().hold_provider(request).await {
+            // Holding saves work, it is not needed for correctness: without it the held
+            // provider's batches are claimed and handed back one by one.
+            tracing::warn!(code = ?status.code(), "could not hold or release a provider's work");
+        }
     }
 
     async fn report(
@@ -295,11 +464,13 @@ impl Sender {
         outcome: Outcome,
         reporter: &Reporter,
     ) -> Result<(), tonic::Status> {
+        let answered = matches!(&outcome, Outcome::Verdict(v, Some(_)) if v.answered());
         let complete = |outcome: queue_pb::Outcome, reason: String| queue_pb::CompleteRequest {
             batch_id: job.batch_id.clone(),
             lease_token: job.lease_token.clone(),
             outcome: outcome as i32,
             reason,
+            provider_answered: answered,
         };
         let provider = match &outcome {
             Outcome::Verdict(_, Some(target)) => target.provider(),
@@ -310,10 +481,12 @@ impl Sender {
         };
         let c = &self.counters;
         let request = match outcome {
-            Outcome::Expired => {
-                c.expired.fetch_add(1, Ordering::Relaxed);
-                delivered("expired");
-                complete(queue_pb::Outcome::Expired, "deadline".into())
+            Outcome::HandBack(at, reason) => {
+                if self.hand_back(job, at, reason).await? {
+                    c.expired.fetch_add(1, Ordering::Relaxed);
+                    delivered("expired");
+                }
+                return Ok(());
             }
             Outcome::Gone("dead") => {
                 c.dead.fetch_add(1, Ordering::Relaxed);
@@ -348,10 +521,16 @@ impl Sender {
                 delivered("failed");
                 complete(queue_pb::Outcome::Failed, reason)
             }
-            Outcome::Verdict(Verdict::Retry { reason, not_before }, target) => {
-                // Only provider attempts count towards the cap: a registry outage (no target was
-                // read) retries until the deadline instead.
-                if job.attempt >= MAX_ATTEMPTS && target.is_some() {
+            Outcome::Verdict(
+                Verdict::Retry {
+                    reason,
+                    not_before,
+                    class,
+                    answered,
+                },
+                target,
+            ) => {
+                if gives_up(class, answered, job.attempt) {
                     c.failed.fetch_add(1, Ordering::Relaxed);
                     delivered("failed");
                     complete(
@@ -362,17 +541,19 @@ impl Sender {
                     c.retried.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("orca_push_delivery_retries_total", "provider" => provider)
                         .increment(1);
-                    let delay = retry_delay(job.attempt, not_before);
-                    let at = now_ms(&*self.clock)
-                        + i64::try_from(delay.as_millis()).unwrap_or(i64::MAX / 2);
+                    let delay =
+                        self.backoff
+                            .delay(job.retries + 1, not_before, &mut rand::thread_rng());
                     let answer = self
                         .queue
                         .clone()
                         .retry(queue_pb::RetryRequest {
                             batch_id: job.batch_id.clone(),
                             lease_token: job.lease_token.clone(),
-                            retry_at_ms: at,
+                            retry_at_ms: at_ms(now_ms(&*self.clock), delay),
                             reason,
+                            provider_answered: answered && target.is_some(),
+                            hand_back: false,
                         })
                         .await?
                         .into_inner();
@@ -393,11 +574,15 @@ impl Sender {
     }
 }
 
+/// Renews a batch's lease every third of it while its lane works on it, until `done` or the
+/// batch's deadline: past that, nothing will be sent, and the lease is left to lapse.
 async fn renew_lease(
     queue: QueueClient,
     batch_id: String,
     token: String,
     lease_ms: u32,
+    deadline_ms: i64,
+    clock: Arc<dyn Clock>,
     done: CancellationToken,
 ) {
     let every = Duration::from_millis(u64::from(lease_ms) / 3);
@@ -405,6 +590,9 @@ async fn renew_lease(
         tokio::select! {
             _ = done.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
+        }
+        if now_ms(&*clock) >= deadline_ms {
+            return;
         }
         let renewed = queue
             .clone()

@@ -5,6 +5,7 @@
 //! It must never log a push token, a title, a body, or more than 4 characters of a fingerprint.
 
 pub mod apns;
+pub mod breaker;
 pub mod fcm;
 pub mod lane;
 pub mod payload;
@@ -28,6 +29,17 @@ pub const AUDIENCE: &str = "sender";
 /// The sender reports its health as the server as a whole.
 pub const HEALTH_NAME: &str = "";
 
+/// What one sender instance is told at start.
+#[derive(Debug, Clone)]
+pub struct SenderSettings {
+    /// Its name in leases and logs (host and pid).
+    pub instance: String,
+    /// A lane's lease on a batch (`ORCA_PUSH_LEASE_MS`).
+    pub lease_ms: u32,
+    /// The retry backoff (`ORCA_PUSH_RETRY_BASE_MS`).
+    pub backoff: verdict::Backoff,
+}
+
 /// How long in-flight deliveries may run after SIGTERM: the platform's grace, less a margin.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(8);
 
@@ -41,8 +53,7 @@ pub async fn serve(
     queue_url: String,
     registry_url: String,
     clock: Arc<dyn Clock>,
-    instance: String,
-    lease_ms: u32,
+    settings: SenderSettings,
     key: orca_push_internal_auth::InternalKey,
     drain: CancellationToken,
     shutdown: CancellationToken,
@@ -60,8 +71,10 @@ pub async fn serve(
         providers,
         clock,
         counters: Default::default(),
-        instance,
-        lease_ms,
+        instance: settings.instance,
+        lease_ms: settings.lease_ms,
+        backoff: settings.backoff,
+        breakers: Default::default(),
     });
     Providers::register_metrics();
     let hard_stop = CancellationToken::new();

@@ -13,7 +13,11 @@ pub struct Job {
     pub registration_id: String,
     pub host_fingerprint: String,
     pub dismiss: bool,
+    /// Provider answers so far, plus one.
     pub attempt: u32,
+    /// Retries scheduled so far: the backoff grows with it.
+    pub retries: u32,
+    /// The earliest member's deadline: nothing goes after it.
     pub deadline_ms: i64,
     pub collapse_id: String,
     pub silent: bool,
@@ -30,6 +34,7 @@ impl Job {
             registration_id: batch.registration_id,
             host_fingerprint: batch.host_fingerprint,
             attempt: batch.attempt,
+            retries: batch.retries,
             deadline_ms: batch.deadline_ms,
             collapse_id: batch.collapse_id,
             silent: batch.silent,
@@ -189,6 +194,7 @@ mod tests {
             host_fingerprint: "D20lU_8MD0R64gLt".into(),
             dismiss,
             attempt: 1,
+            retries: 0,
             deadline_ms: 1_800_000_300_000,
             collapse_id: "c".repeat(64),
             silent,

@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use orca_push_proto::registry::v1 as registry_pb;
 
@@ -264,29 +263,34 @@ impl Providers {
             &apns.production
         };
         let request = apns_request(job, &target.token, &apns.topic);
-        let bearer = match apns.token.bearer(false) {
+        let bearer = match apns.token.bearer() {
             Ok(b) => b,
             Err(error) => {
                 tracing::error!(%error, "APNs provider token");
+                metrics::counter!("orca_push_provider_token_failures_total", "provider" => "apns")
+                    .increment(1);
                 return Verdict::Failed("apns_provider_token".into());
             }
         };
-        match pool.send(&request, &bearer).await {
+        match pool.send(&request, &bearer.token).await {
             Ok((status, headers, body)) => {
                 tracing::Span::current().record("http.response.status_code", status);
                 let verdict = crate::apns::classify(status, &headers, &body);
                 if matches!(&verdict, Verdict::Retry { reason, .. } if reason == "ExpiredProviderToken")
                 {
-                    let _ = apns.token.bearer(true);
+                    // Once per token generation, however many requests saw the refusal.
+                    if let Err(error) = apns.token.refresh_after(bearer.generation) {
+                        tracing::error!(%error, "APNs provider token");
+                    }
                 }
                 verdict
             }
             Err(error) => {
                 tracing::warn!(%error, "APNs request failed");
-                Verdict::Retry {
-                    reason: "connection".into(),
-                    not_before: Duration::ZERO,
-                }
+                Verdict::unanswered(match error {
+                    crate::apns::TransportError::Timeout => "timeout",
+                    _ => "connection",
+                })
             }
         }
     }
@@ -322,6 +326,7 @@ fn probe_job() -> Job {
         host_fingerprint: "probe".into(),
         dismiss: false,
         attempt: 1,
+        retries: 0,
         deadline_ms: now_ms() + 60_000,
         collapse_id: "probe".into(),
         silent: true,

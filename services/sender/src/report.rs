@@ -219,6 +219,7 @@ mod tests {
             lease_token: format!("t{i}"),
             outcome: queue_pb::Outcome::Sent as i32,
             reason: "sent".into(),
+            provider_answered: true,
         }
     }
 

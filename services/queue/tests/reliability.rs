@@ -1,0 +1,180 @@
+//! What the queue keeps for a send answered `queued` through failures: attempts counted only when a
+//! provider answered, each coalesced member expiring at its own deadline, a failing provider's
+//! work held in one statement and released when it recovers. On SQLite and PostgreSQL.
+
+mod support;
+
+use orca_push_queue::model::{Kind, Provider};
+use orca_push_queue::store::{Outcome, Retry, RetryResult};
+use orca_push_storage::Clock as _;
+use orca_push_storage::testing::Backend;
+use support::*;
+
+on_both_backends!(
+    only_provider_answers_count_as_attempts,
+    each_coalesced_member_keeps_its_own_deadline,
+    a_failing_providers_work_is_held_and_released,
+    a_released_batch_never_goes_before_its_own_retry_time,
+);
+
+async fn only_provider_answers_count_as_attempts(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let mut at = T0 as i64;
+    let mut next = |h: &Harness| {
+        at += 1_000;
+        h.clock.set(at as u64);
+    };
+    // Never reached the provider (connection refused, registry down): a retry, not an attempt.
+    let b = h.claim_all().await.pop().unwrap();
+    assert_eq!((b.attempt, b.retries), (1, 0));
+    let retry = |b: &orca_push_queue::store::ClaimedBatch, how| {
+        let queue = h.queue.clone();
+        let (id, token) = (b.batch_id.clone(), b.lease_token.clone());
+        let at = h.clock.now_ms() as i64 + 1_000;
+        async move { queue.retry(&id, &token, at, "x", how).await.unwrap() }
+    };
+    assert_eq!(retry(&b, Retry::Unanswered).await, RetryResult::Scheduled);
+    next(&h);
+    let b = h.claim_all().await.pop().unwrap();
+    assert_eq!((b.attempt, b.retries), (1, 1));
+    // Handed back untried (a stopping lane, a held provider): neither.
+    assert_eq!(retry(&b, Retry::HandBack).await, RetryResult::Scheduled);
+    next(&h);
+    let b = h.claim_all().await.pop().unwrap();
+    assert_eq!((b.attempt, b.retries), (1, 1));
+    // A provider's answer: both.
+    assert_eq!(retry(&b, Retry::Answered).await, RetryResult::Scheduled);
+    next(&h);
+    let b = h.claim_all().await.pop().unwrap();
+    assert_eq!((b.attempt, b.retries), (2, 2));
+    // A lease that lapsed: neither.
+    h.clock.advance(LEASE as u64 + 1);
+    let b = h.claim_all().await.pop().unwrap();
+    assert!(b.recovered);
+    assert_eq!((b.attempt, b.retries), (2, 2));
+    assert!(
+        h.queue
+            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
+            .await
+            .unwrap()
+    );
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients[0].attempts, 2, "two provider answers");
+}
+
+async fn each_coalesced_member_keeps_its_own_deadline(backend: Backend) {
+    let h = harness(backend).await;
+    let mut short = alert(1, &["r1"]);
+    short.expires_at_ms = Some(T0 as i64 + 5_000);
+    let mut long = alert(2, &["r1"]);
+    long.expires_at_ms = Some(T0 as i64 + 60_000);
+    h.admit(&short).await;
+    h.admit(&long).await;
+    // One summary of both, sent no later than its earliest member's deadline.
+    h.clock.advance(WINDOW);
+    let b = h.claim_all().await.pop().unwrap();
+    assert_eq!(b.members.len(), 2);
+    assert_eq!(b.deadline, T0 as i64 + 5_000);
+    // The provider asked for a retry that lands past the first member's deadline.
+    let at = T0 as i64 + 10_000;
+    assert_eq!(
+        h.queue
+            .retry(&b.batch_id, &b.lease_token, at, "http_503", Retry::Answered)
+            .await
+            .unwrap(),
+        RetryResult::Scheduled,
+        "the second member is still before its deadline"
+    );
+    h.clock.set(at as u64);
+    let b = h.claim_all().await.pop().unwrap();
+    assert_eq!(b.members.len(), 1, "the expired member is not sent");
+    assert_eq!(b.members[0].notification_seq, 2);
+    assert_eq!(b.deadline, T0 as i64 + 60_000);
+    assert!(
+        h.queue
+            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
+            .await
+            .unwrap()
+    );
+    let status = |seq| {
+        let queue = h.queue.clone();
+        async move {
+            queue
+                .event_record(HOST, Kind::Alert, "epoch-1", seq)
+                .await
+                .unwrap()
+                .unwrap()
+                .recipients[0]
+                .status
+                .clone()
+        }
+    };
+    assert_eq!(status(1).await, "expired", "not reported as sent");
+    assert_eq!(status(2).await, "sent");
+}
+
+async fn a_failing_providers_work_is_held_and_released(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    let mut ios = alert(1, &["iphone"]);
+    ios.recipients[0].provider = Provider::Apns;
+    let mut android = alert(2, &["pixel"]);
+    android.recipients[0].provider = Provider::Fcm;
+    h.admit(&ios).await;
+    h.admit(&android).await;
+    let until = T0 as i64 + 20_000;
+    assert_eq!(h.queue.hold(Provider::Apns, until, false).await.unwrap(), 1);
+    // Only the other provider's work is handed out meanwhile.
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].registration_id, "pixel");
+    assert_eq!(claimed[0].provider, Provider::Fcm);
+    h.clock.advance(5_000);
+    assert!(h.claim_all().await.is_empty(), "held");
+    // The provider answers again: its work is due at once, not at the end of the hold.
+    assert_eq!(h.queue.hold(Provider::Apns, 0, true).await.unwrap(), 1);
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].registration_id, "iphone");
+    // Bad requests are errors, not writes.
+    assert!(h.queue.hold(Provider::Unknown, until, false).await.is_err());
+    assert!(h.queue.hold(Provider::Fcm, T0 as i64, false).await.is_err());
+}
+
+async fn a_released_batch_never_goes_before_its_own_retry_time(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    // The provider asked for 30 s (Retry-After); then the breaker held the provider for 60 s.
+    let retry_after = T0 as i64 + 30_000;
+    h.queue
+        .retry(
+            &b.batch_id,
+            &b.lease_token,
+            retry_after,
+            "http_429",
+            Retry::Answered,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        h.queue
+            .hold(Provider::Apns, T0 as i64 + 60_000, false)
+            .await
+            .unwrap(),
+        1
+    );
+    h.clock.advance(10_000);
+    h.queue.hold(Provider::Apns, 0, true).await.unwrap();
+    assert!(
+        h.claim_all().await.is_empty(),
+        "Retry-After is never shortened"
+    );
+    h.clock.set(retry_after as u64);
+    assert_eq!(h.claim_all().await.len(), 1);
+}

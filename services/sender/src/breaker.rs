@@ -1,0 +1,203 @@
+//! A circuit breaker per provider and per token endpoint. While a provider fails for everyone
+//! (refused connections, timeouts, 5xx, throttling, refused credentials), retrying every batch
+//! costs a claim, a look-up, an attempt and a report each, for nothing. After
+//! [`TRIP_AFTER`] failures in a row the breaker opens: work for that provider is held (the queue
+//! moves its pending batches in one statement) and one probe goes out per hold period, which
+//! doubles from [`FIRST_HOLD`] up to [`MAX_HOLD`]. The first success closes it and the held work
+//! is released at once.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Failures in a row, with no success between them, that open the breaker.
+pub const TRIP_AFTER: u32 = 8;
+/// The first hold; each failed probe doubles it.
+pub const FIRST_HOLD: Duration = Duration::from_secs(2);
+/// The longest hold: the backlog waits at most this long after the provider recovers.
+pub const MAX_HOLD: Duration = Duration::from_secs(30);
+
+/// What the breaker says of one attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// Closed: go ahead.
+    Pass,
+    /// Open, and the hold is over: this attempt is the probe.
+    Probe,
+    /// Open: hand the work back until then.
+    Hold(Instant),
+}
+
+/// What a reported result changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    None,
+    /// The breaker opened (or a probe failed): hold the provider's work until then.
+    Opened(Instant),
+    /// A success closed an open breaker: release the held work.
+    Closed,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    failures: u32,
+    open_until: Option<Instant>,
+    probing: bool,
+    /// Holds in a row (1 for the first), for the doubling.
+    holds: u32,
+}
+
+#[derive(Debug)]
+pub struct Breaker {
+    name: &'static str,
+    state: Mutex<State>,
+}
+
+fn hold_for(holds: u32) -> Duration {
+    let factor = 1u32 << holds.saturating_sub(1).min(10);
+    FIRST_HOLD.saturating_mul(factor).min(MAX_HOLD)
+}
+
+impl Breaker {
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether an attempt may go now.
+    pub fn gate(&self, now: Instant) -> Gate {
+        let mut s = self.state();
+        match s.open_until {
+            None => Gate::Pass,
+            Some(until) if now < until => Gate::Hold(until),
+            // One probe at a time; the rest wait for its answer.
+            Some(_) if s.probing => Gate::Hold(now + FIRST_HOLD),
+            Some(_) => {
+                s.probing = true;
+                Gate::Probe
+            }
+        }
+    }
+
+    /// The provider answered as it should (sent, a dead token, a refused payload).
+    pub fn success(&self) -> Change {
+        let mut s = self.state();
+        let was_open = s.open_until.is_some();
+        *s = State::default();
+        if was_open {
+            tracing::info!(
+                provider = self.name,
+                "provider answers again: circuit closed"
+            );
+            metrics::gauge!("orca_push_provider_circuit_open", "provider" => self.name).set(0.0);
+            Change::Closed
+        } else {
+            Change::None
+        }
+    }
+
+    /// The provider failed in a way that would fail for everyone.
+    pub fn failure(&self, now: Instant) -> Change {
+        let mut s = self.state();
+        s.failures = s.failures.saturating_add(1);
+        let reopen = s.probing || (s.open_until.is_none() && s.failures >= TRIP_AFTER);
+        if !reopen {
+            return Change::None;
+        }
+        s.probing = false;
+        s.holds = s.holds.saturating_add(1);
+        let until = now + hold_for(s.holds);
+        s.open_until = Some(until);
+        if s.holds == 1 {
+            tracing::warn!(
+                provider = self.name,
+                failures = s.failures,
+                "provider failing for everyone: circuit open, holding its work"
+            );
+            metrics::counter!("orca_push_provider_circuit_opened_total", "provider" => self.name)
+                .increment(1);
+            metrics::gauge!("orca_push_provider_circuit_open", "provider" => self.name).set(1.0);
+        }
+        Change::Opened(until)
+    }
+
+    /// A probe that ended without telling anything (the lane stopped): another may go.
+    pub fn probe_abandoned(&self) {
+        self.state().probing = false;
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.state().open_until.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_after_failures_in_a_row_and_not_before() {
+        let b = Breaker::new("apns");
+        let t = Instant::now();
+        for _ in 0..TRIP_AFTER - 1 {
+            assert_eq!(b.failure(t), Change::None);
+        }
+        assert_eq!(b.gate(t), Gate::Pass);
+        assert_eq!(b.failure(t), Change::Opened(t + FIRST_HOLD));
+        assert_eq!(b.gate(t), Gate::Hold(t + FIRST_HOLD));
+    }
+
+    #[test]
+    fn a_success_between_failures_keeps_it_closed() {
+        let b = Breaker::new("apns");
+        let t = Instant::now();
+        for _ in 0..10 {
+            for _ in 0..TRIP_AFTER - 1 {
+                b.failure(t);
+            }
+            assert_eq!(b.success(), Change::None);
+        }
+        assert_eq!(b.gate(t), Gate::Pass);
+    }
+
+    #[test]
+    fn one_probe_per_hold_and_the_hold_doubles_up_to_the_cap() {
+        let b = Breaker::new("fcm");
+        let mut t = Instant::now();
+        for _ in 0..TRIP_AFTER {
+            b.failure(t);
+        }
+        let mut hold = FIRST_HOLD;
+        for _ in 0..8 {
+            t += hold;
+            assert_eq!(b.gate(t), Gate::Probe);
+            assert!(matches!(b.gate(t), Gate::Hold(_)), "one probe at a time");
+            hold = (hold * 2).min(MAX_HOLD);
+            assert_eq!(b.failure(t), Change::Opened(t + hold));
+        }
+        assert_eq!(hold, MAX_HOLD);
+        t += hold;
+        assert_eq!(b.gate(t), Gate::Probe);
+        assert_eq!(b.success(), Change::Closed);
+        assert_eq!(b.gate(t), Gate::Pass);
+        assert!(!b.is_open());
+    }
+
+    #[test]
+    fn an_abandoned_probe_lets_another_go() {
+        let b = Breaker::new("fcm");
+        let t = Instant::now();
+        for _ in 0..TRIP_AFTER {
+            b.failure(t);
+        }
+        let later = t + FIRST_HOLD;
+        assert_eq!(b.gate(later), Gate::Probe);
+        b.probe_abandoned();
+        assert_eq!(b.gate(later), Gate::Probe);
+    }
+}

@@ -1,0 +1,175 @@
+//! Provider outages, stalls and stops against a real gateway: a provider that fails for everyone is
+//! held (probed, not hammered) and its backlog drains when it recovers; one provider cannot starve
+//! the other; APNs tokens are re-signed once per generation; a stop hands work back and exits 0.
+
+use std::time::Duration;
+
+use orca_push_storage::Pool;
+use orca_push_tests::mock_apns::Answer;
+use orca_push_tests::world::{World, alert};
+use orca_push_tests::{Backend, Gateway};
+use serde_json::json;
+
+const ANDROID: &str = "fcm-token:APA91bHun4MxP5egoKMwt2KZFBaFUH-1RYqx";
+
+fn ios_token(i: usize) -> String {
+    format!("{i:04x}b2c3d4e5f60718293a4b5c6d7e8f90")
+}
+
+async fn metric(w: &mut World, name: &str) -> f64 {
+    let text = reqwest::get(w.gateway.process("all").metrics_url())
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_down_for_everyone_is_probed_not_hammered_and_drains_when_it_recovers() {
+    let mut w = World::start_with(Backend::Sqlite, "0", &[("ORCA_PUSH_RETRY_BASE_MS", "50")]).await;
+    let mut phones = Vec::new();
+    for i in 0..40 {
+        let token = ios_token(i);
+        w.apns
+            .always(&token, Answer::status(503, Some("ServiceUnavailable")));
+        phones.push(w.register_ios(&format!("iphone-{i}"), &token).await);
+    }
+    let pixel = w.register_android("pixel", ANDROID).await;
+    for (n, chunk) in phones.chunks(20).enumerate() {
+        let ids: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        assert!(
+            w.send(&ids, alert(n as u64))
+                .await
+                .iter()
+                .all(|s| s == "queued")
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The other provider is not starved while this one fails.
+    let sent = std::time::Instant::now();
+    w.send(&[&pixel], alert(7)).await;
+    w.fcm.wait_for(ANDROID, 1, Duration::from_secs(5)).await;
+    assert!(
+        sent.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        sent.elapsed()
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Without a breaker, 40 batches retried every 50 ms to 1.6 s would make hundreds of calls in
+    // these 6 s; held, they make the first round, the failures that open the circuit, and a probe
+    // per hold (2 s, then 4 s).
+    let calls = w.apns.calls().len();
+    assert!(calls <= 60, "{calls} calls to a provider that is down");
+    assert_eq!(
+        metric(&mut w, "orca_push_provider_circuit_open{provider=\"apns\"}").await,
+        1.0
+    );
+    // Every alert is still waiting, none was given up.
+    for id in &phones {
+        assert_eq!(w.outcome(id).await, ["pending"]);
+    }
+    w.apns.heal();
+    let healed = std::time::Instant::now();
+    for id in &phones {
+        w.wait_outcome(id, "sent").await;
+    }
+    // The next probe (at most one hold, 8 s here) closes the circuit and releases the backlog.
+    assert!(
+        healed.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        healed.elapsed()
+    );
+    assert_eq!(
+        metric(&mut w, "orca_push_provider_circuit_open{provider=\"apns\"}").await,
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_provider_token_is_re_signed_once_however_many_requests_saw_it() {
+    let mut w = World::start(Backend::Sqlite, "0").await;
+    let mut phones = Vec::new();
+    for i in 0..12 {
+        let token = ios_token(i);
+        w.apns.script(
+            &token,
+            vec![Answer::status(403, Some("ExpiredProviderToken"))],
+        );
+        phones.push(w.register_ios(&format!("iphone-{i}"), &token).await);
+    }
+    let ids: Vec<&str> = phones.iter().map(String::as_str).collect();
+    w.send(&ids, alert(1)).await;
+    for id in &phones {
+        w.wait_outcome(id, "sent").await;
+    }
+    // The first token, then one more for the twelve refusals of it.
+    assert_eq!(
+        metric(&mut w, "orca_push_apns_tokens_signed_total").await,
+        2.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_gateway_stops_at_once_and_exits_zero() {
+    let mut w = World::start(Backend::Sqlite, "0").await;
+    // The lanes are in their long-poll claims.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (took, status) = w
+        .gateway
+        .process("all")
+        .terminate_with_status(Duration::from_secs(12))
+        .await
+        .expect("exited");
+    assert!(status.success(), "{status:?}");
+    assert!(took < Duration::from_secs(4), "took {took:?}");
+}
+
+/// The sender stops while its lanes wait in long-poll claims: those claims end with it, so work
+/// admitted afterwards is not leased to a lane that is gone, and a new sender takes it at once
+/// instead of after the 30 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_sender_leaves_no_lease_behind() {
+    let apns = orca_push_tests::mock_apns::MockApns::start().await;
+    let mut env = apns.env();
+    env.push(("ORCA_PUSH_COALESCE_MS".into(), "0".into()));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut gateway = Gateway::start_split_with(Backend::Postgres, &env).await;
+    let raw = orca_push_tests::Raw::new(&gateway);
+    let auth = orca_push_tests::bearer(&raw.login(&orca_push_host::HostKey::generate(), &[]).await);
+    let token = ios_token(1);
+    let id = raw.register(&auth, &json!({ "v": 1, "deviceId": "iphone", "platform": "ios", "token": token, "apnsEnvironment": "production" })).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (took, status) = gateway
+        .process("sender")
+        .terminate_with_status(Duration::from_secs(12))
+        .await
+        .expect("the sender exited");
+    assert!(status.success(), "{status:?}");
+    assert!(took < Duration::from_secs(4), "took {took:?}");
+    let reply = raw
+        .post(
+            "/v1/send",
+            &json!({ "v": 1, "registrationIds": [id], "notification": alert(1) }),
+            &[("authorization", &auth)],
+        )
+        .await;
+    assert_eq!(reply.body["results"][0]["status"], "queued");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let sql = "SELECT state FROM push_delivery_batches";
+    let states: Vec<String> =
+        match orca_push_storage::open(&gateway.database, &orca_push_queue::STORAGE)
+            .await
+            .unwrap()
+        {
+            Pool::Sqlite(p) => sqlx::query_scalar(sql).fetch_all(&p).await.unwrap(),
+            Pool::Postgres(p) => sqlx::query_scalar(sql).fetch_all(&p).await.unwrap(),
+        };
+    assert_eq!(states, ["pending"], "nobody holds a lease on it");
+    gateway.process("sender").respawn().await;
+    apns.wait_for(&token, 1, Duration::from_secs(10)).await;
+}
