@@ -81,6 +81,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         lease_ms: i64,
         wait_ms: u64,
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        refuse_nul(&[lane])?;
         if !(1..=MAX_CLAIM).contains(&max) || !(1_000..=MAX_LEASE_MS).contains(&lease_ms) {
             return Err(QueueError::InvalidRequest(
                 "max_batches 1-64 and lease_ms 1000-300000",
@@ -131,6 +132,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         token: &str,
         lease_ms: i64,
     ) -> Result<Option<i64>, QueueError> {
+        refuse_nul(&[batch_id, token])?;
         if !(1_000..=MAX_LEASE_MS).contains(&lease_ms) {
             return Err(QueueError::InvalidRequest("lease_ms 1000-300000"));
         }
@@ -169,6 +171,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             return Err(QueueError::InvalidRequest("at most 256 reports per call"));
         }
         for c in &mut completions {
+            refuse_nul(&[&c.batch_id, &c.lease_token])?;
             c.reason = bounded_reason(&c.reason);
         }
         self.store.complete(&completions, now(&*self.clock)).await
@@ -181,6 +184,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         at: i64,
         reason: &str,
     ) -> Result<RetryResult, QueueError> {
+        refuse_nul(&[batch_id, token])?;
         let result = self
             .store
             .retry(
@@ -204,6 +208,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         epoch: &str,
         seq: i64,
     ) -> Result<Option<EventRecord>, QueueError> {
+        refuse_nul(&[host, epoch])?;
         self.store.event_record(host, kind, epoch, seq).await
     }
 
@@ -229,6 +234,16 @@ impl<S: QueueStore> DeliveryQueue<S> {
 
     pub async fn cleanup(&self) -> Result<Cleaned, QueueError> {
         self.store.cleanup(now(&*self.clock)).await
+    }
+}
+
+/// PostgreSQL refuses U+0000 in text (SQLite would store it): refused before any SQL, so both
+/// backends answer INVALID_ARGUMENT alike.
+fn refuse_nul(values: &[&str]) -> Result<(), QueueError> {
+    if values.iter().any(|v| v.contains('\0')) {
+        Err(QueueError::InvalidRequest("NUL in a string"))
+    } else {
+        Ok(())
     }
 }
 
