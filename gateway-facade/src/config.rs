@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use orca_push_storage::DatabaseConfig;
 
+pub use crate::connections::HttpLimits;
+
 /// The per-registration coalescing window when `ORCA_PUSH_COALESCE_MS` is not set.
 pub const DEFAULT_COALESCE_MS: u64 = 3000;
 
@@ -121,6 +123,8 @@ pub struct Config {
     pub otel_service_name: Option<String>,
     /// Signs and checks internal gRPC tokens; required in split mode.
     pub internal_key: Option<orca_push_internal_auth::InternalKey>,
+    /// Header and idle timeouts and the connection cap of the public listener.
+    pub http: HttpLimits,
 }
 
 impl Config {
@@ -277,6 +281,7 @@ impl Config {
                 })?,
             None => 1_000,
         };
+        let http = http_limits(&get)?;
         Ok(Self {
             port,
             public_url,
@@ -293,6 +298,7 @@ impl Config {
             otlp_endpoint,
             otel_service_name,
             internal_key,
+            http,
         })
     }
 
@@ -341,6 +347,46 @@ impl Config {
             )
         })
     }
+}
+
+fn http_limits(get: &impl Fn(&str) -> Option<String>) -> Result<HttpLimits, ConfigError> {
+    let defaults = HttpLimits::default();
+    let number = |variable: &'static str, range: std::ops::RangeInclusive<u64>, unit: &str| {
+        get(variable)
+            .map(|v| {
+                v.parse::<u64>()
+                    .ok()
+                    .filter(|n| range.contains(n))
+                    .ok_or_else(|| {
+                        invalid(
+                            variable,
+                            format!("must be {unit} {}-{}", range.start(), range.end()),
+                        )
+                    })
+            })
+            .transpose()
+    };
+    let ms = |n: u64| std::time::Duration::from_millis(n);
+    Ok(HttpLimits {
+        header_read_timeout: number(
+            "ORCA_PUSH_HTTP_HEADER_TIMEOUT_MS",
+            100..=300_000,
+            "milliseconds",
+        )?
+        .map_or(defaults.header_read_timeout, ms),
+        idle_timeout: number(
+            "ORCA_PUSH_HTTP_IDLE_TIMEOUT_MS",
+            100..=3_600_000,
+            "milliseconds",
+        )?
+        .map_or(defaults.idle_timeout, ms),
+        max_connections: number(
+            "ORCA_PUSH_HTTP_MAX_CONNECTIONS",
+            1..=1_000_000,
+            "a whole number",
+        )?
+        .map_or(defaults.max_connections, |n| n as usize),
+    })
 }
 
 fn provider_settings(
@@ -493,6 +539,32 @@ mod tests {
         assert_eq!(c.trusted_proxy_hops, 0);
         assert_eq!(c.coalesce_ms, 3000);
         assert_eq!(c.service_urls, ServiceUrls::default());
+        assert_eq!(
+            c.http,
+            HttpLimits {
+                header_read_timeout: std::time::Duration::from_secs(10),
+                idle_timeout: std::time::Duration::from_secs(30),
+                max_connections: 1024,
+            }
+        );
+    }
+
+    #[test]
+    fn http_limits_are_read_and_bounded() {
+        let c = config(&[
+            ("ORCA_PUSH_HTTP_HEADER_TIMEOUT_MS", "500"),
+            ("ORCA_PUSH_HTTP_IDLE_TIMEOUT_MS", "750"),
+            ("ORCA_PUSH_HTTP_MAX_CONNECTIONS", "2"),
+        ])
+        .unwrap();
+        assert_eq!(
+            c.http,
+            HttpLimits {
+                header_read_timeout: std::time::Duration::from_millis(500),
+                idle_timeout: std::time::Duration::from_millis(750),
+                max_connections: 2,
+            }
+        );
     }
 
     #[test]
@@ -515,6 +587,11 @@ mod tests {
             ("GOOGLE_APPLICATION_CREDENTIALS", "/no/such/sa.json"),
             ("ORCA_PUSH_INTERNAL_KEY", "too-short"),
             ("ORCA_PUSH_METRICS_ADDR", "everywhere"),
+            ("ORCA_PUSH_HTTP_HEADER_TIMEOUT_MS", "0"),
+            ("ORCA_PUSH_HTTP_HEADER_TIMEOUT_MS", "soon"),
+            ("ORCA_PUSH_HTTP_IDLE_TIMEOUT_MS", "3600001"),
+            ("ORCA_PUSH_HTTP_MAX_CONNECTIONS", "0"),
+            ("ORCA_PUSH_HTTP_MAX_CONNECTIONS", "-5"),
         ] {
             let err = config(&[(var, value)]).expect_err(value);
             assert_eq!(err.variable, var, "{value}");

@@ -9,6 +9,7 @@ pub mod auth;
 pub mod backends;
 pub mod cli;
 pub mod config;
+pub mod connections;
 pub mod error;
 pub mod json;
 pub mod limits;

@@ -44,6 +44,26 @@ fn parse_hop(hop: &str) -> Option<IpAddr> {
     hop.parse::<IpAddr>()
         .ok()
         .or_else(|| hop.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
+        .map(bucket_address)
+}
+
+/// The IPv6 prefix that shares one bucket: a single subscriber is routinely handed a whole /64, so
+/// keying by address would give a flood 2^64 buckets.
+pub const IPV6_BUCKET_PREFIX: u32 = 64;
+
+/// The address a bucket is keyed by: an IPv4 address as itself (also when written IPv4-mapped,
+/// `::ffff:a.b.c.d`), an IPv6 address by its /64.
+pub fn bucket_address(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let mask = u128::MAX << (128 - IPV6_BUCKET_PREFIX);
+                IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & mask))
+            }
+        },
+    }
 }
 
 /// The client address: the last `x-forwarded-for` hop after skipping `trusted_hops` appenders (a
@@ -342,8 +362,43 @@ mod tests {
         assert_eq!(client_key(&headers(&[]), 0), ClientKey::Shared);
         assert_eq!(
             client_key(&headers(&[("x-forwarded-for", "[::1]:443")]), 0),
-            ip("::1")
+            ip("::")
         );
+    }
+
+    #[test]
+    fn ipv6_clients_share_a_bucket_per_64_and_mapped_ipv4_is_ipv4() {
+        let key = |v: &'static str| client_key(&headers(&[("x-forwarded-for", v)]), 0);
+        assert_eq!(key("2001:db8:1:2::1"), ip("2001:db8:1:2::"));
+        assert_eq!(
+            key("2001:db8:1:2:ffff:ffff:ffff:ffff"),
+            ip("2001:db8:1:2::")
+        );
+        assert_eq!(key("[2001:db8:1:2:aaaa::5]:443"), ip("2001:db8:1:2::"));
+        assert_ne!(key("2001:db8:1:3::1"), key("2001:db8:1:2::1"));
+        assert_eq!(key("::ffff:203.0.113.7"), ip("203.0.113.7"));
+        assert_eq!(key("203.0.113.7"), ip("203.0.113.7"));
+        assert_eq!(
+            client_key(&headers(&[("x-real-ip", "2001:db8:9:9:1:2:3:4")]), 0),
+            ip("2001:db8:9:9::")
+        );
+        // One /64 is one bucket however many addresses a flood rotates through.
+        let limits = Limits::new(0);
+        for i in 0..30u16 {
+            let addr = IpAddr::from([0x2001, 0xdb8, 7, 7, i, i, i, i]);
+            limits
+                .admit_unauthenticated(&ClientKey::Ip(bucket_address(addr)))
+                .unwrap();
+        }
+        let fresh = bucket_address(IpAddr::from([0x2001, 0xdb8, 7, 7, 99, 0, 0, 1]));
+        assert_eq!(
+            limits.admit_unauthenticated(&ClientKey::Ip(fresh)),
+            Err(ApiError::RateLimited)
+        );
+        let neighbour = bucket_address(IpAddr::from([0x2001, 0xdb8, 7, 8, 0, 0, 0, 1]));
+        limits
+            .admit_unauthenticated(&ClientKey::Ip(neighbour))
+            .unwrap();
     }
 
     #[test]

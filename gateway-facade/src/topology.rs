@@ -11,7 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::{AppState, router};
 use crate::backends::{BackendUrls, Backends};
-use crate::config::{Config, Mode, ServiceName};
+use crate::config::{Config, HttpLimits, Mode, ServiceName};
+use crate::connections;
 use crate::limits::Limits;
 use orca_push_internal_auth::InternalKey;
 
@@ -38,7 +39,8 @@ pub async fn serve_all_in_one(
     drain: CancellationToken,
 ) -> anyhow::Result<()> {
     if config.mode == Mode::Validation {
-        return serve_facade(listener, AppState::validation(), drain.clone(), drain).await;
+        let state = AppState::validation();
+        return serve_facade(listener, state, config.http, drain.clone(), drain).await;
     }
     // Stopped by the sender once it has drained: services stay up for its last reports.
     let stop = CancellationToken::new();
@@ -115,7 +117,7 @@ pub async fn serve_all_in_one(
     )
     .context("service channels")?;
     let state = AppState::serving(backends, Limits::new(config.trusted_proxy_hops));
-    let facade = serve_facade(listener, state, drain.clone(), stop.clone());
+    let facade = serve_facade(listener, state, config.http, drain.clone(), stop.clone());
     tokio::pin!(facade);
     let result = loop {
         tokio::select! {
@@ -169,7 +171,7 @@ pub async fn serve_split(
                 Limits::new(config.trusted_proxy_hops),
             ),
         };
-        return serve_facade(listener, state, drain.clone(), drain).await;
+        return serve_facade(listener, state, config.http, drain.clone(), drain).await;
     }
     if config.mode == Mode::Validation {
         anyhow::bail!("ORCA_PUSH_MODE: validation runs the facade only (use --service facade)");
@@ -241,11 +243,13 @@ pub async fn serve_split(
     Ok(())
 }
 
-/// Serves the public HTTP API: from `drain` on it refuses new `/v1` work with `shutting_down`; at
-/// `shutdown` it stops, letting requests in flight finish.
+/// Serves the public HTTP API under `http`'s timeouts and connection cap: from `drain` on it
+/// refuses new `/v1` work with `shutting_down`; at `shutdown` it stops, letting requests in flight
+/// finish.
 pub async fn serve_facade(
     listener: TcpListener,
     mut state: AppState,
+    http: HttpLimits,
     drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -253,17 +257,8 @@ pub async fn serve_facade(
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
     tokio::spawn(sweep_limits(state.limits.clone(), shutdown.clone()));
-    // Small answers go out at once rather than waiting on the client's delayed ACK.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(
-        listener,
-        router(state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown.cancelled_owned())
-    .await
-    .context("facade HTTP server")
+    connections::serve(listener, router(state), http, shutdown).await;
+    Ok(())
 }
 
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {

@@ -227,7 +227,9 @@ where
         .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
         .ok();
     tonic::transport::Server::builder()
-        .layer(orca_push_telemetry::GrpcServerLayer::new())
+        .layer(orca_push_telemetry::GrpcServerLayer::new(
+            orca_push_proto::is_known_method,
+        ))
         .layer(RequireToken::new(key, audience))
         .layer(RunToCompletion)
         .add_service(health)

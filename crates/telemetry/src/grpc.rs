@@ -18,6 +18,17 @@ fn rpc_names(path: &str) -> (&str, &str) {
         .unwrap_or(("unknown", "unknown"))
 }
 
+/// The labels of a served call: its service and method when `path` is one the server routes
+/// (`known`), else `unknown` for both. The layer runs before the token check, so an unauthenticated
+/// caller picks the path: labelled raw, every made-up path would be a new metric series for good.
+pub fn routed_names(path: &str, known: impl Fn(&str) -> bool) -> (&str, &str) {
+    if known(path) {
+        rpc_names(path)
+    } else {
+        ("unknown", "unknown")
+    }
+}
+
 /// The gRPC status a response carries in its headers (trailers-only answers: errors), else OK.
 fn status_code<B>(response: &http::Response<B>) -> i64 {
     response
@@ -28,13 +39,16 @@ fn status_code<B>(response: &http::Response<B>) -> i64 {
         .unwrap_or(0)
 }
 
-/// Server side: continue the caller's trace and open a `server` span per call.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct GrpcServerLayer;
+/// Server side: continue the caller's trace and open a `server` span per call. Spans and metrics
+/// name the method only when `known` says the server routes it.
+#[derive(Debug, Clone, Copy)]
+pub struct GrpcServerLayer {
+    known: fn(&str) -> bool,
+}
 
 impl GrpcServerLayer {
-    pub fn new() -> Self {
-        Self
+    pub fn new(known: fn(&str) -> bool) -> Self {
+        Self { known }
     }
 }
 
@@ -42,13 +56,17 @@ impl<S> tower::Layer<S> for GrpcServerLayer {
     type Service = GrpcServerService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        GrpcServerService { inner }
+        GrpcServerService {
+            inner,
+            known: self.known,
+        }
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct GrpcServerService<S> {
     inner: S,
+    known: fn(&str) -> bool,
 }
 
 impl<S, B, R> tower::Service<http::Request<B>> for GrpcServerService<S>
@@ -65,7 +83,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let (service, method) = rpc_names(request.uri().path());
+        let (service, method) = routed_names(request.uri().path(), self.known);
         let span = tracing::info_span!(
             "grpc.server",
             otel.name = format!("{service}/{method}"),
@@ -177,5 +195,30 @@ where
             }
             .instrument(span),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn known(path: &str) -> bool {
+        path == "/orca.push.auth.v1.AuthService/Authenticate"
+    }
+
+    #[test]
+    fn only_routed_methods_are_named() {
+        assert_eq!(
+            routed_names("/orca.push.auth.v1.AuthService/Authenticate", known),
+            ("orca.push.auth.v1.AuthService", "Authenticate")
+        );
+        for path in [
+            "/orca.push.auth.v1.AuthService/Other",
+            "/made.up.Service/Method123",
+            "/no-slash",
+            "",
+        ] {
+            assert_eq!(routed_names(path, known), ("unknown", "unknown"), "{path}");
+        }
     }
 }

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::app::AppState;
 use crate::auth::AuthenticatedHost;
 use crate::error::ApiError;
-use crate::json::{StrictJson, V1};
+use crate::json::{StrictJson, V1, refuse_nul};
 
 #[derive(Deserialize, Clone, Copy)]
 #[serde(rename_all = "lowercase")]
@@ -143,6 +143,8 @@ pub async fn delete(
     host: AuthenticatedHost,
     Path(registration_id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    // `%00` decodes to NUL, which PostgreSQL cannot even compare: refused on every backend alike.
+    refuse_nul(&registration_id)?;
     if registration_id.is_empty() || registration_id.encode_utf16().count() > 128 {
         return Err(ApiError::NotFound);
     }

@@ -188,9 +188,13 @@ impl<S: AuthStore> HostAuth<S> {
         challenge_id: &str,
         presented: &[u8],
     ) -> Result<Session, AuthError> {
-        if challenge_id.is_empty() || challenge_id.len() > CHALLENGE_ID_MAX {
+        // NUL too: PostgreSQL refuses it in text, SQLite would look it up; both must say the same.
+        if challenge_id.is_empty()
+            || challenge_id.len() > CHALLENGE_ID_MAX
+            || challenge_id.contains('\0')
+        {
             return Err(AuthError::InvalidRequest(
-                "challenge id must be 1 to 128 characters",
+                "challenge id must be 1 to 128 characters, no NUL",
             ));
         }
         if presented.len() != proof::PROOF_LEN {

@@ -401,6 +401,15 @@ async fn malformed_inputs_are_invalid_requests(backend: Backend) {
         .await
         .unwrap_err();
     assert!(matches!(err, AuthError::InvalidRequest(_)), "{err:?}");
+    // NUL never reaches SQL (PostgreSQL would fail the query rather than find nothing).
+    let issued = h.auth.issue_challenge(&[7u8; 32]).await.unwrap();
+    let with_nul = format!("{}\0", issued.challenge_id);
+    let err = h
+        .auth
+        .create_session(&with_nul, &[0u8; 32])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AuthError::InvalidRequest(_)), "{err:?}");
     let err = h.auth.create_session("id", &[0u8; 31]).await.unwrap_err();
     assert!(matches!(err, AuthError::InvalidRequest(_)), "{err:?}");
     for token in [

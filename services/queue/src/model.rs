@@ -210,6 +210,27 @@ impl Admission {
         if self.recipients.is_empty() || self.recipients.len() > 20 {
             return Err(bad("1 to 20 recipients"));
         }
+        // PostgreSQL refuses U+0000 in text (SQLite would store it): refused here, before any SQL,
+        // so both backends answer INVALID_ARGUMENT alike.
+        let texts = [
+            Some(&self.host_fingerprint),
+            Some(&self.notification_epoch),
+            c.notification_id.as_ref(),
+            Some(&c.source),
+            c.agent_state.as_ref(),
+            Some(&c.title),
+            Some(&c.body),
+            c.worktree_id.as_ref(),
+            self.trace_parent.as_ref(),
+        ];
+        if texts.into_iter().flatten().any(|t| t.contains('\0'))
+            || self
+                .recipients
+                .iter()
+                .any(|r| r.registration_id.contains('\0'))
+        {
+            return Err(bad("NUL in a string"));
+        }
         Ok(())
     }
 }
@@ -427,5 +448,44 @@ mod tests {
         b.body.push('!');
         assert_ne!(a.hash(), b.hash());
         assert_eq!(a.hash(), a.clone().hash());
+    }
+
+    #[test]
+    fn an_admission_with_nul_in_any_string_is_invalid() {
+        let valid = || Admission {
+            host_fingerprint: "hostAAAAAAAAAAAA".into(),
+            kind: Kind::Alert,
+            notification_epoch: "epoch-1".into(),
+            notification_seq: 1,
+            content: member("a", 1, Some("finished")).content,
+            expires_at_ms: None,
+            recipients: vec![AdmissionRecipient {
+                registration_id: "reg-1".into(),
+                silent: false,
+                provider: Provider::Fcm,
+            }],
+            trace_parent: None,
+        };
+        assert!(valid().validate().is_ok());
+        type Mutation = fn(&mut Admission);
+        let cases: [Mutation; 9] = [
+            |a| a.host_fingerprint.push('\0'),
+            |a| a.notification_epoch.push('\0'),
+            |a| a.content.notification_id = Some("n\0".into()),
+            |a| a.content.agent_state = Some("finished\0".into()),
+            |a| a.content.title.push('\0'),
+            |a| a.content.body.push('\0'),
+            |a| a.content.worktree_id = Some("\0".into()),
+            |a| a.recipients[0].registration_id.push('\0'),
+            |a| a.trace_parent = Some("00-\0".into()),
+        ];
+        for (i, mutate) in cases.iter().enumerate() {
+            let mut a = valid();
+            mutate(&mut a);
+            assert!(
+                matches!(a.validate(), Err(QueueError::InvalidRequest(_))),
+                "case {i}"
+            );
+        }
     }
 }

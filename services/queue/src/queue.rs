@@ -84,6 +84,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         lease_ms: i64,
         wait_ms: u64,
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        refuse_nul(&[lane])?;
         if !(1..=MAX_CLAIM).contains(&max) || !(1_000..=MAX_LEASE_MS).contains(&lease_ms) {
             return Err(QueueError::InvalidRequest(
                 "max_batches 1-64 and lease_ms 1000-300000",
@@ -157,6 +158,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         token: &str,
         lease_ms: i64,
     ) -> Result<Option<i64>, QueueError> {
+        refuse_nul(&[batch_id, token])?;
         if !(1_000..=MAX_LEASE_MS).contains(&lease_ms) {
             return Err(QueueError::InvalidRequest("lease_ms 1000-300000"));
         }
@@ -197,6 +199,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             return Err(QueueError::InvalidRequest("at most 256 reports per call"));
         }
         for c in &mut completions {
+            refuse_nul(&[&c.batch_id, &c.lease_token])?;
             c.reason = bounded_reason(&c.reason);
         }
         self.store.complete(&completions, now(&*self.clock)).await
@@ -210,6 +213,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         reason: &str,
         how: Retry,
     ) -> Result<RetryResult, QueueError> {
+        refuse_nul(&[batch_id, token])?;
         let result = self
             .store
             .retry(
@@ -275,6 +279,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         epoch: &str,
         seq: i64,
     ) -> Result<Option<EventRecord>, QueueError> {
+        refuse_nul(&[host, epoch])?;
         self.store.event_record(host, kind, epoch, seq).await
     }
 
@@ -327,6 +332,16 @@ async fn hand_back<S: QueueStore>(store: &S, batches: &[ClaimedBatch], now: i64)
         {
             tracing::warn!(%error, "could not hand back a batch; its lease will lapse");
         }
+    }
+}
+
+/// PostgreSQL refuses U+0000 in text (SQLite would store it): refused before any SQL, so both
+/// backends answer INVALID_ARGUMENT alike.
+fn refuse_nul(values: &[&str]) -> Result<(), QueueError> {
+    if values.iter().any(|v| v.contains('\0')) {
+        Err(QueueError::InvalidRequest("NUL in a string"))
+    } else {
+        Ok(())
     }
 }
 

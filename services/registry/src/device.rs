@@ -113,19 +113,30 @@ pub fn js_len(value: &str) -> usize {
     value.encode_utf16().count()
 }
 
-/// An opaque id (deviceId, registrationId): 1 to 128 characters.
+/// An opaque id (deviceId, registrationId): 1 to 128 characters, none of them NUL.
 pub fn is_opaque_id(value: &str) -> bool {
-    (1..=128).contains(&js_len(value))
+    (1..=128).contains(&js_len(value)) && !has_nul(value)
+}
+
+/// PostgreSQL refuses U+0000 in text (SQLite would store it): refused before any SQL, so both
+/// backends answer `invalid_request` alike.
+pub fn has_nul(value: &str) -> bool {
+    value.contains('\0')
+}
+
+/// A host fingerprint as the auth service derives it: 1 to 64 bytes, no NUL.
+pub fn is_host_fingerprint(value: &str) -> bool {
+    (1..=64).contains(&value.len()) && !has_nul(value)
 }
 
 impl Registration {
     pub fn validate(&self) -> Result<(), RegistryError> {
-        if self.host_fingerprint.is_empty() || self.host_fingerprint.len() > 64 {
+        if !is_host_fingerprint(&self.host_fingerprint) {
             return Err(RegistryError::InvalidRequest("host fingerprint"));
         }
         if !is_opaque_id(&self.device_id) {
             return Err(RegistryError::InvalidRequest(
-                "deviceId must be 1 to 128 characters",
+                "deviceId must be 1 to 128 characters, no NUL",
             ));
         }
         match self.platform {
@@ -219,6 +230,25 @@ mod tests {
         assert!(r.validate().is_err());
         r.device_id = String::new();
         assert!(r.validate().is_err());
+    }
+
+    #[test]
+    fn nul_is_refused_in_every_string() {
+        let mut r = ios("ab");
+        r.device_id = "phone\0".into();
+        assert!(r.validate().is_err());
+        let mut r = ios("ab\0");
+        assert!(r.validate().is_err());
+        r = ios("ab");
+        r.host_fingerprint = "D20lU_8MD0R64g\0t".into();
+        assert!(r.validate().is_err());
+        r = ios("ab");
+        r.platform = Platform::Android;
+        r.apns_environment = None;
+        r.token = format!("{}\0", "a".repeat(40));
+        assert!(r.validate().is_err());
+        assert!(!is_opaque_id("reg\0"));
+        assert!(is_opaque_id("reg"));
     }
 
     #[test]

@@ -7,7 +7,10 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use orca_push_storage::Clock;
 use rand::RngCore as _;
 
-use crate::device::{ApnsEnvironment, MAX_IDS_PER_CALL, Platform, Registration, is_opaque_id};
+use crate::device::{
+    ApnsEnvironment, MAX_IDS_PER_CALL, Platform, Registration, has_nul, is_host_fingerprint,
+    is_opaque_id,
+};
 use crate::error::RegistryError;
 use crate::store::{DeliveryRow, DeviceRow, RegistryStore, ResolvedRow};
 
@@ -28,7 +31,7 @@ fn new_registration_id() -> String {
 }
 
 fn check_host(host: &str) -> Result<(), RegistryError> {
-    if host.is_empty() || host.len() > 64 {
+    if !is_host_fingerprint(host) {
         return Err(RegistryError::InvalidRequest("host fingerprint"));
     }
     Ok(())
@@ -37,6 +40,9 @@ fn check_host(host: &str) -> Result<(), RegistryError> {
 fn check_ids(ids: &[String]) -> Result<(), RegistryError> {
     if ids.len() > MAX_IDS_PER_CALL {
         return Err(RegistryError::InvalidRequest("too many ids in one call"));
+    }
+    if ids.iter().any(|id| has_nul(id)) {
+        return Err(RegistryError::InvalidRequest("NUL in an id"));
     }
     Ok(())
 }
@@ -60,6 +66,9 @@ impl<S: RegistryStore> DeviceRegistry<S> {
 
     pub async fn delete(&self, host: &str, registration_id: &str) -> Result<(), RegistryError> {
         check_host(host)?;
+        if has_nul(registration_id) {
+            return Err(RegistryError::InvalidRequest("NUL in the registration id"));
+        }
         if !is_opaque_id(registration_id) {
             return Err(RegistryError::NotFound);
         }
@@ -92,6 +101,9 @@ impl<S: RegistryStore> DeviceRegistry<S> {
         platform: Platform,
         apns_environment: Option<ApnsEnvironment>,
     ) -> Result<bool, RegistryError> {
+        if has_nul(registration_id) || has_nul(token) {
+            return Err(RegistryError::InvalidRequest("NUL in an id or token"));
+        }
         let marked = self
             .store
             .mark_dead(

@@ -1,0 +1,221 @@
+//! The public listener's connections, served by hyper directly because `axum::serve` exposes none
+//! of these limits: a request head must arrive within the header timeout, a connection with no
+//! request in flight is closed after the idle timeout, and at most `max_connections` are served at
+//! once. Past the cap a new connection is not accepted: it waits in the kernel's accept queue until
+//! a served one closes, so a slow client can hold a slot for at most one of those timeouts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt as _;
+
+/// How the public listener treats connections (`ORCA_PUSH_HTTP_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// An HTTP/1 request head must be complete this long after the server starts waiting for it.
+    /// hyper starts that clock as soon as a kept-alive connection waits for its next request, so
+    /// an idle HTTP/1 connection is closed after the shorter of this and `idle_timeout`.
+    pub header_read_timeout: Duration,
+    /// A connection (HTTP/1 or HTTP/2) with no request in flight for this long is closed.
+    pub idle_timeout: Duration,
+    /// Connections served at once.
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+        }
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown`, then lets every open connection finish the
+/// requests it has in flight (no new ones) and returns once all are closed.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: HttpLimits,
+    shutdown: CancellationToken,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    loop {
+        // A slot first: at the cap, the next connection stays in the accept queue.
+        let slot = tokio::select! {
+            () = shutdown.cancelled() => break,
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+        };
+        let stream = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    on_accept_error(error).await;
+                    continue;
+                }
+            },
+        };
+        // Small answers go out at once rather than waiting on the client's delayed ACK.
+        let _ = stream.set_nodelay(true);
+        tokio::spawn(serve_connection(
+            stream,
+            router.clone(),
+            builder.clone(),
+            limits,
+            shutdown.clone(),
+            slot,
+        ));
+    }
+    drop(listener);
+    // Every open connection holds a slot until it ends.
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = slots.acquire_many(all).await;
+}
+
+/// A failed accept: a connection reset before it was accepted is the client's business; anything
+/// else (out of file descriptors) is ours, and retrying at once would spin.
+async fn on_accept_error(error: std::io::Error) {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(
+        error.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    ) {
+        return;
+    }
+    tracing::warn!(%error, "accepting a connection failed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    router: Router,
+    builder: Arc<Builder<TokioExecutor>>,
+    limits: HttpLimits,
+    shutdown: CancellationToken,
+    _slot: OwnedSemaphorePermit,
+) {
+    let (in_flight_tx, in_flight) = watch::channel(0usize);
+    let in_flight_tx = Arc::new(in_flight_tx);
+    let service = tower::service_fn(move |request: http::Request<Incoming>| {
+        let guard = InFlight::enter(in_flight_tx.clone());
+        let router = router.clone();
+        async move {
+            let response = router.oneshot(request.map(axum::body::Body::new)).await;
+            drop(guard);
+            response
+        }
+    });
+    let connection = builder
+        .serve_connection_with_upgrades(TokioIo::new(stream), TowerToHyperService::new(service));
+    tokio::pin!(connection);
+    let idle = idle_for(in_flight, limits.idle_timeout);
+    tokio::pin!(idle);
+    // After an idle close starts, a connection that still does not end (a request head half sent,
+    // which a graceful close waits for) is dropped once this runs out.
+    let grace = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(grace);
+    let (mut draining, mut idle_closing) = (false, false);
+    loop {
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%error, "connection ended with an error");
+                }
+                break;
+            }
+            () = shutdown.cancelled(), if !draining && !idle_closing => {
+                draining = true;
+                connection.as_mut().graceful_shutdown();
+            }
+            () = &mut idle, if !draining && !idle_closing => {
+                idle_closing = true;
+                connection.as_mut().graceful_shutdown();
+                grace
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + limits.header_read_timeout);
+            }
+            () = &mut grace, if idle_closing => break,
+        }
+    }
+}
+
+/// Counts a request in flight on its connection until its response is ready.
+struct InFlight(Arc<watch::Sender<usize>>);
+
+impl InFlight {
+    fn enter(counter: Arc<watch::Sender<usize>>) -> Self {
+        counter.send_modify(|n| *n += 1);
+        Self(counter)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// Resolves once no request has been in flight for `idle`, counted from the end of the last one
+/// (or from the start of the connection).
+async fn idle_for(mut in_flight: watch::Receiver<usize>, idle: Duration) {
+    loop {
+        if in_flight.wait_for(|n| *n == 0).await.is_err() {
+            return std::future::pending().await;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(idle) => return,
+            changed = in_flight.changed() => {
+                if changed.is_err() {
+                    return std::future::pending().await;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn idleness_counts_from_the_end_of_the_last_request() {
+        let (tx, rx) = watch::channel(0usize);
+        let tx = Arc::new(tx);
+        let idle = tokio::spawn(idle_for(rx, Duration::from_secs(5)));
+        let after = |secs| async move {
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            tokio::task::yield_now().await;
+        };
+        after(4).await;
+        assert!(!idle.is_finished());
+        let request = InFlight::enter(tx.clone());
+        // However long a request runs, its connection is not idle.
+        after(60).await;
+        assert!(!idle.is_finished());
+        drop(request);
+        after(4).await;
+        assert!(!idle.is_finished());
+        after(2).await;
+        assert!(idle.is_finished());
+    }
+}
