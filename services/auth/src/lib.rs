@@ -7,6 +7,7 @@
 mod error;
 mod grpc;
 mod host_auth;
+pub mod session_token;
 pub mod store;
 
 use std::sync::Arc;
@@ -20,9 +21,10 @@ use tonic_health::ServingStatus;
 pub use error::AuthError;
 pub use grpc::AuthGrpc;
 pub use host_auth::{
-    Authenticated, DeviceDirectory, HOST_IDLE_MS, HostAuth, IssuedChallenge, SESSION_TTL_MS,
-    Session, fingerprint_prefix,
+    Authenticated, DeviceDirectory, HOST_IDLE_MS, HostAuth, IssuedChallenge, LEGACY_WINDOW_MS,
+    SESSION_TTL_MS, Session, fingerprint_prefix,
 };
+pub use session_token::{SESSION_TOKEN_LEN, SessionKey, SessionTagging, Tag};
 pub use store::{AnyAuthStore, AuthStore, PgAuthStore, SqliteAuthStore};
 
 /// The name the auth service reports its health under.
