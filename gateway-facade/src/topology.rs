@@ -252,6 +252,10 @@ pub async fn serve_facade(
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
     tokio::spawn(sweep_limits(state.limits.clone(), shutdown.clone()));
+    if let Some(backends) = &state.backends {
+        let auth = backends.auth.clone();
+        tokio::spawn(state.sessions.clone().keep_fresh(auth, shutdown.clone()));
+    }
     // Small answers go out at once rather than waiting on the client's delayed ACK.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
