@@ -69,7 +69,7 @@ async fn forged_bearers_are_refused_without_reaching_auth(backend: Backend) {
     let mut near_miss = real[..40].to_owned();
     near_miss.push_str(if real.ends_with("AAA") { "BBB" } else { "AAA" });
     let forged: Vec<String> = (0..20)
-        .map(|i| format!("{:A>43}", i))
+        .map(|i| format!("{i:A>43}"))
         .chain([near_miss])
         .collect();
     for token in &forged {
