@@ -1,5 +1,6 @@
 //! The auth service: host challenge, proof and session, and the bearer check behind every other
-//! route. It owns `push_hosts`, `push_challenges` and `push_sessions` and nothing else.
+//! route. It owns `push_hosts`, `push_challenges`, `push_sessions` and `push_session_keys` (the key
+//! session tokens are tagged with) and nothing else.
 //!
 //! It must never store a challenge secret or a session token (only their sha256), never log one, and
 //! never log more than the first 4 characters of a host fingerprint.
