@@ -302,7 +302,7 @@ mod tests {
     #[tokio::test]
     async fn a_verified_session_is_trusted_for_at_most_a_second() {
         let (check, key) = check(10);
-        let token = key.mint();
+        let token = key.mint().unwrap();
         let calls = AtomicUsize::new(0);
         let far = now_ms() + 60_000;
         for _ in 0..5 {
@@ -324,7 +324,7 @@ mod tests {
     #[tokio::test]
     async fn a_cached_session_past_its_expiry_is_expired_without_a_look_up() {
         let (check, key) = check(10);
-        let token = key.mint();
+        let token = key.mint().unwrap();
         let calls = AtomicUsize::new(0);
         let soon = now_ms() + 30;
         counted(&check, &token, &calls, host(soon)).await.unwrap();
@@ -339,7 +339,7 @@ mod tests {
     #[tokio::test]
     async fn concurrent_requests_for_one_token_share_one_look_up() {
         let (check, key) = check(10);
-        let token = key.mint();
+        let token = key.mint().unwrap();
         let calls = AtomicUsize::new(0);
         let far = now_ms() + 60_000;
         let (release, wait) = tokio::sync::watch::channel(false);
@@ -365,7 +365,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_look_up_is_shared_but_not_remembered() {
         let (check, key) = check(10);
-        let token = key.mint();
+        let token = key.mint().unwrap();
         let calls = AtomicUsize::new(0);
         let failed = check
             .verify(&token, || async {
@@ -386,7 +386,7 @@ mod tests {
     #[tokio::test]
     async fn an_abandoned_look_up_leaves_nothing_behind() {
         let (check, key) = check(10);
-        let token = key.mint();
+        let token = key.mint().unwrap();
         {
             let pending = check.verify(&token, futures::future::pending);
             tokio::pin!(pending);
@@ -402,7 +402,7 @@ mod tests {
         let calls = AtomicUsize::new(0);
         let far = now_ms() + 60_000;
         for _ in 0..1_000 {
-            counted(&check, &key.mint(), &calls, host(far))
+            counted(&check, &key.mint().unwrap(), &calls, host(far))
                 .await
                 .unwrap();
             assert!(check.len() <= 100);

@@ -14,7 +14,7 @@ pub enum AuthError {
     InvalidToken,
     #[error("session expired")]
     SessionExpired,
-    #[error("the stored session key is not 32 bytes")]
+    #[error("the session key is unusable (not 32 bytes)")]
     CorruptSessionKey,
     #[error("the registry could not be asked")]
     DirectoryUnavailable,

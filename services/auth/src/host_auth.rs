@@ -243,7 +243,12 @@ impl<S: AuthStore> HostAuth<S> {
         ) {
             return Err(AuthError::InvalidProof("proof does not match"));
         }
-        let token = self.session_tagging().await?.key.mint();
+        let token = self
+            .session_tagging()
+            .await?
+            .key
+            .mint()
+            .ok_or(AuthError::CorruptSessionKey)?;
         let expires_at_ms = now + SESSION_TTL_MS;
         let redeemed = self
             .store

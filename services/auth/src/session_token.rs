@@ -87,26 +87,24 @@ impl SessionKey {
         &self.0
     }
 
-    fn tag(&self, random: &[u8]) -> [u8; TAG_LEN] {
-        // A 32-byte key is always a valid HMAC key; the fallback is unreachable but panics nowhere.
-        let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(&self.0) else {
-            return [0; TAG_LEN];
-        };
+    /// None only if HMAC refused the key, which it never does for 32 bytes; callers fail closed.
+    fn tag(&self, random: &[u8]) -> Option<[u8; TAG_LEN]> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).ok()?;
         mac.update(TAG_CONTEXT);
         mac.update(random);
         let full = mac.finalize().into_bytes();
         let mut tag = [0u8; TAG_LEN];
-        tag.copy_from_slice(&full[..TAG_LEN]);
-        tag
+        tag.copy_from_slice(full.get(..TAG_LEN)?);
+        Some(tag)
     }
 
     /// A fresh token: 24 random bytes and their tag, unpadded base64url.
-    pub fn mint(&self) -> String {
+    pub fn mint(&self) -> Option<String> {
         let mut bytes = [0u8; RANDOM_LEN + TAG_LEN];
         OsRng.fill_bytes(&mut bytes[..RANDOM_LEN]);
-        let tag = self.tag(&bytes[..RANDOM_LEN]);
+        let tag = self.tag(&bytes[..RANDOM_LEN])?;
         bytes[RANDOM_LEN..].copy_from_slice(&tag);
-        URL_SAFE_NO_PAD.encode(bytes)
+        Some(URL_SAFE_NO_PAD.encode(bytes))
     }
 
     /// Checks the tag in constant time; no look-up. Valid or Invalid, never Legacy.
@@ -122,7 +120,9 @@ impl SessionKey {
         if bytes.len() != RANDOM_LEN + TAG_LEN {
             return Tag::Invalid;
         }
-        let expected = self.tag(&bytes[..RANDOM_LEN]);
+        let Some(expected) = self.tag(&bytes[..RANDOM_LEN]) else {
+            return Tag::Invalid;
+        };
         if bool::from(expected.ct_eq(&bytes[RANDOM_LEN..])) {
             Tag::Valid
         } else {
@@ -144,7 +144,7 @@ mod tests {
     fn minted_tokens_are_43_chars_of_base64url_and_check_valid() {
         let key = SessionKey::generate();
         for _ in 0..100 {
-            let token = key.mint();
+            let token = key.mint().unwrap();
             assert_eq!(token.len(), SESSION_TOKEN_LEN);
             assert!(
                 token
@@ -158,7 +158,7 @@ mod tests {
     #[test]
     fn forged_altered_and_foreign_tokens_fail_the_tag() {
         let key = SessionKey::generate();
-        let token = key.mint();
+        let token = key.mint().unwrap();
         assert_eq!(SessionKey::generate().check(&token), Tag::Invalid);
         assert_eq!(key.check(&"A".repeat(43)), Tag::Invalid);
         assert_eq!(key.check(&token[..42]), Tag::Invalid);
@@ -183,7 +183,10 @@ mod tests {
         assert_eq!(tagging.check(&old, 999), Tag::Legacy);
         assert_eq!(tagging.check(&old, 1_000), Tag::Invalid);
         assert_eq!(tagging.check("short", 0), Tag::Invalid);
-        assert_eq!(tagging.check(&tagging.key.mint(), 5_000), Tag::Valid);
+        assert_eq!(
+            tagging.check(&tagging.key.mint().unwrap(), 5_000),
+            Tag::Valid
+        );
     }
 
     #[test]
