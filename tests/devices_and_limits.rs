@@ -446,7 +446,8 @@ async fn a_forged_bearer_flood_does_not_starve_a_real_host_elsewhere() {
         "only 30 look-ups a minute"
     );
     assert!(flood_statuses.contains(&429));
-    // A real host behind the flooding address shares its penalty (documented in the README).
+    // A real host behind the flooding address is not refused for its neighbours' forgeries: its
+    // bearer carries a valid tag, so it is checked even once the IP's budget is spent.
     let behind = raw
         .get(
             "/v1/devices",
@@ -456,7 +457,7 @@ async fn a_forged_bearer_flood_does_not_starve_a_real_host_elsewhere() {
             ],
         )
         .await;
-    assert_eq!((behind.status, behind.error()), (429, Some("rate_limited")));
+    assert_eq!(behind.status, 200, "{behind:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

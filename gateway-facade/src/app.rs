@@ -17,6 +17,7 @@ use crate::config::Mode;
 use crate::error::ApiError;
 use crate::limits::Limits;
 use crate::routes;
+use crate::sessions::SessionCheck;
 
 /// Every POST body is capped at 16 KiB, counted as it streams in.
 pub const BODY_LIMIT_BYTES: usize = 16 * 1024;
@@ -26,6 +27,8 @@ pub struct AppState {
     pub mode: Mode,
     pub backends: Option<Backends>,
     pub limits: Arc<Limits>,
+    /// The session key and the verified-session cache.
+    pub sessions: Arc<SessionCheck>,
     pub ready_cache: Arc<Mutex<Option<(Instant, bool)>>>,
     /// Cancelled at SIGTERM: new `/v1` work is refused with `shutting_down`.
     pub draining: tokio_util::sync::CancellationToken,
@@ -37,6 +40,7 @@ impl AppState {
             mode: Mode::Serve,
             backends: Some(backends),
             limits,
+            sessions: Arc::default(),
             ready_cache: Arc::default(),
             draining: Default::default(),
         }
@@ -47,6 +51,7 @@ impl AppState {
             mode: Mode::Validation,
             backends: None,
             limits: Limits::new(0),
+            sessions: Arc::default(),
             ready_cache: Arc::default(),
             draining: Default::default(),
         }

@@ -1,12 +1,18 @@
-//! The bearer check in front of every authenticated route, in the order the contract gives:
-//! the IP's forged-bearer budget, bounded admission to the session look-up, then the host's bucket.
+//! The bearer check in front of every authenticated route: the token's tag (no look-up), then the
+//! verified session (cache, else bounded admission to one shared look-up), then the host's bucket.
+//! A bearer without a valid tag, or whose session is gone, spends the IP's forged-bearer budget
+//! (401, then 429 once spent); a tagged bearer is checked even when that budget is spent.
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
+use orca_push_auth::Tag;
 use orca_push_proto::auth::v1 as pb;
 
 use crate::app::AppState;
+use crate::backends::Backends;
 use crate::error::ApiError;
+use crate::limits::{ClientKey, Limits};
+use crate::sessions::Verdict;
 
 /// The host a valid bearer belongs to.
 #[derive(Debug, Clone)]
@@ -26,11 +32,19 @@ fn bearer(parts: &Parts) -> Option<&str> {
         return None;
     }
     let token = token.trim();
-    let well_formed = token.len() == 43
-        && token
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    well_formed.then_some(token)
+    orca_push_auth::session_token::well_formed(token).then_some(token)
+}
+
+/// A bearer refused before any look-up: an IP whose budget is spent waits it out (429), else the
+/// budget is charged and the bearer refused (401, or 429 if that spent the last of it).
+fn refuse(
+    limits: &Limits,
+    client: ClientKey,
+    error: ApiError,
+) -> Result<AuthenticatedHost, ApiError> {
+    limits.check_bearer_penalty(&client)?;
+    limits.charge_invalid_bearer(client)?;
+    Err(error)
 }
 
 impl FromRequestParts<AppState> for AuthenticatedHost {
@@ -43,35 +57,68 @@ impl FromRequestParts<AppState> for AuthenticatedHost {
         let backends = state.backends()?;
         let limits = &state.limits;
         let client = limits.client(&parts.headers);
-        limits.check_bearer_penalty(&client)?;
         let Some(token) = bearer(parts) else {
-            limits.charge_invalid_bearer(client)?;
-            return Err(ApiError::InvalidToken);
+            return refuse(limits, client, ApiError::InvalidToken);
         };
-        let answer = {
-            let _permit = limits.admit_lookup().await?;
-            orca_push_internal_auth::retry_unavailable(|| {
-                let mut auth = backends.auth.clone();
-                let request = pb::AuthenticateRequest {
-                    session_token: token.to_owned(),
-                };
-                async move { auth.authenticate(request).await }
-            })
-            .await
-        };
-        match answer {
-            Ok(response) => {
-                let fingerprint = response.into_inner().host_fingerprint;
+        match state.sessions.tag(&backends.auth, token).await? {
+            // Minted here: checked even when the IP's budget is spent, so a valid host behind a
+            // flooding address keeps working.
+            Tag::Valid => {}
+            // Possibly a session from before tagging: looked up only while the budget lasts.
+            Tag::Legacy => limits.check_bearer_penalty(&client)?,
+            Tag::Invalid => {
+                metrics::counter!("orca_push_bearer_checks_total", "outcome" => "forged")
+                    .increment(1);
+                return refuse(limits, client, ApiError::InvalidToken);
+            }
+        }
+        let verdict = state
+            .sessions
+            .verify(token, || look_up(state, backends, token))
+            .await?;
+        match verdict {
+            Verdict::Host { fingerprint, .. } => {
                 limits.admit_host(&fingerprint)?;
                 Ok(Self { fingerprint })
             }
-            Err(status) => {
-                let error = ApiError::from(status);
-                if matches!(error, ApiError::InvalidToken | ApiError::SessionExpired) {
-                    limits.charge_invalid_bearer(client)?;
-                }
-                Err(error)
+            // A replaced or expired session spends the budget like a forgery, but once refused it
+            // is remembered, so repeating it costs no look-up either.
+            Verdict::Unknown => {
+                limits.charge_invalid_bearer(client)?;
+                Err(ApiError::InvalidToken)
+            }
+            Verdict::Expired => {
+                limits.charge_invalid_bearer(client)?;
+                Err(ApiError::SessionExpired)
             }
         }
+    }
+}
+
+/// One session look-up at auth, behind bounded admission. Only auth's own refusals become
+/// verdicts (they are final and may be remembered); anything else is an error for this request.
+async fn look_up(state: &AppState, backends: &Backends, token: &str) -> Result<Verdict, ApiError> {
+    let _permit = state.limits.admit_lookup().await?;
+    let answer = orca_push_internal_auth::retry_unavailable(|| {
+        let mut auth = backends.auth.clone();
+        let request = pb::AuthenticateRequest {
+            session_token: token.to_owned(),
+        };
+        async move { auth.authenticate(request).await }
+    })
+    .await;
+    match answer {
+        Ok(response) => {
+            let response = response.into_inner();
+            Ok(Verdict::Host {
+                fingerprint: response.host_fingerprint,
+                expires_at_ms: u64::try_from(response.expires_at_ms).unwrap_or(0),
+            })
+        }
+        Err(status) => match orca_push_proto::error_code(&status) {
+            Some("invalid_token") => Ok(Verdict::Unknown),
+            Some("session_expired") => Ok(Verdict::Expired),
+            _ => Err(ApiError::from(status)),
+        },
     }
 }

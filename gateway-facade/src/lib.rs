@@ -15,6 +15,7 @@ pub mod json;
 pub mod limits;
 pub mod metrics;
 pub mod routes;
+pub mod sessions;
 pub mod topology;
 
 pub use app::{AppState, router};

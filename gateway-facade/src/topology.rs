@@ -257,6 +257,10 @@ pub async fn serve_facade(
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
     tokio::spawn(sweep_limits(state.limits.clone(), shutdown.clone()));
+    if let Some(backends) = &state.backends {
+        let auth = backends.auth.clone();
+        tokio::spawn(state.sessions.clone().keep_fresh(auth, shutdown.clone()));
+    }
     connections::serve(listener, router(state), http, shutdown).await;
     Ok(())
 }

@@ -14,6 +14,8 @@ pub enum AuthError {
     InvalidToken,
     #[error("session expired")]
     SessionExpired,
+    #[error("the session key is unusable (not 32 bytes)")]
+    CorruptSessionKey,
     #[error("the registry could not be asked")]
     DirectoryUnavailable,
     #[error("storage: {0}")]
@@ -36,6 +38,10 @@ impl From<AuthError> for tonic::Status {
             }
             AuthError::InvalidToken => status_with_code(Code::Unauthenticated, "invalid_token"),
             AuthError::SessionExpired => status_with_code(Code::Unauthenticated, "session_expired"),
+            AuthError::CorruptSessionKey => {
+                tracing::error!("auth: push_session_keys holds a key that is not 32 bytes");
+                status_with_code(Code::Internal, "internal")
+            }
             AuthError::DirectoryUnavailable => {
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }

@@ -66,6 +66,17 @@ impl<S: AuthStore> pb::auth_service_server::AuthService for AuthGrpc<S> {
             expires_at_ms: to_wire_time(host.expires_at_ms),
         }))
     }
+
+    async fn get_session_key(
+        &self,
+        _request: Request<pb::GetSessionKeyRequest>,
+    ) -> Result<Response<pb::GetSessionKeyResponse>, Status> {
+        let tagging = self.auth.session_tagging().await?;
+        Ok(Response::new(pb::GetSessionKeyResponse {
+            key: tagging.key.as_bytes().to_vec(),
+            legacy_until_ms: to_wire_time(tagging.legacy_until_ms),
+        }))
+    }
 }
 
 fn to_wire_time(ms: u64) -> i64 {

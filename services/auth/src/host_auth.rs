@@ -2,8 +2,6 @@
 
 use std::sync::Arc;
 
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use orca_push_host_proof as proof;
 use orca_push_storage::Clock;
 use rand::RngCore as _;
@@ -12,6 +10,7 @@ use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 
 use crate::error::AuthError;
+use crate::session_token::{SessionKey, SessionTagging, Tag};
 use crate::store::{AuthStore, NewChallenge, NewSession};
 
 /// Who still has registrations: the registry, asked over gRPC.
@@ -50,8 +49,9 @@ pub const HOST_IDLE_MS: u64 = 60 * 60 * 1000;
 const HOST_PRUNE_BATCH: i64 = 500;
 /// Pages of stale hosts one prune pass reads at most.
 const HOST_PRUNE_PAGES: usize = 20;
-/// Session tokens: 32 random bytes, unpadded base64url.
-pub const SESSION_TOKEN_LEN: usize = 43;
+/// How long after the session key is created untagged tokens minted before it (or by a replica of
+/// the previous version during the roll-out) may still be live: their TTL, plus an hour of roll-out.
+pub const LEGACY_WINDOW_MS: u64 = SESSION_TTL_MS + 60 * 60 * 1000;
 const CHALLENGE_ID_MAX: usize = 128;
 
 /// The at-most-4-character prefix of a fingerprint that logs and spans may carry.
@@ -110,6 +110,8 @@ pub struct HostAuth<S> {
     clock: Arc<dyn Clock>,
     /// The fingerprint the host prune stopped after.
     prune_cursor: std::sync::Mutex<String>,
+    /// Read (or created) once from the store, on first use.
+    tagging: tokio::sync::OnceCell<SessionTagging>,
 }
 
 impl<S: AuthStore> HostAuth<S> {
@@ -119,7 +121,31 @@ impl<S: AuthStore> HostAuth<S> {
             gateway_origin,
             clock,
             prune_cursor: std::sync::Mutex::new(String::new()),
+            tagging: tokio::sync::OnceCell::new(),
         }
+    }
+
+    /// The session key and legacy window, created in the store the first time any replica asks
+    /// and the same for every replica and restart after that.
+    pub async fn session_tagging(&self) -> Result<&SessionTagging, AuthError> {
+        self.tagging
+            .get_or_try_init(|| async {
+                let now = self.clock.now_ms();
+                let (key, legacy_until_ms) = self
+                    .store
+                    .session_key(
+                        SessionKey::generate().as_bytes(),
+                        now.saturating_add(LEGACY_WINDOW_MS),
+                        now,
+                    )
+                    .await?;
+                let key = SessionKey::from_bytes(&key).ok_or(AuthError::CorruptSessionKey)?;
+                Ok(SessionTagging {
+                    key,
+                    legacy_until_ms,
+                })
+            })
+            .await
     }
 
     pub fn store(&self) -> &S {
@@ -221,7 +247,12 @@ impl<S: AuthStore> HostAuth<S> {
         ) {
             return Err(AuthError::InvalidProof("proof does not match"));
         }
-        let token = URL_SAFE_NO_PAD.encode(random::<32>());
+        let token = self
+            .session_tagging()
+            .await?
+            .key
+            .mint()
+            .ok_or(AuthError::CorruptSessionKey)?;
         let expires_at_ms = now + SESSION_TTL_MS;
         let redeemed = self
             .store
@@ -250,16 +281,13 @@ impl<S: AuthStore> HostAuth<S> {
         })
     }
 
-    /// Resolves a bearer token. Refreshes the host's `last_seen_at` at most once a minute.
+    /// Resolves a bearer token. A token without a valid tag is refused without a look-up (outside
+    /// the legacy window). Refreshes the host's `last_seen_at` at most once a minute.
     pub async fn authenticate(&self, token: &str) -> Result<Authenticated, AuthError> {
-        if token.len() != SESSION_TOKEN_LEN
-            || !token
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        {
+        let now = self.clock.now_ms();
+        if self.session_tagging().await?.check(token, now) == Tag::Invalid {
             return Err(AuthError::InvalidToken);
         }
-        let now = self.clock.now_ms();
         let session = self
             .store
             .find_session(&sha256_hex(token.as_bytes()))

@@ -1,5 +1,6 @@
 //! The auth service: host challenge, proof and session, and the bearer check behind every other
-//! route. It owns `push_hosts`, `push_challenges` and `push_sessions` and nothing else.
+//! route. It owns `push_hosts`, `push_challenges`, `push_sessions` and `push_session_keys` (the key
+//! session tokens are tagged with) and nothing else.
 //!
 //! It must never store a challenge secret or a session token (only their sha256), never log one, and
 //! never log more than the first 4 characters of a host fingerprint.
@@ -7,6 +8,7 @@
 mod error;
 mod grpc;
 mod host_auth;
+pub mod session_token;
 pub mod store;
 
 use std::sync::Arc;
@@ -20,9 +22,10 @@ use tonic_health::ServingStatus;
 pub use error::AuthError;
 pub use grpc::AuthGrpc;
 pub use host_auth::{
-    Authenticated, DeviceDirectory, HOST_IDLE_MS, HostAuth, IssuedChallenge, SESSION_TTL_MS,
-    Session, fingerprint_prefix,
+    Authenticated, DeviceDirectory, HOST_IDLE_MS, HostAuth, IssuedChallenge, LEGACY_WINDOW_MS,
+    SESSION_TTL_MS, Session, fingerprint_prefix,
 };
+pub use session_token::{SESSION_TOKEN_LEN, SessionKey, SessionTagging, Tag};
 pub use store::{AnyAuthStore, AuthStore, PgAuthStore, SqliteAuthStore};
 
 /// The name the auth service reports its health under.

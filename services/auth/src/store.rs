@@ -61,6 +61,16 @@ pub struct Pruned {
 
 /// Storage of challenges, hosts and sessions.
 pub trait AuthStore: Send + Sync + 'static {
+    /// The one session key: `candidate` is stored if none is yet (with the legacy window ending at
+    /// `legacy_until_ms` if any session row exists, else 0), and whichever key won is returned, so
+    /// racing replicas agree. Returns the key bytes and the legacy window's end.
+    fn session_key(
+        &self,
+        candidate: &[u8],
+        legacy_until_ms: u64,
+        now_ms: u64,
+    ) -> impl Future<Output = Result<(Vec<u8>, u64), sqlx::Error>> + Send;
+
     fn insert_challenge(
         &self,
         challenge: &NewChallenge<'_>,
@@ -154,6 +164,14 @@ macro_rules! delegate {
 }
 
 impl AuthStore for AnyAuthStore {
+    async fn session_key(
+        &self,
+        candidate: &[u8],
+        legacy_until_ms: u64,
+        now_ms: u64,
+    ) -> Result<(Vec<u8>, u64), sqlx::Error> {
+        delegate!(self, s => s.session_key(candidate, legacy_until_ms, now_ms))
+    }
     async fn insert_challenge(&self, c: &NewChallenge<'_>) -> Result<(), sqlx::Error> {
         delegate!(self, s => s.insert_challenge(c))
     }
@@ -233,6 +251,30 @@ macro_rules! auth_store {
         }
 
         impl AuthStore for $store {
+        async fn session_key(
+            &self,
+            candidate: &[u8],
+            legacy_until_ms: u64,
+            now_ms: u64,
+        ) -> Result<(Vec<u8>, u64), sqlx::Error> {
+            // `WHERE true` lets SQLite parse ON CONFLICT after a SELECT. Untagged sessions can only
+            // exist if rows predate the key, so a fresh database opens no legacy window.
+            sqlx::query(
+                "INSERT INTO push_session_keys (id, mac_key, legacy_until, created_at) \
+                 SELECT 1, $1, CASE WHEN EXISTS (SELECT 1 FROM push_sessions) THEN $2 ELSE 0 END, $3 \
+                 WHERE true ON CONFLICT (id) DO NOTHING",
+            )
+            .bind(candidate)
+            .bind(db_time(legacy_until_ms))
+            .bind(db_time(now_ms))
+            .execute(&self.pool)
+            .await?;
+            let row = sqlx::query("SELECT mac_key, legacy_until FROM push_session_keys WHERE id = 1")
+                .fetch_one(&self.pool)
+                .await?;
+            Ok((row.try_get("mac_key")?, from_db_time(row.try_get("legacy_until")?)))
+        }
+
         async fn insert_challenge(&self, c: &NewChallenge<'_>) -> Result<(), sqlx::Error> {
             sqlx::query(
                 "INSERT INTO push_challenges \

@@ -1,0 +1,415 @@
+//! Bearer checks without a database round trip. Session tokens carry a tag under the auth
+//! service's session key (fetched once over gRPC), so a forged bearer is refused here for the cost
+//! of one HMAC. A tagged token's session is looked up once and then trusted for at most
+//! [`TRUST_VALID_FOR`], so a replaced or expired session stops working within a second; concurrent
+//! requests for one uncached token share one look-up.
+//!
+//! It must never hold a token in plaintext (entries are keyed by its sha256) nor log one or the key.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use orca_push_auth::session_token::{SessionKey, SessionTagging, Tag, token_hash};
+use orca_push_proto::auth::v1 as pb;
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::ApiError;
+
+/// How long a verified session is trusted without asking auth again.
+pub const TRUST_VALID_FOR: Duration = Duration::from_secs(1);
+/// How long a refusal of a tagged token (replaced, unknown or expired) is remembered. A refused
+/// token never becomes valid again, so this only bounds memory, not correctness.
+pub const REMEMBER_REFUSAL_FOR: Duration = Duration::from_secs(60);
+/// Most sessions held; past it, stale entries are swept and, if it is still full, new verdicts are
+/// not remembered (their next request is looked up again).
+pub const MAX_CACHED_SESSIONS: usize = 100_000;
+const SWEEP_SPACING: Duration = Duration::from_millis(500);
+
+type TokenHash = [u8; 32];
+type AuthClient = orca_push_proto::auth::v1::auth_service_client::AuthServiceClient<
+    orca_push_internal_auth::InternalChannel,
+>;
+
+/// What auth said about a tagged token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Host {
+        fingerprint: String,
+        expires_at_ms: u64,
+    },
+    /// No such session: never minted, or replaced by a newer login.
+    Unknown,
+    Expired,
+}
+
+struct Entry {
+    verdict: Verdict,
+    /// When the look-up that produced it started: nothing it read is older than this.
+    checked_at: Instant,
+}
+
+type Shared = Arc<OnceCell<Result<Verdict, ApiError>>>;
+
+/// The session key (once fetched) and the verified-session cache of this facade instance.
+pub struct SessionCheck {
+    tagging: OnceCell<SessionTagging>,
+    entries: DashMap<TokenHash, Entry>,
+    in_flight: DashMap<TokenHash, (Instant, Shared)>,
+    max_entries: usize,
+    last_sweep: Mutex<Option<Instant>>,
+}
+
+impl Default for SessionCheck {
+    fn default() -> Self {
+        Self::with_capacity(MAX_CACHED_SESSIONS)
+    }
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl SessionCheck {
+    pub fn with_capacity(max_entries: usize) -> Self {
+        Self {
+            tagging: OnceCell::new(),
+            entries: DashMap::new(),
+            in_flight: DashMap::new(),
+            max_entries,
+            last_sweep: Mutex::new(None),
+        }
+    }
+
+    /// For tests and callers that already hold the key.
+    pub fn with_tagging(tagging: SessionTagging, max_entries: usize) -> Self {
+        let check = Self::with_capacity(max_entries);
+        let _ = check.tagging.set(tagging);
+        check
+    }
+
+    /// The token's tag, fetching the session key from auth on first use (concurrent first uses
+    /// share one fetch).
+    pub async fn tag(&self, auth: &AuthClient, token: &str) -> Result<Tag, ApiError> {
+        Ok(self.tagging(auth).await?.check(token, now_ms()))
+    }
+
+    async fn tagging(&self, auth: &AuthClient) -> Result<&SessionTagging, ApiError> {
+        self.tagging
+            .get_or_try_init(|| async {
+                let answer = orca_push_internal_auth::retry_unavailable(|| {
+                    let mut auth = auth.clone();
+                    async move { auth.get_session_key(pb::GetSessionKeyRequest {}).await }
+                })
+                .await?
+                .into_inner();
+                let Some(key) = SessionKey::from_bytes(&answer.key) else {
+                    tracing::error!("auth answered a session key that is not 32 bytes");
+                    return Err(ApiError::Internal);
+                };
+                Ok(SessionTagging {
+                    key,
+                    legacy_until_ms: u64::try_from(answer.legacy_until_ms).unwrap_or(0),
+                })
+            })
+            .await
+    }
+
+    /// The verdict on a tagged token: from the cache while it may be trusted, else from `lookup`,
+    /// which concurrent callers for the same token share.
+    pub async fn verify<F, Fut>(&self, token: &str, lookup: F) -> Result<Verdict, ApiError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Verdict, ApiError>>,
+    {
+        let hash = token_hash(token);
+        if let Some(verdict) = self.cached(&hash, now_ms()) {
+            metrics::counter!("orca_push_bearer_checks_total", "outcome" => "cached").increment(1);
+            return Ok(verdict);
+        }
+        let (started, shared) = {
+            let mut slot = self
+                .in_flight
+                .entry(hash)
+                .or_insert_with(|| (Instant::now(), Shared::default()));
+            // A look-up started too long ago may have read a session since replaced: start afresh.
+            if slot.0.elapsed() >= TRUST_VALID_FOR {
+                *slot = (Instant::now(), Shared::default());
+            }
+            slot.clone()
+        };
+        let leave = LeaveInFlight {
+            map: &self.in_flight,
+            hash,
+            shared,
+        };
+        leave
+            .shared
+            .get_or_init(|| async {
+                metrics::counter!("orca_push_bearer_checks_total", "outcome" => "looked_up")
+                    .increment(1);
+                let result = lookup().await;
+                if let Ok(verdict) = &result {
+                    self.remember(hash, verdict.clone(), started);
+                }
+                result
+            })
+            .await
+            .clone()
+    }
+
+    fn cached(&self, hash: &TokenHash, now_ms: u64) -> Option<Verdict> {
+        let entry = self.entries.get(hash)?;
+        let age = entry.checked_at.elapsed();
+        match &entry.verdict {
+            // Expiry never moves, so a session past it is expired whatever auth would say now.
+            Verdict::Host { expires_at_ms, .. } if now_ms >= *expires_at_ms => {
+                Some(Verdict::Expired)
+            }
+            Verdict::Host { .. } if age < TRUST_VALID_FOR => Some(entry.verdict.clone()),
+            Verdict::Unknown | Verdict::Expired if age < REMEMBER_REFUSAL_FOR => {
+                Some(entry.verdict.clone())
+            }
+            _ => None,
+        }
+    }
+
+    fn remember(&self, hash: TokenHash, verdict: Verdict, checked_at: Instant) {
+        if self.entries.len() >= self.max_entries && !self.entries.contains_key(&hash) {
+            let due = {
+                let mut last = self.last_sweep.lock().unwrap_or_else(|p| p.into_inner());
+                let due = last.is_none_or(|at| at.elapsed() >= SWEEP_SPACING);
+                if due {
+                    *last = Some(Instant::now());
+                }
+                due
+            };
+            if due {
+                self.sweep();
+            }
+            if self.entries.len() >= self.max_entries {
+                return;
+            }
+        }
+        self.entries.insert(
+            hash,
+            Entry {
+                verdict,
+                checked_at,
+            },
+        );
+    }
+
+    /// Drops entries that are no longer trusted.
+    pub fn sweep(&self) {
+        self.entries.retain(|_, entry| match entry.verdict {
+            Verdict::Host { .. } => entry.checked_at.elapsed() < TRUST_VALID_FOR,
+            Verdict::Unknown | Verdict::Expired => {
+                entry.checked_at.elapsed() < REMEMBER_REFUSAL_FOR
+            }
+        });
+        self.entries.shrink_to_fit();
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Fetches the session key as soon as auth answers (so the first bearer does not wait for
+    /// it), then sweeps the cache now and then, until `shutdown`.
+    pub async fn keep_fresh(self: Arc<Self>, auth: AuthClient, shutdown: CancellationToken) {
+        loop {
+            match self.tagging(&auth).await {
+                Ok(_) => break,
+                Err(error) => tracing::warn!(%error, "session key not fetched yet; retrying"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+        let mut ticker = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = ticker.tick() => self.sweep(),
+            }
+        }
+    }
+}
+
+/// Takes a finished (or abandoned) shared look-up out of the in-flight map, and only that one.
+struct LeaveInFlight<'a> {
+    map: &'a DashMap<TokenHash, (Instant, Shared)>,
+    hash: TokenHash,
+    shared: Shared,
+}
+
+impl Drop for LeaveInFlight<'_> {
+    fn drop(&mut self) {
+        // Held under the shard lock, so no one can join between the count and the removal. The
+        // map and this guard are two references; a third is someone still waiting.
+        self.map.remove_if(&self.hash, |_, (_, shared)| {
+            Arc::ptr_eq(shared, &self.shared)
+                && (self.shared.initialized() || Arc::strong_count(shared) <= 2)
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn check(max: usize) -> (SessionCheck, SessionKey) {
+        let key = SessionKey::generate();
+        let tagging = SessionTagging {
+            key: key.clone(),
+            legacy_until_ms: 0,
+        };
+        (SessionCheck::with_tagging(tagging, max), key)
+    }
+
+    fn host(expires_at_ms: u64) -> Verdict {
+        Verdict::Host {
+            fingerprint: "fp".into(),
+            expires_at_ms,
+        }
+    }
+
+    async fn counted(
+        check: &SessionCheck,
+        token: &str,
+        calls: &AtomicUsize,
+        verdict: Verdict,
+    ) -> Result<Verdict, ApiError> {
+        check
+            .verify(token, || async {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Ok(verdict)
+            })
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_verified_session_is_trusted_for_at_most_a_second() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let far = now_ms() + 60_000;
+        for _ in 0..5 {
+            assert_eq!(
+                counted(&check, &token, &calls, host(far)).await,
+                Ok(host(far))
+            );
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        tokio::time::sleep(TRUST_VALID_FOR + Duration::from_millis(20)).await;
+        // The session was replaced meanwhile: the next request asks again and is refused.
+        assert_eq!(
+            counted(&check, &token, &calls, Verdict::Unknown).await,
+            Ok(Verdict::Unknown)
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_cached_session_past_its_expiry_is_expired_without_a_look_up() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let soon = now_ms() + 30;
+        counted(&check, &token, &calls, host(soon)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            counted(&check, &token, &calls, host(soon)).await,
+            Ok(Verdict::Expired)
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn concurrent_requests_for_one_token_share_one_look_up() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let far = now_ms() + 60_000;
+        let (release, wait) = tokio::sync::watch::channel(false);
+        let requests = (0..20).map(|_| {
+            let mut wait = wait.clone();
+            let calls = &calls;
+            check.verify(&token, move || async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let _ = wait.wait_for(|go| *go).await;
+                Ok(host(far))
+            })
+        });
+        let all = futures::future::join_all(requests);
+        tokio::pin!(all);
+        assert!(futures::poll!(all.as_mut()).is_pending());
+        release.send(true).unwrap();
+        let verdicts = all.await;
+        assert!(verdicts.iter().all(|v| *v == Ok(host(far))));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(check.in_flight.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failed_look_up_is_shared_but_not_remembered() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let failed = check
+            .verify(&token, || async {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err(ApiError::DependencyUnavailable)
+            })
+            .await;
+        assert_eq!(failed, Err(ApiError::DependencyUnavailable));
+        assert!(check.is_empty() && check.in_flight.is_empty());
+        let far = now_ms() + 60_000;
+        assert_eq!(
+            counted(&check, &token, &calls, host(far)).await,
+            Ok(host(far))
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_look_up_leaves_nothing_behind() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        {
+            let pending = check.verify(&token, futures::future::pending);
+            tokio::pin!(pending);
+            assert!(futures::poll!(pending.as_mut()).is_pending());
+            assert_eq!(check.in_flight.len(), 1);
+        }
+        assert!(check.in_flight.is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_cache_never_holds_more_than_its_cap() {
+        let (check, key) = check(100);
+        let calls = AtomicUsize::new(0);
+        let far = now_ms() + 60_000;
+        for _ in 0..1_000 {
+            counted(&check, &key.mint().unwrap(), &calls, host(far))
+                .await
+                .unwrap();
+            assert!(check.len() <= 100);
+        }
+        // Once its entries are stale, a sweep empties it.
+        tokio::time::sleep(TRUST_VALID_FOR).await;
+        check.sweep();
+        assert!(check.is_empty());
+    }
+}

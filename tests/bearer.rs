@@ -1,0 +1,264 @@
+//! Bearer checks end to end, on a real `orca-push` process: forged bearers never reach auth, a
+//! valid host keeps working behind an IP that spent its forged-bearer budget, replaced and expired
+//! sessions stop working within a second, and sessions survive a restart.
+
+use std::time::{Duration, Instant};
+
+use orca_push_host::HostKey;
+use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends};
+
+on_both_backends!(
+    forged_bearers_are_refused_without_reaching_auth,
+    a_replaced_session_stops_working_within_a_second,
+    an_expired_session_is_session_expired_within_a_second,
+    sessions_survive_a_restart_of_an_all_in_one_gateway,
+);
+
+/// A Prometheus sample's value, summed over every series of `name` that has all `labels`.
+fn sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// How many Authenticate calls the auth service has served.
+async fn auth_look_ups(gateway: &mut Gateway) -> f64 {
+    let text = reqwest::get(gateway.process("all").metrics_url())
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    sum(
+        &text,
+        "orca_push_grpc_server_calls_total",
+        &[
+            ("service", "orca.push.auth.v1.AuthService"),
+            ("method", "Authenticate"),
+        ],
+    )
+}
+
+fn base64url(token: &str) -> bool {
+    token.len() == 43
+        && token
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+async fn forged_bearers_are_refused_without_reaching_auth(backend: Backend) {
+    let mut gateway = Gateway::start(backend).await;
+    let raw = Raw::new(&gateway);
+    let real = raw.login(&HostKey::generate(), &[]).await;
+    assert!(base64url(&real), "{real}");
+    let reply = raw
+        .get("/v1/devices", &[("authorization", &bearer(&real))])
+        .await;
+    assert_eq!(reply.status, 200);
+    let before = auth_look_ups(&mut gateway).await;
+    assert!(before >= 1.0, "the real bearer was looked up");
+    // Well-formed 43-character bearers, one differing from the real token in its last characters:
+    // none carries a valid tag.
+    let mut near_miss = real[..40].to_owned();
+    near_miss.push_str(if real.ends_with("AAA") { "BBB" } else { "AAA" });
+    let forged: Vec<String> = (0..20)
+        .map(|i| format!("{i:A>43}"))
+        .chain([near_miss])
+        .collect();
+    for token in &forged {
+        let reply = raw
+            .get(
+                "/v1/devices",
+                &[
+                    ("authorization", &bearer(token)),
+                    ("x-forwarded-for", "198.51.100.9"),
+                ],
+            )
+            .await;
+        assert_eq!((reply.status, reply.error()), (401, Some("invalid_token")));
+    }
+    assert_eq!(
+        auth_look_ups(&mut gateway).await,
+        before,
+        "a forged bearer reached auth"
+    );
+}
+
+async fn a_replaced_session_stops_working_within_a_second(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let raw = Raw::new(&gateway);
+    let key = HostKey::generate();
+    let old = bearer(&raw.login(&key, &[]).await);
+    // Verified, so the facade now holds it.
+    assert_eq!(
+        raw.get("/v1/devices", &[("authorization", &old)])
+            .await
+            .status,
+        200
+    );
+    let new = bearer(&raw.login(&key, &[]).await);
+    let replaced_at = Instant::now();
+    assert_eq!(
+        raw.get("/v1/devices", &[("authorization", &new)])
+            .await
+            .status,
+        200
+    );
+    loop {
+        let reply = raw.get("/v1/devices", &[("authorization", &old)]).await;
+        if reply.status == 401 {
+            assert_eq!(reply.error(), Some("invalid_token"));
+            break;
+        }
+        assert_eq!(reply.status, 200, "{reply:?}");
+        assert!(
+            replaced_at.elapsed() < Duration::from_millis(1_100),
+            "the replaced session still worked after {:?}",
+            replaced_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(replaced_at.elapsed() < Duration::from_millis(1_100));
+    // And it stays refused, while the new one works.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let reply = raw.get("/v1/devices", &[("authorization", &old)]).await;
+    assert_eq!((reply.status, reply.error()), (401, Some("invalid_token")));
+    assert_eq!(
+        raw.get("/v1/devices", &[("authorization", &new)])
+            .await
+            .status,
+        200
+    );
+}
+
+async fn an_expired_session_is_session_expired_within_a_second(backend: Backend) {
+    let gateway = Gateway::start(backend).await;
+    let raw = Raw::new(&gateway);
+    let token = bearer(&raw.login(&HostKey::generate(), &[]).await);
+    assert_eq!(
+        raw.get("/v1/devices", &[("authorization", &token)])
+            .await
+            .status,
+        200
+    );
+    // Move the expiry into the past, as 24 hours would.
+    let expire = "UPDATE push_sessions SET expires_at = 1";
+    match gateway.auth_pool().await {
+        orca_push_storage::Pool::Sqlite(pool) => {
+            sqlx::query(expire).execute(&pool).await.unwrap();
+        }
+        orca_push_storage::Pool::Postgres(pool) => {
+            sqlx::query(expire).execute(&pool).await.unwrap();
+        }
+    }
+    let expired_at = Instant::now();
+    loop {
+        let reply = raw.get("/v1/devices", &[("authorization", &token)]).await;
+        if reply.status == 401 {
+            assert_eq!(reply.error(), Some("session_expired"));
+            break;
+        }
+        assert_eq!(reply.status, 200, "{reply:?}");
+        assert!(
+            expired_at.elapsed() < Duration::from_millis(1_100),
+            "the expired session still worked after {:?}",
+            expired_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn sessions_survive_a_restart_of_an_all_in_one_gateway(backend: Backend) {
+    let mut gateway = Gateway::start(backend).await;
+    let raw = Raw::new(&gateway);
+    let session = raw.login(&HostKey::generate(), &[]).await;
+    assert!(base64url(&session), "{session}");
+    let auth = bearer(&session);
+    assert_eq!(
+        raw.get("/v1/devices", &[("authorization", &auth)])
+            .await
+            .status,
+        200
+    );
+    gateway.process("all").kill().await;
+    gateway.process("all").respawn().await;
+    let mut status = 0;
+    for _ in 0..100 {
+        status = raw
+            .get("/v1/devices", &[("authorization", &auth)])
+            .await
+            .status;
+        if status != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status, 200, "the session did not survive the restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_valid_host_keeps_working_behind_an_ip_that_spent_its_forged_bearer_budget() {
+    let gateway = Gateway::start(Backend::Sqlite).await;
+    let raw = Raw::new(&gateway);
+    let ip = [("x-forwarded-for", "192.0.2.77")];
+    let key = HostKey::generate();
+    let replaced = bearer(&raw.login(&key, &ip).await);
+    let real = bearer(&raw.login(&key, &ip).await);
+    let forged = |i: usize| bearer(&format!("{i:B>43}"));
+    let mut statuses = Vec::new();
+    for i in 0..40 {
+        let reply = raw
+            .get("/v1/devices", &[("authorization", &forged(i)), ip[0]])
+            .await;
+        statuses.push(reply.status);
+    }
+    assert!(statuses[..30].iter().all(|s| *s == 401), "{statuses:?}");
+    assert!(statuses[32..].iter().all(|s| *s == 429), "{statuses:?}");
+    // The budget is spent, yet the valid host on that IP is served, time after time.
+    for _ in 0..20 {
+        let reply = raw
+            .get("/v1/devices", &[("authorization", &real), ip[0]])
+            .await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+    }
+    // Forgeries from that IP still get 429, and so does its replaced session: it spends the
+    // budget like a forgery.
+    let reply = raw
+        .get("/v1/devices", &[("authorization", &forged(99)), ip[0]])
+        .await;
+    assert_eq!((reply.status, reply.error()), (429, Some("rate_limited")));
+    let reply = raw
+        .get("/v1/devices", &[("authorization", &replaced), ip[0]])
+        .await;
+    assert_eq!((reply.status, reply.error()), (429, Some("rate_limited")));
+}
+
+/// In split mode the facade holds the key auth gave it: with auth gone, a forged bearer is still
+/// refused as `invalid_token` rather than failing on the missing look-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_bearers_are_refused_even_while_auth_is_down() {
+    let mut gateway = Gateway::start_split(Backend::Sqlite).await;
+    let raw = Raw::new(&gateway);
+    let real = bearer(&raw.login(&HostKey::generate(), &[]).await);
+    assert_eq!(
+        raw.get("/v1/devices", &[("authorization", &real)])
+            .await
+            .status,
+        200
+    );
+    gateway.process("auth").kill().await;
+    let reply = raw
+        .get(
+            "/v1/devices",
+            &[("authorization", &bearer(&"Z".repeat(43)))],
+        )
+        .await;
+    assert_eq!((reply.status, reply.error()), (401, Some("invalid_token")));
+}
