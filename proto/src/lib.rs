@@ -27,6 +27,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 pub const SERVICE_METHODS: &[&str] = &[
     "/orca.push.auth.v1.AuthService/IssueChallenge",
     "/orca.push.auth.v1.AuthService/CreateSession",
+    "/orca.push.auth.v1.AuthService/GetSessionKey",
     "/orca.push.auth.v1.AuthService/Authenticate",
     "/orca.push.registry.v1.RegistryService/RegisterDevice",
     "/orca.push.registry.v1.RegistryService/ListDevices",
