@@ -20,6 +20,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         out.join("descriptors.bin"),
         prost::Message::encode_to_vec(&descriptors),
     )?;
+    // Every method path the protos declare, so a test can insist each one is classified read-only
+    // or write in `access::METHODS` (a new rpc must be decided, not defaulted silently).
+    let mut methods = String::from("&[\n");
+    for file in &descriptors.file {
+        for service in &file.service {
+            for method in &service.method {
+                methods.push_str(&format!(
+                    "    \"/{}.{}/{}\",\n",
+                    file.package(),
+                    service.name(),
+                    method.name()
+                ));
+            }
+        }
+    }
+    methods.push_str("]\n");
+    std::fs::write(out.join("declared_methods.rs"), methods)?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

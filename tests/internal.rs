@@ -1,10 +1,11 @@
 //! Internal security over real split-mode processes: every service refuses gRPC calls without a
 //! valid token for it (missing, expired, another audience), answers health without one, and lists
-//! its API through reflection to a caller with a token.
+//! its API through reflection to a caller with a token; a read-only token calls reads only; and a
+//! facade whose internal key the services refuse answers hosts `dependency_unavailable`.
 
 use std::time::Duration;
 
-use orca_push_internal_auth::{InternalKey, mint, mint_between};
+use orca_push_internal_auth::{InternalKey, Scope, mint, mint_between};
 use orca_push_proto::auth::v1 as auth_pb;
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
@@ -50,11 +51,34 @@ fn tokens(audience: &str) -> (Vec<(&'static str, Option<String>)>, String) {
         ("missing", None),
         (
             "expired",
-            Some(mint_between(&key, "support", audience, now - 600, now - 1)),
+            Some(mint_between(
+                &key,
+                "support",
+                audience,
+                Scope::Full,
+                now - 600,
+                now - 1,
+            )),
         ),
         (
             "wrong audience",
-            Some(mint(&key, "support", other, Duration::from_secs(60))),
+            Some(mint(
+                &key,
+                "support",
+                other,
+                Scope::Full,
+                Duration::from_secs(60),
+            )),
+        ),
+        (
+            "no caller named",
+            Some(mint(
+                &key,
+                "",
+                audience,
+                Scope::Full,
+                Duration::from_secs(60),
+            )),
         ),
         (
             "wrong key",
@@ -62,13 +86,20 @@ fn tokens(audience: &str) -> (Vec<(&'static str, Option<String>)>, String) {
                 &InternalKey::generate(),
                 "support",
                 audience,
+                Scope::Full,
                 Duration::from_secs(60),
             )),
         ),
     ];
     (
         bad,
-        mint(&key, "support", audience, Duration::from_secs(60)),
+        mint(
+            &key,
+            "support",
+            audience,
+            Scope::Full,
+            Duration::from_secs(60),
+        ),
     )
 }
 
@@ -223,6 +254,333 @@ async fn the_cli_mints_tokens_with_the_shared_key() {
     assert!(
         String::from_utf8_lossy(&output.stderr).starts_with("orca-push: ORCA_PUSH_INTERNAL_KEY")
     );
+}
+
+/// `orca-push internal-token <args>` with the test fleet's key.
+async fn internal_token(args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(orca_push_tests::binary())
+        .arg("internal-token")
+        .args(args)
+        .env("ORCA_PUSH_INTERNAL_KEY", INTERNAL_KEY)
+        .output()
+        .await
+        .unwrap()
+}
+
+/// The token `orca-push internal-token <args>` prints.
+async fn cli_token(args: &[&str]) -> String {
+    let output = internal_token(args).await;
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8(output.stdout).unwrap().trim().to_owned()
+}
+
+/// A token as versions before scopes minted it: no `scope` claim.
+fn older_token(audience: &str) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims =
+        serde_json::json!({ "sub": "support", "aud": audience, "iat": now, "exp": now + 300 });
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(INTERNAL_KEY.as_bytes()),
+    )
+    .unwrap()
+}
+
+fn code<T>(answer: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
+    answer.map_or_else(|status| status.code(), |_| tonic::Code::Ok)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn team_tokens_are_read_only_unless_minted_full() {
+    use tonic::Code::{Ok, PermissionDenied};
+    let mut gateway = Gateway::start_split(Backend::Sqlite).await;
+    let registry_port = gateway.process("registry").port;
+    let queue_port = gateway.process("queue").port;
+    let auth_port = gateway.process("auth").port;
+    let registry = |port| async move {
+        registry_pb::registry_service_client::RegistryServiceClient::new(channel(port).await)
+    };
+    let queue = |port| async move {
+        queue_pb::queue_service_client::QueueServiceClient::new(channel(port).await)
+    };
+    let register = |device: &str| registry_pb::RegisterDeviceRequest {
+        host_fingerprint: "D20lU_8MD0R64gLt".into(),
+        device_id: device.into(),
+        platform: registry_pb::Platform::Android as i32,
+        token: format!("fcm-token-of-{device}-0123456789abcdef"),
+        apns_environment: 0,
+        filter: None,
+    };
+    let list = || registry_pb::ListDevicesRequest {
+        host_fingerprint: "D20lU_8MD0R64gLt".into(),
+    };
+    let outcomes = || queue_pb::GetEventOutcomesRequest {
+        host_fingerprint: "D20lU_8MD0R64gLt".into(),
+        kind: queue_pb::Kind::Alert as i32,
+        notification_epoch: "epoch".into(),
+        notification_seq: 1,
+    };
+    let claim = || queue_pb::ClaimRequest {
+        lane: "support/lane".into(),
+        max_batches: 1,
+        lease_ms: 1_000,
+        wait_ms: 0,
+    };
+
+    // A full token (explicitly asked for) calls everything, push tokens included.
+    let full = cli_token(&[
+        "--audience",
+        "registry",
+        "--subject",
+        "sre-oncall",
+        "--scope",
+        "full",
+        "--ttl",
+        "600",
+    ])
+    .await;
+    let registration_id = registry(registry_port)
+        .await
+        .register_device(with_token(register("phone-1"), Some(&full)))
+        .await
+        .expect("a full token registers a device")
+        .into_inner()
+        .registration_id;
+    let delivery = || registry_pb::GetDevicesForDeliveryRequest {
+        registration_ids: vec![registration_id.clone()],
+    };
+    let devices = registry(registry_port)
+        .await
+        .get_devices_for_delivery(with_token(delivery(), Some(&full)))
+        .await
+        .expect("a full token reads delivery devices")
+        .into_inner()
+        .devices;
+    assert_eq!(devices.len(), 1);
+    assert!(devices[0].token.starts_with("fcm-token-of-phone-1"));
+    let full_queue = cli_token(&[
+        "--audience",
+        "queue",
+        "--subject",
+        "sre-oncall",
+        "--scope",
+        "full",
+    ])
+    .await;
+    assert_eq!(
+        code(
+            queue(queue_port)
+                .await
+                .claim(with_token(claim(), Some(&full_queue)))
+                .await
+        ),
+        Ok
+    );
+
+    // The CLI's default token, and one from before scopes, read but never write or see tokens.
+    let read_registry = cli_token(&[
+        "--audience",
+        "registry",
+        "--subject",
+        "support",
+        "--ttl",
+        "600",
+    ])
+    .await;
+    let read_queue = cli_token(&["--audience", "queue", "--subject", "support"]).await;
+    let read_auth = cli_token(&["--audience", "auth", "--subject", "support"]).await;
+    for (registry_token, queue_token) in [
+        (read_registry, read_queue),
+        (older_token("registry"), older_token("queue")),
+    ] {
+        let (r, q) = (Some(registry_token.as_str()), Some(queue_token.as_str()));
+        let listed = registry(registry_port)
+            .await
+            .list_devices(with_token(list(), r))
+            .await
+            .expect("a read token lists a host's devices")
+            .into_inner();
+        assert_eq!(listed.devices.len(), 1);
+        assert_eq!(
+            code(
+                queue(queue_port)
+                    .await
+                    .get_queue_depth(with_token(queue_pb::GetQueueDepthRequest {}, q))
+                    .await
+            ),
+            Ok
+        );
+        assert_eq!(
+            code(
+                queue(queue_port)
+                    .await
+                    .get_event_outcomes(with_token(outcomes(), q))
+                    .await
+            ),
+            Ok
+        );
+        assert!(list_services(registry_port, r).await.is_ok(), "reflection");
+        // Push tokens are not a read.
+        assert_eq!(
+            code(
+                registry(registry_port)
+                    .await
+                    .get_devices_for_delivery(with_token(delivery(), r))
+                    .await
+            ),
+            PermissionDenied
+        );
+        assert_eq!(
+            code(
+                registry(registry_port)
+                    .await
+                    .register_device(with_token(register("phone-2"), r))
+                    .await
+            ),
+            PermissionDenied
+        );
+        assert_eq!(
+            code(
+                registry(registry_port)
+                    .await
+                    .delete_device(with_token(
+                        registry_pb::DeleteDeviceRequest {
+                            host_fingerprint: "D20lU_8MD0R64gLt".into(),
+                            registration_id: registration_id.clone(),
+                        },
+                        r
+                    ))
+                    .await
+            ),
+            PermissionDenied
+        );
+        assert_eq!(
+            code(queue(queue_port).await.claim(with_token(claim(), q)).await),
+            PermissionDenied
+        );
+    }
+    assert_eq!(
+        code(
+            auth_pb::auth_service_client::AuthServiceClient::new(channel(auth_port).await)
+                .authenticate(with_token(
+                    auth_pb::AuthenticateRequest {
+                        session_token: "x".repeat(43),
+                    },
+                    Some(&read_auth)
+                ))
+                .await
+        ),
+        PermissionDenied,
+        "resolving a bearer is not a read"
+    );
+    // Nothing a read token was refused happened.
+    let listed = registry(registry_port)
+        .await
+        .list_devices(with_token(list(), Some(&full)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.devices.len(), 1, "{listed:?}");
+    let logs = gateway.logs();
+    assert!(
+        logs.contains("internal call refused") && logs.contains("support"),
+        "refusals are logged with the caller"
+    );
+    assert!(!logs.contains(&full), "a token is never logged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_caps_lifetimes_by_scope_and_checks_the_caller() {
+    async fn refused(args: &[&str], says: &str) {
+        let output = internal_token(&[&["--audience", "queue"], args].concat()).await;
+        assert!(!output.status.success(), "{args:?} was minted");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    async fn minted(args: &[&str]) -> orca_push_internal_auth::Claims {
+        let token = cli_token(&[&["--audience", "queue"], args].concat()).await;
+        let key = InternalKey::from_secret(INTERNAL_KEY).unwrap();
+        orca_push_internal_auth::verify(&key, &token, "queue").unwrap()
+    }
+    refused(&["--subject", "sre", "--ttl", "86400"], "28800").await;
+    refused(
+        &["--subject", "sre", "--scope", "full", "--ttl", "3601"],
+        "3600",
+    )
+    .await;
+    refused(&["--subject", "sre team"], "--subject").await;
+    refused(&["--subject", ""], "--subject").await;
+    refused(&["--subject", "sre", "--scope", "admin"], "--scope").await;
+    let read = minted(&["--subject", "sre", "--ttl", "28800"]).await;
+    assert_eq!((read.scope, read.exp - read.iat), (Scope::Read, 28_800));
+    let full = minted(&["--subject", "sre", "--scope", "full", "--ttl", "3600"]).await;
+    assert_eq!((full.scope, full.exp - full.iat), (Scope::Full, 3_600));
+    let default = minted(&["--subject", "sre@example.com"]).await;
+    assert_eq!(
+        (
+            default.scope,
+            default.exp - default.iat,
+            default.sub.as_str()
+        ),
+        (Scope::Read, 300, "sre@example.com")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_facade_whose_internal_key_is_refused_answers_hosts_dependency_unavailable() {
+    let mut gateway = Gateway::start_split(Backend::Sqlite).await;
+    let raw = orca_push_tests::Raw::new(&gateway);
+    let host = orca_push_host::HostKey::generate();
+    let session = raw.login(&host, &[]).await;
+    let bearer = orca_push_tests::bearer(&session);
+    let authorized = [("authorization", bearer.as_str())];
+    assert_eq!(raw.get("/v1/devices", &authorized).await.status, 200);
+    let unknown = orca_push_tests::bearer(&"A".repeat(43));
+    let forged = [("authorization", unknown.as_str())];
+    assert_eq!(
+        raw.get("/v1/devices", &forged).await.error(),
+        Some("invalid_token"),
+        "a genuinely unknown bearer is the host's fault"
+    );
+
+    // The facade restarts with another key than the services'.
+    let facade = gateway.process("facade");
+    facade.kill().await;
+    facade
+        .respawn_with(&[(
+            "ORCA_PUSH_INTERNAL_KEY",
+            "another-key-entirely-0123456789abcdef-0123456789",
+        )])
+        .await;
+    for _ in 0..3 {
+        let answer = raw.get("/v1/devices", &authorized).await;
+        assert_eq!(
+            (answer.status, answer.error()),
+            (503, Some("dependency_unavailable")),
+            "the host keeps its session: {answer:?}"
+        );
+    }
+    let (challenge, _) = raw.challenge(&host, &[]).await;
+    assert_eq!(
+        (challenge.status, challenge.error()),
+        (503, Some("dependency_unavailable"))
+    );
+    assert!(
+        gateway.logs().contains("ORCA_PUSH_INTERNAL_KEY"),
+        "the operator is told what to check"
+    );
+
+    // With the right key again, the same session works: nothing was dropped.
+    let facade = gateway.process("facade");
+    facade.kill().await;
+    facade
+        .respawn_with(&[("ORCA_PUSH_INTERNAL_KEY", INTERNAL_KEY)])
+        .await;
+    assert_eq!(raw.get("/v1/devices", &authorized).await.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

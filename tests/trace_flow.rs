@@ -146,6 +146,8 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
         assert_eq!(attribute(server, "rpc.system").as_deref(), Some("grpc"));
         assert_eq!(attribute(server, "rpc.service").as_deref(), Some(service));
         assert_eq!(attribute(server, "rpc.method").as_deref(), Some(method));
+        // The caller its internal token named (never the token).
+        assert_eq!(attribute(server, "enduser.id").as_deref(), Some("facade"));
         // The SQL work of the service is a child of its server span.
         assert!(
             request

@@ -37,16 +37,23 @@ enum Command {
     /// Apply every service's database migrations, then exit.
     Migrate,
     /// Print a token an internal team (or grpcurl) can call a service with. Reads
-    /// ORCA_PUSH_INTERNAL_KEY, the key the services check tokens with.
+    /// ORCA_PUSH_INTERNAL_KEY, the key the services check tokens with. Read-only unless
+    /// --scope full.
     InternalToken {
         /// The service to call: auth, registry, queue or sender.
         #[arg(long, value_parser = ["auth", "registry", "queue", "sender"])]
         audience: String,
-        /// Who is calling (a team or tool name); services log it, never the token.
-        #[arg(long)]
+        /// Who is calling (a team or tool name: 1-64 letters, digits, `.`, `_`, `-`, `@`);
+        /// services trace it, never the token.
+        #[arg(long, value_parser = subject)]
         subject: String,
-        /// Lifetime in seconds (at most a day).
-        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+        /// What the token may call: `read` (look-ups such as event outcomes, queue depth and a
+        /// host's device list; never push tokens) or `full` (every method, as services call each
+        /// other).
+        #[arg(long, value_enum, default_value_t = TokenScope::Read)]
+        scope: TokenScope,
+        /// Lifetime in seconds: at most 28800 (8 h) for a read token, 3600 (1 h) for a full one.
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
         ttl: u64,
     },
     /// Container health check: exits 0 when this host's process answers. With ORCA_PUSH_GRPC_ADDR
@@ -84,6 +91,31 @@ enum HostCommand {
         #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = default_key_path())]
         key: PathBuf,
     },
+}
+
+/// What an `internal-token` may call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TokenScope {
+    Read,
+    Full,
+}
+
+impl From<TokenScope> for orca_push_internal_auth::Scope {
+    fn from(scope: TokenScope) -> Self {
+        match scope {
+            TokenScope::Read => Self::Read,
+            TokenScope::Full => Self::Full,
+        }
+    }
+}
+
+/// `--subject`: a name the services accept as a caller.
+fn subject(value: &str) -> Result<String, String> {
+    if orca_push_internal_auth::valid_subject(value) {
+        Ok(value.to_owned())
+    } else {
+        Err("1 to 64 ASCII letters, digits, `.`, `_`, `-` or `@`".to_owned())
+    }
 }
 
 fn default_key_path() -> PathBuf {
@@ -159,8 +191,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::InternalToken {
             audience,
             subject,
+            scope,
             ttl,
         } => {
+            let scope = orca_push_internal_auth::Scope::from(scope);
+            let max = scope.max_ttl().as_secs();
+            anyhow::ensure!(
+                ttl <= max,
+                "--ttl: a {} token lives at most {max} seconds",
+                scope.as_str()
+            );
             let key = Config::from_env()?.require_internal_key()?;
             println!(
                 "{}",
@@ -168,6 +208,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     &key,
                     &subject,
                     &audience,
+                    scope,
                     std::time::Duration::from_secs(ttl)
                 )
             );

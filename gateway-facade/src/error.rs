@@ -120,13 +120,27 @@ impl IntoResponse for ApiError {
 
 impl From<tonic::Status> for ApiError {
     /// A service names the contract code in metadata; otherwise the gRPC code decides.
+    ///
+    /// UNAUTHENTICATED or PERMISSION_DENIED without a contract code is a service refusing this
+    /// gateway's own internal token (e.g. `ORCA_PUSH_INTERNAL_KEY` differs between processes):
+    /// a fault between services, so the host gets `dependency_unavailable` and keeps its session,
+    /// never `invalid_token` (which would make every desktop prove itself again, in a loop). A
+    /// host's own bad bearer always comes back from auth with its contract code.
     fn from(status: tonic::Status) -> Self {
         if let Some(error) = orca_push_proto::error_code(&status).and_then(Self::from_code) {
             return error;
         }
         match status.code() {
             tonic::Code::InvalidArgument => Self::InvalidRequest,
-            tonic::Code::Unauthenticated => Self::InvalidToken,
+            code @ (tonic::Code::Unauthenticated | tonic::Code::PermissionDenied) => {
+                tracing::error!(
+                    ?code,
+                    refusal = status.message(),
+                    "a service refused this gateway's internal token; check that every process \
+                     has the same ORCA_PUSH_INTERNAL_KEY"
+                );
+                Self::DependencyUnavailable
+            }
             tonic::Code::NotFound => Self::NotFound,
             tonic::Code::ResourceExhausted => Self::RateLimited,
             // A replica that went away mid-call: the caller may retry.
@@ -138,6 +152,38 @@ impl From<tonic::Status> for ApiError {
                 tracing::error!(?code, "unexpected gRPC status from a service");
                 Self::Internal
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orca_push_proto::status_with_code;
+    use tonic::Code;
+
+    #[test]
+    fn a_refused_internal_token_is_a_dependency_fault_not_the_hosts() {
+        for code in [Code::Unauthenticated, Code::PermissionDenied] {
+            let error = ApiError::from(tonic::Status::new(code, "no internal token"));
+            assert_eq!(error, ApiError::DependencyUnavailable, "{code:?}");
+            assert_eq!(error.status(), StatusCode::SERVICE_UNAVAILABLE);
+        }
+    }
+
+    #[test]
+    fn the_hosts_own_credentials_keep_their_contract_codes() {
+        for (error, code) in [
+            (ApiError::InvalidToken, "invalid_token"),
+            (ApiError::SessionExpired, "session_expired"),
+            (ApiError::InvalidChallenge, "invalid_challenge"),
+            (ApiError::InvalidProof, "invalid_proof"),
+        ] {
+            // As auth answers now, and as an auth from before FAILED_PRECONDITION answered.
+            for grpc in [Code::FailedPrecondition, Code::Unauthenticated] {
+                assert_eq!(ApiError::from(status_with_code(grpc, code)), error);
+            }
+            assert_eq!(error.status(), StatusCode::UNAUTHORIZED);
         }
     }
 }

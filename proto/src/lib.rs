@@ -75,6 +75,10 @@ pub fn reflection_service() -> Result<
 
 /// Metadata key carrying the contract's error code (`invalid_proof`, `session_expired`, ...) on a
 /// failed call, so the facade can answer the exact public `{"error": ...}` without parsing messages.
+///
+/// A service's own refusals always carry it. UNAUTHENTICATED or PERMISSION_DENIED without it is the
+/// internal token refused (see `orca-push-internal-auth`): a fault between services, never the
+/// host's.
 pub const ERROR_CODE_METADATA: &str = "x-orca-error";
 
 /// Builds a status whose message and `x-orca-error` metadata are the contract's error code.
@@ -93,6 +97,116 @@ pub fn error_code(status: &tonic::Status) -> Option<&str> {
         .metadata()
         .get(ERROR_CODE_METADATA)
         .and_then(|v| v.to_str().ok())
+}
+
+/// Which internal methods only read, for internal tokens of read-only scope (internal teams,
+/// support, SREs). One table for every service, next to the protos it classifies; a method not in
+/// it (a new rpc, or a path nobody declared) counts as a write.
+pub mod access {
+    /// What a method does, as far as internal tokens are concerned.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Access {
+        /// Reads state without changing it, and reveals no secret (no push token, no session).
+        Read,
+        /// Changes state, or reveals what a read-only caller must not see.
+        Write,
+    }
+
+    use Access::{Read, Write};
+
+    /// Every method of every service, by gRPC path. Health is not here: it is open to everyone.
+    pub const METHODS: &[(&str, Access)] = &[
+        // Auth: every method writes (challenges, sessions, last contact) or resolves a host's
+        // bearer, which is a credential check, not a look-up.
+        ("/orca.push.auth.v1.AuthService/IssueChallenge", Write),
+        ("/orca.push.auth.v1.AuthService/CreateSession", Write),
+        ("/orca.push.auth.v1.AuthService/Authenticate", Write),
+        // The key that tags session tokens: for the facade only.
+        ("/orca.push.auth.v1.AuthService/GetSessionKey", Write),
+        // Registry: look-ups that show platform and state, never a push token, are reads.
+        (
+            "/orca.push.registry.v1.RegistryService/RegisterDevice",
+            Write,
+        ),
+        ("/orca.push.registry.v1.RegistryService/ListDevices", Read),
+        ("/orca.push.registry.v1.RegistryService/DeleteDevice", Write),
+        (
+            "/orca.push.registry.v1.RegistryService/ResolveRegistrations",
+            Read,
+        ),
+        // Answers every phone's native push token: for the sender only.
+        (
+            "/orca.push.registry.v1.RegistryService/GetDevicesForDelivery",
+            Write,
+        ),
+        ("/orca.push.registry.v1.RegistryService/MarkDead", Write),
+        (
+            "/orca.push.registry.v1.RegistryService/HostsWithDevices",
+            Read,
+        ),
+        // Queue: admission and the sender's lease protocol write; the support look-ups read.
+        ("/orca.push.queue.v1.QueueService/Enqueue", Write),
+        ("/orca.push.queue.v1.QueueService/Claim", Write),
+        ("/orca.push.queue.v1.QueueService/RenewLease", Write),
+        ("/orca.push.queue.v1.QueueService/Complete", Write),
+        ("/orca.push.queue.v1.QueueService/CompleteMany", Write),
+        ("/orca.push.queue.v1.QueueService/Retry", Write),
+        ("/orca.push.queue.v1.QueueService/HoldProvider", Write),
+        ("/orca.push.queue.v1.QueueService/GetEventOutcomes", Read),
+        ("/orca.push.queue.v1.QueueService/GetQueueDepth", Read),
+        // Server reflection lists the API (what grpcurl needs to call anything).
+        (
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            Read,
+        ),
+    ];
+
+    /// Every method path the protos declare (generated from them at build time).
+    pub const DECLARED: &[&str] = include!(concat!(env!("OUT_DIR"), "/declared_methods.rs"));
+
+    /// What the method at `path` (`/package.Service/Method`) does; unknown paths are writes.
+    pub fn of(path: &str) -> Access {
+        METHODS
+            .iter()
+            .find(|(method, _)| *method == path)
+            .map_or(Write, |(_, access)| *access)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn every_declared_method_is_classified_once() {
+            for method in DECLARED {
+                let entries = METHODS.iter().filter(|(m, _)| m == method).count();
+                assert_eq!(entries, 1, "{method}: classify it in access::METHODS");
+            }
+            for (method, _) in METHODS {
+                assert!(
+                    DECLARED.contains(method) || method.starts_with("/grpc.reflection."),
+                    "{method} is not declared by any proto"
+                );
+            }
+        }
+
+        #[test]
+        fn unknown_methods_and_push_tokens_are_writes() {
+            assert_eq!(of("/orca.push.queue.v1.QueueService/GetQueueDepth"), Read);
+            assert_eq!(
+                of("/orca.push.registry.v1.RegistryService/ListDevices"),
+                Read
+            );
+            assert_eq!(
+                of("/orca.push.registry.v1.RegistryService/GetDevicesForDelivery"),
+                Write
+            );
+            assert_eq!(of("/orca.push.queue.v1.QueueService/Enqueue"), Write);
+            assert_eq!(of("/orca.push.queue.v1.QueueService/Purge"), Write);
+            assert_eq!(of("/orca.push.queue.v1.QueueService/GetQueueDepth/"), Write);
+            assert_eq!(of(""), Write);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -221,7 +221,17 @@ impl Process {
 
     /// Starts the same command again (same database, environment and data folder).
     pub async fn respawn(&mut self) {
+        self.respawn_with(&[]).await
+    }
+
+    /// Starts the same command again with `env` set over its environment (e.g. another
+    /// `ORCA_PUSH_INTERNAL_KEY`). Later calls of [`Process::respawn`] keep it.
+    pub async fn respawn_with(&mut self, env: &[(&str, &str)]) {
         let mut recipe = self.recipe.clone();
+        for (key, value) in env {
+            recipe.env.retain(|(k, _)| k != key);
+            recipe.env.push((key.to_string(), value.to_string()));
+        }
         // A facade keeps its port, so the origin bound into challenges stays the same.
         // Same port again, so every caller's URL stays right.
         if recipe.marker == "facade listening" {

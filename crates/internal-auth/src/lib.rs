@@ -1,6 +1,13 @@
-//! Internal gRPC calls carry a short-lived HS256 token naming the caller (`sub`) and the service
-//! called (`aud`). Every service refuses a call without one, with another audience, or expired,
-//! with UNAUTHENTICATED; only gRPC health checks are open, because probes need them.
+//! Internal gRPC calls carry a short-lived HS256 token naming the caller (`sub`), the service
+//! called (`aud`) and what it may call (`scope`). Every service refuses a call without one, with
+//! another audience, expired, living longer than its scope allows, or naming no well-formed caller,
+//! with UNAUTHENTICATED; a read-only token calling a method that is not a read
+//! ([`orca_push_proto::access`]) is refused with PERMISSION_DENIED. Only gRPC health checks are
+//! open, because probes need them.
+//!
+//! Services mint full-scope tokens for each other; `orca-push internal-token` mints read-only ones
+//! unless told `--scope full`. A token without a scope claim (minted before scopes existed) is
+//! read-only.
 //!
 //! The key is `ORCA_PUSH_INTERNAL_KEY` (required in split mode) or generated per process when all
 //! in one. Never log a token or the key.
@@ -22,6 +29,14 @@ const REMINT_BEFORE: Duration = Duration::from_secs(60);
 const RESOLVE_EVERY: Duration = Duration::from_secs(10);
 /// Health checks are the one open method.
 const OPEN_PREFIX: &str = "/grpc.health.v1.Health/";
+/// The longest a read-only token may live (a working shift).
+pub const MAX_READ_TTL: Duration = Duration::from_secs(8 * 3600);
+/// The longest a full-scope token may live.
+pub const MAX_FULL_TTL: Duration = Duration::from_secs(3600);
+/// How far the minting machine's clock may run ahead of the checking one.
+const CLOCK_SKEW: Duration = Duration::from_secs(300);
+/// The longest caller name (`sub`).
+const MAX_SUBJECT_LEN: usize = 64;
 
 /// The shared signing key. Debug never shows it.
 #[derive(Clone)]
@@ -57,6 +72,44 @@ impl InternalKey {
     }
 }
 
+/// What a token may call.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// The read-only methods of [`orca_push_proto::access`] and reflection. Also what a token
+    /// without a scope claim gets.
+    #[default]
+    Read,
+    /// Every method: what services mint for each other.
+    Full,
+}
+
+impl Scope {
+    /// The longest a token of this scope may live.
+    pub fn max_ttl(self) -> Duration {
+        match self {
+            Self::Read => MAX_READ_TTL,
+            Self::Full => MAX_FULL_TTL,
+        }
+    }
+
+    /// Whether this scope may call the method at `path`.
+    pub fn allows(self, path: &str) -> bool {
+        use orca_push_proto::access::{self, Access};
+        match self {
+            Self::Full => true,
+            Self::Read => access::of(path) == Access::Read,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Full => "full",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Claims {
     /// The caller: a service name or an internal team.
@@ -65,6 +118,17 @@ pub struct Claims {
     pub aud: String,
     pub iat: u64,
     pub exp: u64,
+    /// Absent in tokens minted before scopes: read-only. An unknown value makes the token invalid.
+    #[serde(default)]
+    pub scope: Scope,
+}
+
+/// A caller name: 1 to 64 ASCII letters, digits, `.`, `_`, `-` or `@` (it is logged and traced).
+pub fn valid_subject(subject: &str) -> bool {
+    (1..=MAX_SUBJECT_LEN).contains(&subject.len())
+        && subject
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'@'))
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -77,6 +141,10 @@ pub enum Refusal {
     WrongAudience,
     #[error("invalid internal token")]
     Invalid,
+    #[error("internal token names no well-formed caller")]
+    BadSubject,
+    #[error("internal token lives longer than its scope allows")]
+    TooLong,
 }
 
 fn now_s() -> u64 {
@@ -86,11 +154,13 @@ fn now_s() -> u64 {
         .unwrap_or(0)
 }
 
-/// A token for `subject` to call `audience`, valid from `iat` to `exp` (Unix seconds).
+/// A token for `subject` to call `audience` within `scope`, valid from `iat` to `exp` (Unix
+/// seconds). Mints whatever it is asked; [`verify`] enforces the subject's form and the lifetime.
 pub fn mint_between(
     key: &InternalKey,
     subject: &str,
     audience: &str,
+    scope: Scope,
     iat: u64,
     exp: u64,
 ) -> String {
@@ -99,6 +169,7 @@ pub fn mint_between(
         aud: audience.to_owned(),
         iat,
         exp,
+        scope,
     };
     jsonwebtoken::encode(
         &Header::new(Algorithm::HS256),
@@ -108,13 +179,21 @@ pub fn mint_between(
     .unwrap_or_default()
 }
 
-/// A token for `subject` to call `audience` for `ttl`.
-pub fn mint(key: &InternalKey, subject: &str, audience: &str, ttl: Duration) -> String {
+/// A token for `subject` to call `audience` within `scope` for `ttl`.
+pub fn mint(
+    key: &InternalKey,
+    subject: &str,
+    audience: &str,
+    scope: Scope,
+    ttl: Duration,
+) -> String {
     let now = now_s();
-    mint_between(key, subject, audience, now, now + ttl.as_secs())
+    mint_between(key, subject, audience, scope, now, now + ttl.as_secs())
 }
 
-/// Checks a token for `audience`.
+/// Checks a token for `audience`: signature, audience, expiry, a well-formed caller, and a
+/// remaining lifetime within its scope's maximum (plus clock skew). Which methods its scope may
+/// call is the caller's check ([`Scope::allows`]).
 pub fn verify(key: &InternalKey, token: &str, audience: &str) -> Result<Claims, Refusal> {
     let mut validation = Validation::new(Algorithm::HS256);
     validation.set_audience(&[audience]);
@@ -126,6 +205,15 @@ pub fn verify(key: &InternalKey, token: &str, audience: &str) -> Result<Claims, 
             jsonwebtoken::errors::ErrorKind::ExpiredSignature => Refusal::Expired,
             jsonwebtoken::errors::ErrorKind::InvalidAudience => Refusal::WrongAudience,
             _ => Refusal::Invalid,
+        })
+        .and_then(|claims| {
+            if !valid_subject(&claims.sub) {
+                Err(Refusal::BadSubject)
+            } else if claims.exp > now_s() + (claims.scope.max_ttl() + CLOCK_SKEW).as_secs() {
+                Err(Refusal::TooLong)
+            } else {
+                Ok(claims)
+            }
         })
 }
 
@@ -238,7 +326,8 @@ where
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
-/// Server side: refuse any call but health without a valid token for this service.
+/// Server side: refuse any call but health without a valid token for this service
+/// (UNAUTHENTICATED), and any call its token's scope does not allow (PERMISSION_DENIED).
 #[derive(Debug, Clone)]
 pub struct RequireToken {
     key: InternalKey,
@@ -300,9 +389,23 @@ where
             Some(token) => verify(&self.check.key, token, self.check.audience),
         };
         match verdict {
-            Ok(claims) => {
+            Ok(claims) if claims.scope.allows(request.uri().path()) => {
+                tracing::Span::current().record("enduser.id", claims.sub.as_str());
                 request.extensions_mut().insert(Caller(claims.sub));
                 Box::pin(self.inner.call(request))
+            }
+            Ok(claims) => {
+                tracing::warn!(
+                    caller = %claims.sub,
+                    scope = claims.scope.as_str(),
+                    method = request.uri().path(),
+                    "internal call refused: the token's scope does not allow this method"
+                );
+                let status = tonic::Status::permission_denied(format!(
+                    "a {}-scope internal token cannot call this method",
+                    claims.scope.as_str()
+                ));
+                Box::pin(async move { Ok(status.into_http::<R>()) })
             }
             Err(refusal) => {
                 let status = tonic::Status::unauthenticated(refusal.to_string());
@@ -312,7 +415,7 @@ where
     }
 }
 
-/// Client side: every call carries a token for `audience`, re-minted before it expires.
+/// Client side: every call carries a full-scope token for `audience`, re-minted before it expires.
 #[derive(Clone)]
 pub struct AttachToken<S> {
     inner: S,
@@ -334,7 +437,13 @@ impl Minter {
         {
             return value.clone();
         }
-        let token = mint(&self.key, &self.subject, &self.audience, SERVICE_TOKEN_TTL);
+        let token = mint(
+            &self.key,
+            &self.subject,
+            &self.audience,
+            Scope::Full,
+            SERVICE_TOKEN_TTL,
+        );
         let mut value = http::HeaderValue::from_str(&format!("Bearer {token}"))
             .unwrap_or_else(|_| http::HeaderValue::from_static(""));
         value.set_sensitive(true);
@@ -507,14 +616,24 @@ mod tests {
     #[test]
     fn a_token_is_good_for_its_audience_only_until_it_expires() {
         let key = InternalKey::generate();
-        let token = mint(&key, "support", "queue", Duration::from_secs(60));
-        assert_eq!(verify(&key, &token, "queue").unwrap().sub, "support");
+        let token = mint(
+            &key,
+            "support",
+            "queue",
+            Scope::Read,
+            Duration::from_secs(60),
+        );
+        let claims = verify(&key, &token, "queue").unwrap();
+        assert_eq!(
+            (claims.sub.as_str(), claims.scope),
+            ("support", Scope::Read)
+        );
         assert_eq!(
             verify(&key, &token, "registry"),
             Err(Refusal::WrongAudience)
         );
         let now = now_s();
-        let expired = mint_between(&key, "support", "queue", now - 120, now - 60);
+        let expired = mint_between(&key, "support", "queue", Scope::Read, now - 120, now - 60);
         assert_eq!(verify(&key, &expired, "queue"), Err(Refusal::Expired));
         assert_eq!(
             verify(&InternalKey::generate(), &token, "queue"),
@@ -524,6 +643,184 @@ mod tests {
         let mut tampered = token.clone();
         tampered.insert(tampered.len() - 5, 'x');
         assert!(verify(&key, &tampered, "queue").is_err());
+    }
+
+    /// Signs arbitrary claims, as a token minted by an older version or another tool would be.
+    fn sign<T: Serialize>(key: &InternalKey, claims: &T) -> String {
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            claims,
+            &EncodingKey::from_secret(&key.0),
+        )
+        .unwrap()
+    }
+
+    #[derive(Serialize)]
+    struct OlderClaims<'a> {
+        sub: &'a str,
+        aud: &'a str,
+        iat: u64,
+        exp: u64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        scope: Option<&'a str>,
+    }
+
+    #[test]
+    fn a_token_without_a_scope_is_read_only_and_an_unknown_scope_is_invalid() {
+        let key = InternalKey::generate();
+        let now = now_s();
+        let older = OlderClaims {
+            sub: "support",
+            aud: "queue",
+            iat: now,
+            exp: now + 60,
+            scope: None,
+        };
+        let claims = verify(&key, &sign(&key, &older), "queue").unwrap();
+        assert_eq!(claims.scope, Scope::Read);
+        let admin = OlderClaims {
+            scope: Some("admin"),
+            ..older
+        };
+        assert_eq!(
+            verify(&key, &sign(&key, &admin), "queue"),
+            Err(Refusal::Invalid)
+        );
+        let full = OlderClaims {
+            scope: Some("full"),
+            ..admin
+        };
+        assert_eq!(
+            verify(&key, &sign(&key, &full), "queue").unwrap().scope,
+            Scope::Full
+        );
+    }
+
+    #[test]
+    fn the_caller_must_be_named_plainly() {
+        let key = InternalKey::generate();
+        let ttl = Duration::from_secs(60);
+        for good in [
+            "facade",
+            "sre-oncall",
+            "team.support_2",
+            "alice@example.com",
+        ] {
+            let token = mint(&key, good, "queue", Scope::Read, ttl);
+            assert!(verify(&key, &token, "queue").is_ok(), "{good}");
+        }
+        let long = "x".repeat(65);
+        for bad in [
+            "",
+            " ",
+            "sre team",
+            "evil\nINFO forged line",
+            "é",
+            long.as_str(),
+        ] {
+            let token = mint(&key, bad, "queue", Scope::Full, ttl);
+            assert_eq!(
+                verify(&key, &token, "queue"),
+                Err(Refusal::BadSubject),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_token_may_not_outlive_its_scope() {
+        let key = InternalKey::generate();
+        let hours = |h: u64| Duration::from_secs(h * 3600);
+        let read = mint(&key, "support", "queue", Scope::Read, hours(8));
+        assert!(verify(&key, &read, "queue").is_ok());
+        let read = mint(&key, "support", "queue", Scope::Read, hours(24));
+        assert_eq!(verify(&key, &read, "queue"), Err(Refusal::TooLong));
+        let full = mint(&key, "sre", "queue", Scope::Full, hours(1));
+        assert!(verify(&key, &full, "queue").is_ok());
+        let full = mint(&key, "sre", "queue", Scope::Full, hours(2));
+        assert_eq!(verify(&key, &full, "queue"), Err(Refusal::TooLong));
+        // Older tokens (no scope) are held to the read-only limit: a 24 h one is refused.
+        let now = now_s();
+        let older = OlderClaims {
+            sub: "support",
+            aud: "queue",
+            iat: now,
+            exp: now + 86_400,
+            scope: None,
+        };
+        assert_eq!(
+            verify(&key, &sign(&key, &older), "queue"),
+            Err(Refusal::TooLong)
+        );
+    }
+
+    /// Runs one call with `token` through the server layer in front of a service that answers OK:
+    /// the gRPC code answered, and the caller the service saw (None: it was not reached, or saw no
+    /// caller).
+    async fn answer(key: &InternalKey, path: &str, token: Option<&str>) -> (tonic::Code, String) {
+        use tower::{Layer as _, ServiceExt as _};
+        let inner = tower::service_fn(|request: http::Request<()>| async move {
+            let caller = request
+                .extensions()
+                .get::<Caller>()
+                .map_or("nobody".to_owned(), |c| c.0.clone());
+            let mut response = http::Response::new(());
+            response
+                .headers_mut()
+                .insert("x-test-caller", caller.parse().unwrap());
+            Ok::<_, std::convert::Infallible>(response)
+        });
+        let service = RequireToken::new(key.clone(), "registry").layer(inner);
+        let mut request = http::Request::builder().uri(format!("http://registry{path}"));
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        let response = service.oneshot(request.body(()).unwrap()).await.unwrap();
+        let code = tonic::Status::from_header_map(response.headers())
+            .map_or(tonic::Code::Ok, |status| status.code());
+        let caller = response
+            .headers()
+            .get("x-test-caller")
+            .map_or("not reached", |v| v.to_str().unwrap())
+            .to_owned();
+        (code, caller)
+    }
+
+    #[tokio::test]
+    async fn a_read_only_token_calls_reads_only_and_a_full_one_everything() {
+        let key = InternalKey::generate();
+        let ttl = Duration::from_secs(60);
+        let read = mint(&key, "support", "registry", Scope::Read, ttl);
+        let full = mint(&key, "sender", "registry", Scope::Full, ttl);
+        let ok = |caller: &str| (tonic::Code::Ok, caller.to_owned());
+        let refused = |code| (code, "not reached".to_owned());
+        let list = "/orca.push.registry.v1.RegistryService/ListDevices";
+        let reflection = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo";
+        for read_method in [list, reflection] {
+            assert_eq!(answer(&key, read_method, Some(&read)).await, ok("support"));
+            assert_eq!(answer(&key, read_method, Some(&full)).await, ok("sender"));
+        }
+        for write in [
+            "/orca.push.registry.v1.RegistryService/GetDevicesForDelivery",
+            "/orca.push.registry.v1.RegistryService/MarkDead",
+            "/orca.push.registry.v1.RegistryService/DropEverything",
+        ] {
+            assert_eq!(
+                answer(&key, write, Some(&read)).await,
+                refused(tonic::Code::PermissionDenied),
+                "{write}"
+            );
+            assert_eq!(answer(&key, write, Some(&full)).await, ok("sender"));
+        }
+        assert_eq!(
+            answer(&key, list, None).await,
+            refused(tonic::Code::Unauthenticated)
+        );
+        // Health stays open: reached with no token, and no caller.
+        assert_eq!(
+            answer(&key, "/grpc.health.v1.Health/Check", None).await,
+            ok("nobody")
+        );
     }
 
     #[tokio::test]

@@ -92,6 +92,8 @@ where
             rpc.service = service,
             rpc.method = method,
             rpc.grpc.status_code = tracing::field::Empty,
+            // The caller its internal token names (orca-push-internal-auth), never the token.
+            enduser.id = tracing::field::Empty,
         );
         set_parent_from_headers(&span, request.headers());
         let labels = [

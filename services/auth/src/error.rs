@@ -23,6 +23,9 @@ pub enum AuthError {
 }
 
 impl From<AuthError> for tonic::Status {
+    /// A host credential this service refuses (challenge, proof, session) is FAILED_PRECONDITION
+    /// with its contract code: UNAUTHENTICATED and PERMISSION_DENIED only ever mean the caller's
+    /// internal token was refused, which the facade answers as `dependency_unavailable`.
     fn from(error: AuthError) -> Self {
         match error {
             AuthError::InvalidRequest(reason) => {
@@ -30,14 +33,16 @@ impl From<AuthError> for tonic::Status {
                 status_with_code(Code::InvalidArgument, "invalid_request")
             }
             AuthError::InvalidChallenge => {
-                status_with_code(Code::Unauthenticated, "invalid_challenge")
+                status_with_code(Code::FailedPrecondition, "invalid_challenge")
             }
             AuthError::InvalidProof(reason) => {
                 tracing::debug!(reason, "auth: proof refused");
-                status_with_code(Code::Unauthenticated, "invalid_proof")
+                status_with_code(Code::FailedPrecondition, "invalid_proof")
             }
-            AuthError::InvalidToken => status_with_code(Code::Unauthenticated, "invalid_token"),
-            AuthError::SessionExpired => status_with_code(Code::Unauthenticated, "session_expired"),
+            AuthError::InvalidToken => status_with_code(Code::FailedPrecondition, "invalid_token"),
+            AuthError::SessionExpired => {
+                status_with_code(Code::FailedPrecondition, "session_expired")
+            }
             AuthError::CorruptSessionKey => {
                 tracing::error!("auth: push_session_keys holds a key that is not 32 bytes");
                 status_with_code(Code::Internal, "internal")

@@ -49,6 +49,9 @@ pub struct Fcm {
     refresh: AtomicBool,
     /// The current bearer, read without a lock on every send.
     cached: arc_swap::ArcSwapOption<CachedToken>,
+    /// The token endpoint's own breaker: while it fails for everyone, a miss fails at once instead
+    /// of asking it again, one probe per hold.
+    token_endpoint: crate::breaker::Breaker,
     /// yup-oauth2 does not single-flight concurrent misses: one fetch at a time (only on a miss),
     /// the rest then find the token cached.
     fetching: tokio::sync::Mutex<()>,
@@ -129,6 +132,7 @@ impl Fcm {
             auth,
             refresh: AtomicBool::new(false),
             cached: arc_swap::ArcSwapOption::empty(),
+            token_endpoint: crate::breaker::Breaker::new("fcm_token_endpoint"),
             fetching: tokio::sync::Mutex::new(()),
         })
     }
@@ -145,9 +149,24 @@ impl Fcm {
         if let Some(bearer) = self.cached_bearer() {
             return Ok(bearer);
         }
-        tokio::time::timeout(TOKEN_TIMEOUT, self.fetch_bearer())
+        // Closed, or this miss is the probe.
+        if let crate::breaker::Gate::Hold(_) = self.token_endpoint.gate(std::time::Instant::now()) {
+            return Err("token endpoint held".to_owned());
+        }
+        let fetched = tokio::time::timeout(TOKEN_TIMEOUT, self.fetch_bearer())
             .await
-            .map_err(|_| "token endpoint timed out".to_owned())?
+            .unwrap_or_else(|_| Err("token endpoint timed out".to_owned()));
+        match &fetched {
+            Ok(_) => {
+                self.token_endpoint.success();
+            }
+            Err(_) => {
+                metrics::counter!("orca_push_provider_token_failures_total", "provider" => "fcm")
+                    .increment(1);
+                self.token_endpoint.failure(std::time::Instant::now());
+            }
+        }
+        fetched
     }
 
     async fn fetch_bearer(&self) -> Result<String, String> {
