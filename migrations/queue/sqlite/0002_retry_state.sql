@@ -8,3 +8,6 @@ ALTER TABLE push_delivery_batches ADD COLUMN provider TEXT NOT NULL DEFAULT '';
 ALTER TABLE push_delivery_batches ADD COLUMN not_before BIGINT NOT NULL DEFAULT 0;
 CREATE INDEX push_delivery_batches_held ON push_delivery_batches (provider, available_at)
     WHERE state = 'pending';
+-- Cleanup finds work past its deadline without walking every live batch.
+CREATE INDEX push_delivery_batches_deadline ON push_delivery_batches (deadline)
+    WHERE state IN ('open', 'pending', 'leased');

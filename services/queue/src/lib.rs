@@ -115,14 +115,19 @@ pub async fn serve(
                 let queue = queue.clone();
                 async move {
                     match queue.cleanup().await {
-                        Ok(c) => tracing::debug!(
-                            expired = c.expired_batches,
-                            cleared = c.cleared_payloads,
-                            deleted_events = c.deleted_events,
-                            deleted_batches = c.deleted_batches,
-                            deleted_fences = c.deleted_fences,
-                            "queue cleanup"
-                        ),
+                        Ok(c) => {
+                            metrics::gauge!("orca_push_queue_retention_overdue_seconds")
+                                .set(c.past_retention_ms as f64 / 1000.0);
+                            tracing::debug!(
+                                expired = c.expired_batches,
+                                cleared = c.cleared_payloads,
+                                deleted_events = c.deleted_events,
+                                deleted_batches = c.deleted_batches,
+                                deleted_fences = c.deleted_fences,
+                                past_retention_ms = c.past_retention_ms,
+                                "queue cleanup"
+                            )
+                        }
                         Err(error) => tracing::warn!(%error, "queue cleanup failed"),
                     }
                 }

@@ -20,8 +20,12 @@ pub const PROVIDER_PAYLOAD_LIMIT: i64 = 4096;
 pub const ENVELOPE_RESERVE: i64 = 700;
 /// Identities, outcomes and fences are kept this long.
 pub const RETENTION_MS: i64 = 24 * 60 * 60 * 1000;
-/// Cleanup touches at most this many rows per statement per pass.
+/// Cleanup touches at most this many rows per statement; it repeats a full round while its budget
+/// lasts.
 pub const CLEANUP_BATCH: i64 = 1000;
+/// How long one cleanup pass (each minute) may go on deleting: a sixth of the minute, so a backlog
+/// is worked off over a few passes while admissions keep most of the writer.
+pub const CLEANUP_BUDGET: std::time::Duration = std::time::Duration::from_secs(10);
 /// Payload clearing repeats its statement up to this many times per pass (60,000 a minute), so a
 /// backlog of payloads that completion missed cannot outgrow it.
 pub const CLEANUP_PAYLOAD_ROUNDS: usize = 60;

@@ -14,9 +14,9 @@ use sqlx::Row as _;
 
 use crate::error::QueueError;
 use crate::model::{
-    Admission, AdmissionRecipient, AdmissionStatus, CLEANUP_BATCH, CLEANUP_PAYLOAD_ROUNDS, Content,
-    Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, Provider, QUOTA_PER_KIND, QUOTA_WINDOW_MS,
-    RETENTION_MS, member_bytes, summary_fits,
+    Admission, AdmissionRecipient, AdmissionStatus, CLEANUP_BATCH, CLEANUP_BUDGET,
+    CLEANUP_PAYLOAD_ROUNDS, Content, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, Provider,
+    QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
 };
 
 static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/queue/sqlite");
@@ -159,6 +159,8 @@ pub struct Cleaned {
     pub deleted_events: u64,
     pub deleted_batches: u64,
     pub deleted_fences: u64,
+    /// How far past retention the oldest row still kept is (0 when cleanup is keeping up).
+    pub past_retention_ms: i64,
 }
 
 pub trait QueueStore: Clone + Send + Sync + 'static {
@@ -517,6 +519,87 @@ macro_rules! queue_store {
                 .bind(now)
                 .execute(&mut **tx)
                 .await?;
+                Ok(())
+            }
+
+            /// One round of expiring work past its deadline (a leased batch only once its lease
+            /// lapsed): how many it looked at, and how many it expired.
+            async fn expire_overdue(&self, now: i64) -> Result<(u64, u64), QueueError> {
+                let overdue: Vec<String> = sqlx::query_scalar(
+                    "SELECT batch_id FROM push_delivery_batches WHERE deadline <= $1 AND \
+                     (state IN ('open', 'pending') OR (state = 'leased' AND available_at <= $1)) LIMIT $2",
+                )
+                .bind(now)
+                .bind(CLEANUP_BATCH)
+                .fetch_all(self.reader())
+                .await?;
+                let seen = overdue.len() as u64;
+                let mut expired = 0;
+                for batch_id in overdue {
+                    let mut tx = self.begin_claim().await?;
+                    // Still overdue and not being worked on: an admission or a lane may have moved
+                    // it since the list was read.
+                    let still = sqlx::query(
+                        "UPDATE push_delivery_batches SET last_reason = 'deadline' WHERE batch_id = $1 \
+                         AND deadline <= $2 AND (state IN ('open', 'pending') \
+                           OR (state = 'leased' AND available_at <= $2))",
+                    )
+                    .bind(&batch_id)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                    if still.rows_affected() == 1 {
+                        Self::expire_batch(&mut tx, &batch_id, now).await?;
+                        expired += 1;
+                    }
+                    tx.commit().await?;
+                }
+                Ok((seen, expired))
+            }
+
+            async fn clear_payloads(&self, now: i64, cleaned: &mut Cleaned) -> Result<(), QueueError> {
+                let started = std::time::Instant::now();
+                // Expired payloads, and completed ones that completion missed: when the last two
+                // recipients of an event finish in concurrent transactions, each still sees the
+                // other pending.
+                // In rounds of at most CLEANUP_BATCH rows, so no statement holds its locks long. Each
+                // round locks its candidates first (PostgreSQL) and then clears them in a second
+                // statement, whose fresh snapshot sees a recipient an admission added meanwhile.
+                for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
+                    let mut tx = self.begin_claim().await?;
+                    let candidates: Vec<String> = sqlx::query_scalar(&format!(
+                        "SELECT e.event_id FROM push_events e WHERE e.payload_json IS NOT NULL \
+                         AND (e.expires_at <= $1 OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+                           WHERE p.event_id = e.event_id AND p.status = 'pending')) \
+                         ORDER BY e.event_id LIMIT $2{}",
+                        Self::FOR_UPDATE
+                    ))
+                    .bind(now)
+                    .bind(CLEANUP_BATCH)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    if !candidates.is_empty() {
+                        let mut clear = sqlx::QueryBuilder::new(
+                            "UPDATE push_events SET payload_json = NULL WHERE (expires_at <= ",
+                        );
+                        clear.push_bind(now);
+                        clear.push(
+                            " OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+                             WHERE p.event_id = push_events.event_id AND p.status = 'pending')) \
+                             AND event_id IN (",
+                        );
+                        let mut list = clear.separated(", ");
+                        for id in &candidates {
+                            list.push_bind(id.as_str());
+                        }
+                        clear.push(")");
+                        cleaned.cleared_payloads += clear.build().execute(&mut *tx).await?.rows_affected();
+                    }
+                    tx.commit().await?;
+                    if candidates.len() < CLEANUP_BATCH as usize || started.elapsed() >= CLEANUP_BUDGET {
+                        break;
+                    }
+                }
                 Ok(())
             }
         }
@@ -1031,118 +1114,83 @@ macro_rules! queue_store {
 
             async fn cleanup(&self, now: i64) -> Result<Cleaned, QueueError> {
                 let mut cleaned = Cleaned::default();
-                // Work past its deadline expires (a leased batch only once its lease lapsed).
-                let overdue: Vec<String> = sqlx::query_scalar(
-                    "SELECT batch_id FROM push_delivery_batches WHERE deadline <= $1 AND \
-                     (state IN ('open', 'pending') OR (state = 'leased' AND available_at <= $1)) LIMIT $2",
-                )
-                .bind(now)
-                .bind(CLEANUP_BATCH)
-                .fetch_all(self.reader())
-                .await?;
-                for batch_id in overdue {
-                    let mut tx = self.begin_claim().await?;
-                    // Still overdue and not being worked on: an admission or a lane may have moved
-                    // it since the list was read.
-                    let still = sqlx::query(
-                        "UPDATE push_delivery_batches SET last_reason = 'deadline' WHERE batch_id = $1 \
-                         AND deadline <= $2 AND (state IN ('open', 'pending') \
-                           OR (state = 'leased' AND available_at <= $2))",
-                    )
-                    .bind(&batch_id)
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await?;
-                    if still.rows_affected() == 1 {
-                        Self::expire_batch(&mut tx, &batch_id, now).await?;
-                        cleaned.expired_batches += 1;
-                    }
-                    tx.commit().await?;
-                }
-                // Expired payloads, and completed ones that completion missed: when the last two
-                // recipients of an event finish in concurrent transactions, each still sees the
-                // other pending.
-                // In rounds of at most CLEANUP_BATCH rows, so no statement holds its locks long. Each
-                // round locks its candidates first (PostgreSQL) and then clears them in a second
-                // statement, whose fresh snapshot sees a recipient an admission added meanwhile.
-                for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
-                    let mut tx = self.begin_claim().await?;
-                    let candidates: Vec<String> = sqlx::query_scalar(&format!(
-                        "SELECT e.event_id FROM push_events e WHERE e.payload_json IS NOT NULL \
-                         AND (e.expires_at <= $1 OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
-                           WHERE p.event_id = e.event_id AND p.status = 'pending')) \
-                         ORDER BY e.event_id LIMIT $2{}",
-                        Self::FOR_UPDATE
-                    ))
-                    .bind(now)
-                    .bind(CLEANUP_BATCH)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                    if !candidates.is_empty() {
-                        let mut clear = sqlx::QueryBuilder::new(
-                            "UPDATE push_events SET payload_json = NULL WHERE (expires_at <= ",
-                        );
-                        clear.push_bind(now);
-                        clear.push(
-                            " OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
-                             WHERE p.event_id = push_events.event_id AND p.status = 'pending')) \
-                             AND event_id IN (",
-                        );
-                        let mut list = clear.separated(", ");
-                        for id in &candidates {
-                            list.push_bind(id.as_str());
-                        }
-                        clear.push(")");
-                        cleaned.cleared_payloads += clear.build().execute(&mut *tx).await?.rows_affected();
-                    }
-                    tx.commit().await?;
-                    if candidates.len() < CLEANUP_BATCH as usize {
+                // Each step works in rounds of at most CLEANUP_BATCH rows (no statement holds its
+                // locks long, admissions interleave) and goes on while a round is full and the
+                // pass's budget lasts, so cleanup keeps up with any admission rate it can.
+                let started = std::time::Instant::now();
+                let more = |round: u64| round >= CLEANUP_BATCH as u64 && started.elapsed() < CLEANUP_BUDGET;
+                loop {
+                    let (seen, expired) = self.expire_overdue(now).await?;
+                    cleaned.expired_batches += expired;
+                    if !more(seen) {
                         break;
                     }
                 }
+                self.clear_payloads(now, &mut cleaned).await?;
                 let horizon = now - RETENTION_MS;
-                sqlx::query(
-                    "DELETE FROM push_event_recipients WHERE event_id IN (SELECT event_id FROM push_events \
-                     WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)",
-                )
-                .bind(horizon)
-                .bind(CLEANUP_BATCH)
-                .execute(&self.pool)
-                .await?;
-                cleaned.deleted_events = sqlx::query(
-                    "DELETE FROM push_events WHERE event_id IN (SELECT event_id FROM push_events \
-                     WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)",
-                )
-                .bind(horizon)
-                .bind(CLEANUP_BATCH)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
-                cleaned.deleted_batches = sqlx::query(
-                    "DELETE FROM push_delivery_batches WHERE batch_id IN (SELECT batch_id \
-                     FROM push_delivery_batches WHERE created_at < $1 \
-                     AND state NOT IN ('open', 'pending', 'leased') LIMIT $2)",
-                )
-                .bind(horizon)
-                .bind(CLEANUP_BATCH)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
-                cleaned.deleted_fences = sqlx::query(
-                    "DELETE FROM push_dismissed_events WHERE (host_fingerprint, notification_epoch, notification_id) \
-                     IN (SELECT host_fingerprint, notification_epoch, notification_id FROM push_dismissed_events \
-                     WHERE created_at < $1 LIMIT $2)",
-                )
-                .bind(horizon)
-                .bind(CLEANUP_BATCH)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+                loop {
+                    sqlx::query(DELETE_OLD_RECIPIENTS)
+                        .bind(horizon)
+                        .bind(CLEANUP_BATCH)
+                        .execute(&self.pool)
+                        .await?;
+                    let events = sqlx::query(DELETE_OLD_EVENTS)
+                        .bind(horizon)
+                        .bind(CLEANUP_BATCH)
+                        .execute(&self.pool)
+                        .await?
+                        .rows_affected();
+                    cleaned.deleted_events += events;
+                    if !more(events) {
+                        break;
+                    }
+                }
+                for (statement, count) in [
+                    (DELETE_OLD_BATCHES, &mut cleaned.deleted_batches),
+                    (DELETE_OLD_FENCES, &mut cleaned.deleted_fences),
+                ] {
+                    loop {
+                        let deleted = sqlx::query(statement)
+                            .bind(horizon)
+                            .bind(CLEANUP_BATCH)
+                            .execute(&self.pool)
+                            .await?
+                            .rows_affected();
+                        *count += deleted;
+                        if !more(deleted) {
+                            break;
+                        }
+                    }
+                }
+                let oldest: Option<i64> = sqlx::query_scalar(OLDEST_RETAINED)
+                    .fetch_one(self.reader())
+                    .await?;
+                cleaned.past_retention_ms = oldest.map_or(0, |at| (horizon - at).max(0));
                 Ok(cleaned)
             }
+
         }
     };
 }
+
+/// Recipients of the oldest events past retention (before the events themselves).
+const DELETE_OLD_RECIPIENTS: &str = "DELETE FROM push_event_recipients WHERE event_id IN \
+     (SELECT event_id FROM push_events WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)";
+const DELETE_OLD_EVENTS: &str = "DELETE FROM push_events WHERE event_id IN \
+     (SELECT event_id FROM push_events WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)";
+const DELETE_OLD_BATCHES: &str = "DELETE FROM push_delivery_batches WHERE batch_id IN \
+     (SELECT batch_id FROM push_delivery_batches WHERE created_at < $1 \
+      AND state NOT IN ('open', 'pending', 'leased') ORDER BY created_at LIMIT $2)";
+const DELETE_OLD_FENCES: &str = "DELETE FROM push_dismissed_events \
+     WHERE (host_fingerprint, notification_epoch, notification_id) IN \
+     (SELECT host_fingerprint, notification_epoch, notification_id FROM push_dismissed_events \
+      WHERE created_at < $1 ORDER BY created_at LIMIT $2)";
+/// The oldest row any retention applies to (each read walks an index from its low end).
+const OLDEST_RETAINED: &str = "SELECT MIN(t) FROM (\
+     SELECT MIN(accepted_at) AS t FROM push_events \
+     UNION ALL SELECT MIN(created_at) FROM push_delivery_batches \
+       WHERE state NOT IN ('open', 'pending', 'leased') \
+     UNION ALL SELECT MIN(created_at) FROM push_dismissed_events) oldest";
 
 /// What differs between the backends.
 pub trait Backend {
