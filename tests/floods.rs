@@ -66,7 +66,10 @@ async fn a_forged_bearer_flood_next_to_a_real_host_on_its_ip_costs_no_look_ups()
             while !stop.is_cancelled() {
                 let started = Instant::now();
                 let reply = raw
-                    .get("/v1/devices", &[("authorization", &auth), ("x-forwarded-for", IP)])
+                    .get(
+                        "/v1/devices",
+                        &[("authorization", &auth), ("x-forwarded-for", IP)],
+                    )
                     .await;
                 latencies.push(started.elapsed());
                 if reply.status != 200 {
@@ -122,7 +125,10 @@ async fn a_forged_bearer_flood_next_to_a_real_host_on_its_ip_costs_no_look_ups()
     assert_eq!(count(401) + count(429), flood, "only 401 and 429");
     // The IP's budget: 30, refilling one every 2 s.
     let budget = 31.0 + took.as_secs_f64() / 2.0;
-    assert!(count(401) as f64 <= budget, "the IP's budget is 30 a minute");
+    assert!(
+        count(401) as f64 <= budget,
+        "the IP's budget is 30 a minute"
+    );
     // The host's own look-ups (about one a second) are all auth sees.
     assert!(
         look_ups(&after) - look_ups(&before) <= took.as_secs_f64() + 3.0,
