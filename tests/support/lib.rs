@@ -1,6 +1,7 @@
 //! Test support: a real `orca-push serve` process on an isolated database, driven over HTTP, and
 //! mock APNs and FCM for it to deliver to.
 
+pub mod fault_proxy;
 pub mod mock_apns;
 pub mod mock_fcm;
 pub mod world;

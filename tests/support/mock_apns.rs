@@ -1,7 +1,7 @@
 //! A mock APNs: HTTP/2 over TLS (its own CA), checking every provider token's ES256 signature with
 //! the public key, recording each request, answering what the test scripts per device token.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -53,6 +53,9 @@ struct State {
     always: HashMap<String, Answer>,
     rejected_jwts: usize,
     connections: usize,
+    /// Tokens whose next request gets a GOAWAY instead of an answer.
+    goaway: HashSet<String>,
+    goaways_sent: usize,
     completed: usize,
     in_flight: usize,
     peak_in_flight: usize,
@@ -116,20 +119,39 @@ impl MockApns {
                             return;
                         };
                         state.lock().unwrap().connections += 1;
-                        let service = service_fn(move |request| {
+                        let goaway = Arc::new(tokio::sync::Notify::new());
+                        let service = {
                             let state = state.clone();
-                            let latency = latency.clone();
-                            let verify_key = verify_key.clone();
-                            async move {
-                                Ok::<_, Infallible>(
-                                    handle(request, &state, &latency, &verify_key).await,
-                                )
-                            }
-                        });
+                            let goaway = goaway.clone();
+                            service_fn(move |request| {
+                                let state = state.clone();
+                                let latency = latency.clone();
+                                let verify_key = verify_key.clone();
+                                let goaway = goaway.clone();
+                                async move {
+                                    Ok::<_, Infallible>(
+                                        handle(request, &state, &latency, &verify_key, &goaway)
+                                            .await,
+                                    )
+                                }
+                            })
+                        };
                         let mut builder =
                             hyper::server::conn::http2::Builder::new(TokioExecutor::new());
                         builder.max_concurrent_streams(1000);
-                        let _ = builder.serve_connection(TokioIo::new(tls), service).await;
+                        let connection = builder.serve_connection(TokioIo::new(tls), service);
+                        tokio::pin!(connection);
+                        tokio::select! {
+                            _ = connection.as_mut() => {}
+                            () = goaway.notified() => {
+                                // A server going away: GOAWAY, then the connection closes with
+                                // the request in flight unanswered.
+                                connection.as_mut().graceful_shutdown();
+                                let flush = Duration::from_millis(300);
+                                let _ = tokio::time::timeout(flush, connection.as_mut()).await;
+                                state.lock().unwrap().goaways_sent += 1;
+                            }
+                        }
                     });
                 }
             });
@@ -173,6 +195,26 @@ impl MockApns {
             .unwrap()
             .always
             .insert(token.to_owned(), answer);
+    }
+
+    /// The next request for `token` is never answered: its connection gets an HTTP/2 GOAWAY and
+    /// closes while the request is in flight.
+    pub fn goaway_on_next(&self, token: &str) {
+        self.state.lock().unwrap().goaway.insert(token.to_owned());
+    }
+
+    /// Connections closed with a GOAWAY so far.
+    pub fn goaways_sent(&self) -> usize {
+        self.state.lock().unwrap().goaways_sent
+    }
+
+    /// The port the mock listens on.
+    pub fn port(&self) -> u16 {
+        self.url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("the mock's port")
     }
 
     /// Ends every `always` answer: the provider recovers.
@@ -267,6 +309,7 @@ async fn handle(
     state: &Mutex<State>,
     latency: &Mutex<Duration>,
     verify_key: &jsonwebtoken::DecodingKey,
+    goaway: &tokio::sync::Notify,
 ) -> Response<Full<Bytes>> {
     let (parts, body) = request.into_parts();
     let body = body
@@ -303,11 +346,12 @@ async fn handle(
         .unwrap_or("")
         .to_owned();
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let answer = {
+    let (answer, going_away) = {
         let mut s = state.lock().unwrap();
         if !known {
             s.valid_jwt = Some((jwt.clone(), iat));
         }
+        let going_away = s.goaway.remove(&token);
         s.in_flight += 1;
         s.peak_in_flight = s.peak_in_flight.max(s.in_flight);
         if let Some(sink) = &s.sink {
@@ -332,11 +376,21 @@ async fn handle(
                 at: Instant::now(),
             });
         }
-        s.scripts
+        let answer = s
+            .scripts
             .get_mut(&token)
             .and_then(VecDeque::pop_front)
-            .or_else(|| s.always.get(&token).cloned())
+            .or_else(|| s.always.get(&token).cloned());
+        (answer, going_away)
     };
+    if going_away {
+        goaway.notify_one();
+        // Never answered: the connection is gone before this wakes.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let mut s = state.lock().unwrap();
+        s.in_flight -= 1;
+        return reply(503, None, None);
+    }
     let delay = *latency.lock().unwrap();
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;

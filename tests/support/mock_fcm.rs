@@ -35,6 +35,8 @@ pub struct FcmAnswer {
 struct Inner {
     calls: Vec<FcmCall>,
     token_requests: usize,
+    /// The OAuth token endpoint answers 500 (an outage at Google's token service).
+    token_endpoint_down: bool,
     metadata_requests: usize,
     rejected_assertions: usize,
     issued: Vec<String>,
@@ -161,6 +163,11 @@ impl MockFcm {
             .collect()
     }
 
+    /// Makes the OAuth token endpoint answer 500 to every request (`true`), or work again.
+    pub fn set_token_endpoint_down(&self, down: bool) {
+        self.inner.lock().unwrap().token_endpoint_down = down;
+    }
+
     pub fn token_requests(&self) -> usize {
         self.inner.lock().unwrap().token_requests
     }
@@ -255,6 +262,13 @@ async fn token(State(shared): State<Shared>, Form(form): Form<TokenForm>) -> Res
         && verify_assertion(&form.assertion, &shared.token_uri);
     let mut inner = shared.inner.lock().unwrap();
     inner.token_requests += 1;
+    if inner.token_endpoint_down {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(json!({ "error": "internal_failure" })),
+        )
+            .into_response();
+    }
     if !ok {
         inner.rejected_assertions += 1;
         return (

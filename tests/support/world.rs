@@ -31,6 +31,18 @@ impl World {
     pub async fn start_with(backend: Backend, coalesce_ms: &str, extra: &[(&str, &str)]) -> Self {
         let apns = MockApns::start().await;
         let fcm = MockFcm::start().await;
+        Self::start_around(backend, coalesce_ms, extra, apns, fcm).await
+    }
+
+    /// Around mocks already started (e.g. with a fault proxy in front of one: `extra` comes last,
+    /// so its `ORCA_PUSH_APNS_URL` wins).
+    pub async fn start_around(
+        backend: Backend,
+        coalesce_ms: &str,
+        extra: &[(&str, &str)],
+        apns: MockApns,
+        fcm: MockFcm,
+    ) -> Self {
         let mut env = apns.env();
         env.extend(fcm.env());
         env.push(("ORCA_PUSH_COALESCE_MS".into(), coalesce_ms.into()));
@@ -109,8 +121,40 @@ impl World {
         }
     }
 
-    pub async fn wait_outcome(&self, registration_id: &str, status: &str) {
-        let deadline = std::time::Instant::now() + WAIT;
+    /// The registration's delivery batches as the queue keeps them, oldest first.
+    pub async fn batches(&self, registration_id: &str) -> Vec<BatchRow> {
+        let sql = "SELECT state, attempts, retries, available_at FROM push_delivery_batches \
+                   WHERE registration_id = $1 ORDER BY created_at";
+        let rows: Vec<(String, i32, i32, i64)> =
+            match orca_push_storage::open(&self.gateway.database, &orca_push_queue::STORAGE)
+                .await
+                .unwrap()
+            {
+                Pool::Sqlite(p) => sqlx::query_as(sql)
+                    .bind(registration_id)
+                    .fetch_all(&p)
+                    .await
+                    .unwrap(),
+                Pool::Postgres(p) => sqlx::query_as(sql)
+                    .bind(registration_id)
+                    .fetch_all(&p)
+                    .await
+                    .unwrap(),
+            };
+        rows.into_iter()
+            .map(|(state, attempts, retries, available_at)| BatchRow {
+                state,
+                attempts,
+                retries,
+                available_at,
+            })
+            .collect()
+    }
+
+    /// Waits for `status` up to `within` (longer than [`WAIT`] where recovery takes a breaker's
+    /// probe).
+    pub async fn wait_outcome_within(&self, registration_id: &str, status: &str, within: Duration) {
+        let deadline = std::time::Instant::now() + within;
         loop {
             let outcomes = self.outcome(registration_id).await;
             if outcomes.last().is_some_and(|s| s == status) {
@@ -123,6 +167,21 @@ impl World {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+
+    pub async fn wait_outcome(&self, registration_id: &str, status: &str) {
+        self.wait_outcome_within(registration_id, status, WAIT)
+            .await
+    }
+}
+
+/// One row of `push_delivery_batches`: `attempts` counts provider answers, `retries` every retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRow {
+    pub state: String,
+    pub attempts: i32,
+    pub retries: i32,
+    /// Unix milliseconds when the batch may next be claimed.
+    pub available_at: i64,
 }
 
 pub fn alert(seq: u64) -> Value {
