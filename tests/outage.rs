@@ -173,3 +173,49 @@ async fn a_stopped_sender_leaves_no_lease_behind() {
     gateway.process("sender").respawn().await;
     apns.wait_for(&token, 1, Duration::from_secs(10)).await;
 }
+
+/// The FCM token endpoint's own breaker: while it refuses every fetch, sends stop asking it
+/// after a few failures (one probe per hold), and the first probe after it recovers succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_down_token_endpoint_is_not_asked_again_for_every_send() {
+    use orca_push_sender::breaker::{FIRST_HOLD, TRIP_AFTER};
+    use orca_push_sender::fcm::{Fcm, TokenSource};
+    use orca_push_sender::verdict::Verdict;
+
+    let mock = orca_push_tests::mock_fcm::MockFcm::start().await;
+    mock.set_token_endpoint_down(true);
+    let env: std::collections::HashMap<String, String> = mock.env().into_iter().collect();
+    let tls =
+        orca_push_sender::tls::h2_client_config(orca_push_sender::tls::root_store(None).unwrap())
+            .unwrap();
+    let fcm = Fcm::new(
+        &env["ORCA_PUSH_FCM_URL"],
+        "onorca-cloud",
+        &TokenSource::ServiceAccountFile(env["GOOGLE_APPLICATION_CREDENTIALS"].clone().into()),
+        &tls,
+    )
+    .await
+    .unwrap();
+    let message = json!({ "message": { "token": ANDROID, "data": { "kind": "probe" } } });
+    for _ in 0..50 {
+        let verdict = fcm.send(message.clone(), true).await;
+        assert!(
+            matches!(
+                verdict,
+                Verdict::Retry {
+                    answered: false,
+                    ..
+                }
+            ),
+            "{verdict:?}"
+        );
+    }
+    let asked = mock.token_requests();
+    assert!(
+        asked <= 2 * TRIP_AFTER as usize,
+        "{asked} token requests for 50 sends"
+    );
+    mock.set_token_endpoint_down(false);
+    tokio::time::sleep(FIRST_HOLD + Duration::from_millis(100)).await;
+    assert_eq!(fcm.send(message, true).await, Verdict::Sent);
+}
