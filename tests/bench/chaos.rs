@@ -184,8 +184,14 @@ impl ModeRun<'_> {
             }
             anyhow::Ok(())
         };
-        let loading = load::run(&pool, &ledger, args.chaos_rate, deadline);
-        let (killed, not_started) = tokio::join!(killing, loading);
+        let loading = load::run(
+            &pool,
+            &ledger,
+            args.chaos_rate,
+            deadline,
+            std::future::pending(),
+        );
+        let (killed, ()) = tokio::join!(killing, loading);
         bar.finish_and_clear();
         killed?;
         let load_seconds = seconds(started.elapsed());
@@ -201,7 +207,6 @@ impl ModeRun<'_> {
         figures.insert("kills".into(), kills.len() as f64);
         figures.insert("load seconds (last answers included)".into(), load_seconds);
         figures.insert("drain seconds".into(), drained);
-        figures.insert("not started (4096 in flight)".into(), not_started as f64);
         let mean = downtimes.iter().sum::<f64>() / downtimes.len().max(1) as f64;
         let max = downtimes.iter().copied().fold(0.0, f64::max);
         figures.insert("restart: kill to /ready, mean s".into(), mean);
@@ -248,25 +253,51 @@ impl ModeRun<'_> {
         self.arrivals.keep_all();
         let total = args.pg_before_seconds + args.pg_outage_seconds + args.pg_after_seconds;
         let started = Instant::now();
-        let deadline = started + Duration::from_secs_f64(total);
+        // A bound on the load, however long PostgreSQL takes to come back.
+        let deadline = started + Duration::from_secs_f64(total + 120.0);
         let bar = crate::report::phase_bar("chaos: PostgreSQL restart under load", total);
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let restarting = async {
             tokio::time::sleep(Duration::from_secs_f64(args.pg_before_seconds)).await;
             let stopped_at = Instant::now();
             shell(stop).await.context("--pg-stop")?;
+            let stop_took = stopped_at.elapsed();
             bar.set_message("PostgreSQL down");
             tokio::time::sleep(Duration::from_secs_f64(args.pg_outage_seconds)).await;
+            let start_issued = Instant::now();
             shell(start).await.context("--pg-start")?;
+            let start_took = start_issued.elapsed();
             let pg_ready = until_postgres(&url, Duration::from_secs(60)).await?;
             bar.set_message("PostgreSQL up");
             let gateway_ready =
                 until_ready(self.http, &gateway.base, Duration::from_secs(60)).await;
-            anyhow::Ok((stopped_at, pg_ready, gateway_ready))
+            // The load goes on for `pg_after_seconds` once PostgreSQL is back.
+            let after = Duration::from_secs_f64(args.pg_after_seconds);
+            tokio::time::sleep_until((pg_ready + after).into()).await;
+            let _ = done_tx.send(());
+            anyhow::Ok(Timeline {
+                stopped_at,
+                stop_took,
+                start_issued,
+                start_took,
+                pg_ready,
+                gateway_ready,
+            })
         };
-        let loading = load::run(&pool, &ledger, args.chaos_rate, deadline);
-        let (restarted, not_started) = tokio::join!(restarting, loading);
+        let stop_load = async {
+            let _ = done_rx.await;
+        };
+        let loading = load::run(&pool, &ledger, args.chaos_rate, deadline, stop_load);
+        let (restarted, ()) = tokio::join!(restarting, loading);
         bar.finish_and_clear();
-        let (stopped_at, pg_ready, gateway_ready) = restarted?;
+        let Timeline {
+            stopped_at,
+            stop_took,
+            start_issued,
+            start_took,
+            pg_ready,
+            gateway_ready,
+        } = restarted?;
         let drained = drain(
             &ledger,
             self.arrivals,
@@ -301,6 +332,17 @@ impl ModeRun<'_> {
             "PostgreSQL down s (stop to accepting)".into(),
             seconds(pg_ready - stopped_at),
         );
+        figures.insert("PostgreSQL: stop command s".into(), seconds(stop_took));
+        figures.insert("PostgreSQL: start command s".into(), seconds(start_took));
+        figures.insert(
+            "PostgreSQL: start issued to accepting s".into(),
+            seconds(pg_ready - start_issued),
+        );
+        let longest = attempts
+            .iter()
+            .map(|a| seconds(a.ended - a.started))
+            .fold(0.0, f64::max);
+        figures.insert("longest request s".into(), longest);
         figures.insert(
             "first queued after PostgreSQL accepts, s (request sent after)".into(),
             first_queued.map_or(f64::NAN, since_ready),
@@ -321,7 +363,6 @@ impl ModeRun<'_> {
         );
         figures.insert("requests spanning the outage".into(), during_outage as f64);
         figures.insert("drain seconds".into(), drained);
-        figures.insert("not started (4096 in flight)".into(), not_started as f64);
         let mut verdicts = tally_verdicts(&tally);
         let recovered = last_failure.map_or(0.0, since_ready);
         verdicts.push(Verdict {
@@ -360,6 +401,16 @@ impl ModeRun<'_> {
             verdicts,
         })
     }
+}
+
+/// When PostgreSQL went down and came back, and when the gateway said it was ready.
+struct Timeline {
+    stopped_at: Instant,
+    stop_took: Duration,
+    start_issued: Instant,
+    start_took: Duration,
+    pg_ready: Instant,
+    gateway_ready: Option<Instant>,
 }
 
 /// Runs `command` with `sh -c`; an error unless it exits 0.

@@ -497,7 +497,7 @@ pub async fn send(
 
 /// Starts `task(scheduled_at)` at `rate` per second until `deadline`, never more than `cap` at
 /// once (those not started are counted and returned).
-pub async fn open_loop<F, Fut>(rate: f64, deadline: Instant, cap: usize, task: F) -> u64
+async fn open_loop<F, Fut>(rate: f64, deadline: Instant, cap: usize, task: F) -> u64
 where
     F: Fn(Instant) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,

@@ -76,33 +76,54 @@ async fn send_event(host: Arc<Host>, ledger: Arc<Ledger>) {
     }
 }
 
-/// An open loop at `rate` operations per second until `deadline`: 80% one alert from the next
-/// host, 20% a burst of five alerts from one host at once. Returns once every event is answered
-/// or given up.
-pub async fn run(pool: &Arc<Pool>, ledger: &Arc<Ledger>, rate: f64, deadline: Instant) -> u64 {
-    scenarios::open_loop(rate, deadline, 4096, |_| {
-        let pool = pool.clone();
-        let ledger = ledger.clone();
-        let burst = rand::thread_rng().gen_range(0..100) >= 80;
-        async move {
-            let Some(host) = pool.take(false) else {
-                ledger.attempt(Attempt {
-                    started: Instant::now(),
-                    ended: Instant::now(),
-                    outcome: Outcome::Refused("hosts' quota budget spent".into()),
-                });
-                return;
-            };
-            if burst {
-                for _ in 0..4 {
-                    host.spend(false);
-                }
-                let sends = (0..5).map(|_| send_event(host.clone(), ledger.clone()));
-                futures::future::join_all(sends).await;
-            } else {
-                send_event(host, ledger).await;
-            }
+/// An open loop at `rate` operations per second until `stop` resolves (or `deadline`, whichever
+/// first): 80% one alert from the next host, 20% a burst of five alerts from one host at once.
+/// Returns once every event is answered or given up.
+pub async fn run(
+    pool: &Arc<Pool>,
+    ledger: &Arc<Ledger>,
+    rate: f64,
+    deadline: Instant,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let started = Instant::now();
+    let mut running = tokio::task::JoinSet::new();
+    let mut issued: u64 = 0;
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    tokio::pin!(stop);
+    while Instant::now() < deadline {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tick.tick() => {}
         }
-    })
-    .await
+        // Operation i is due at i / rate: the first at once.
+        let due = (started.elapsed().as_secs_f64() * rate) as u64 + 1;
+        while issued < due {
+            issued += 1;
+            running.spawn(operation(pool.clone(), ledger.clone()));
+        }
+        while running.try_join_next().is_some() {}
+    }
+    while running.join_next().await.is_some() {}
+}
+
+async fn operation(pool: Arc<Pool>, ledger: Arc<Ledger>) {
+    let burst = rand::thread_rng().gen_range(0..100) >= 80;
+    let Some(host) = pool.take(false) else {
+        ledger.attempt(Attempt {
+            started: Instant::now(),
+            ended: Instant::now(),
+            outcome: Outcome::Refused("hosts' quota budget spent".into()),
+        });
+        return;
+    };
+    if burst {
+        for _ in 0..4 {
+            host.spend(false);
+        }
+        let sends = (0..5).map(|_| send_event(host.clone(), ledger.clone()));
+        futures::future::join_all(sends).await;
+    } else {
+        send_event(host, ledger).await;
+    }
 }
