@@ -371,7 +371,7 @@ impl ModeRun<'_> {
                 "first queued {:.2} s, last failure {recovered:.2} s after it accepts connections",
                 first_queued.map_or(f64::NAN, since_ready)
             ),
-            met: first_queued.is_some() && recovered <= 5.0,
+            met: first_queued.is_some_and(|at| since_ready(at) <= 5.0) && recovered <= 5.0,
         });
         let internal: u64 = tally
             .failures
