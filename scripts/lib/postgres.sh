@@ -2,7 +2,8 @@
 #
 # start_postgres: finds Debian's server binaries (installing the `postgresql` package when absent,
 # which needs root), starts a cluster as the `postgres` user on a free loopback port in a fresh
-# temp folder, and sets PG_DIR and PG_URL. stop_postgres removes it.
+# temp folder, and sets PG_DIR and PG_URL (and PG_BIN, PG_OPTS and PG_RUN_AS, for a caller that
+# stops and starts it again as it was, as scripts/chaos does). stop_postgres removes it.
 # Tests run it with fsync off (nothing to lose); PG_DURABLE=1 keeps PostgreSQL's durable defaults,
 # as the benchmark's comparison with production commits needs.
 
@@ -49,11 +50,13 @@ start_postgres() {
   [ "${PG_DURABLE:-0}" = 1 ] && durability="-c fsync=on -c synchronous_commit=on"
   for attempt in 1 2 3 4 5; do
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    PG_OPTS="-p $port -k $PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 $durability -c shared_buffers=128MB"
     if "${run_as[@]}" "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 30 \
-        -o "-p $port -k $PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 $durability -c shared_buffers=128MB" \
-        start >/dev/null; then
+        -o "$PG_OPTS" start >/dev/null; then
       PG_URL="postgres://postgres@127.0.0.1:$port/postgres"
-      export PG_URL
+      PG_BIN=$bin
+      PG_RUN_AS="${run_as[*]}"
+      export PG_URL PG_BIN PG_OPTS PG_RUN_AS
       echo "PostgreSQL on 127.0.0.1:$port ($PG_DIR)" >&2
       return 0
     fi

@@ -4,7 +4,10 @@
 //! SDK, runs the scenarios, prints a table per mode and writes JSON.
 //!
 //! `scripts/bench` builds it in release mode and runs the standard suite; see docs/benchmarks.md.
+//! The chaos scenarios (`chaos-kill`, `chaos-pg-restart`) are not in the default suite:
+//! `scripts/chaos` runs them; see docs/reliability.md.
 
+mod chaos;
 mod population;
 mod procstat;
 mod report;
@@ -42,6 +45,16 @@ enum Scenario {
     Send,
     Deliver,
     Mixed,
+    /// SIGKILL the all-in-one gateway every `--kill-every` seconds under load (docs/reliability.md).
+    ChaosKill,
+    /// Stop and start PostgreSQL under load (`--pg-stop`, `--pg-start`; docs/reliability.md).
+    ChaosPgRestart,
+}
+
+impl Scenario {
+    fn is_chaos(self) -> bool {
+        matches!(self, Self::ChaosKill | Self::ChaosPgRestart)
+    }
 }
 
 #[derive(Debug, Clone, Parser, Serialize)]
@@ -121,6 +134,36 @@ struct Args {
     /// Appends the gateway's log (its stderr) to this file after each gateway run.
     #[arg(long)]
     gateway_log: Option<PathBuf>,
+    /// Seconds of load in chaos-kill.
+    #[arg(long, default_value_t = 120.0)]
+    chaos_seconds: f64,
+    /// Operations per second of the chaos load (one alert, or one burst of five from one host).
+    #[arg(long, default_value_t = 20.0)]
+    chaos_rate: f64,
+    /// Simulated hosts in the chaos runs.
+    #[arg(long, default_value_t = 60)]
+    chaos_hosts: usize,
+    /// Seconds between two SIGKILLs in chaos-kill.
+    #[arg(long, default_value_t = 10.0)]
+    kill_every: f64,
+    /// Seconds of load before PostgreSQL is stopped in chaos-pg-restart.
+    #[arg(long, default_value_t = 10.0)]
+    pg_before_seconds: f64,
+    /// Seconds PostgreSQL stays down in chaos-pg-restart.
+    #[arg(long, default_value_t = 5.0)]
+    pg_outage_seconds: f64,
+    /// Seconds of load after PostgreSQL is started again.
+    #[arg(long, default_value_t = 20.0)]
+    pg_after_seconds: f64,
+    /// Shell command that stops the PostgreSQL server (scripts/chaos sets it).
+    #[arg(long)]
+    pg_stop: Option<String>,
+    /// Shell command that starts it again and returns once it accepts connections.
+    #[arg(long)]
+    pg_start: Option<String>,
+    /// Longest wait, after a chaos load, for every accepted event to reach a provider.
+    #[arg(long, default_value_t = 300.0)]
+    drain_seconds: f64,
     /// Where to write the JSON report.
     #[arg(long, default_value = "target/bench/latest.json")]
     json: PathBuf,
@@ -143,6 +186,13 @@ impl Args {
             self.fcm_flows = 4;
             self.window_flows = 4;
             self.pgbench_seconds = self.pgbench_seconds.min(1.0);
+            self.chaos_seconds = 6.0;
+            self.kill_every = 2.0;
+            self.chaos_hosts = 10;
+            self.pg_before_seconds = 2.0;
+            self.pg_outage_seconds = 1.0;
+            self.pg_after_seconds = 3.0;
+            self.drain_seconds = self.drain_seconds.min(60.0);
         }
     }
 }
@@ -243,7 +293,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut modes = Vec::new();
     for mode in args.modes.clone() {
         eprintln!("== {mode:?} ==");
-        if mode != Mode::Sqlite && pgbench.is_none() && args.pgbench_seconds > 0.0 {
+        // The yardstick of the send figures only.
+        if mode != Mode::Sqlite
+            && pgbench.is_none()
+            && args.pgbench_seconds > 0.0
+            && args.scenarios.contains(&Scenario::Send)
+        {
             pgbench = Some(pg::inserts_per_second(args.pgbench_seconds, args.concurrency).await?);
         }
         let run = ModeRun {
@@ -259,6 +314,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             report.pgbench_inserts_per_second = pgbench;
         }
         report.verdicts = mode_verdicts(&report, mode);
+        for figure in &report.chaos {
+            report.verdicts.extend(figure.verdicts.iter().cloned());
+        }
         println!("{}", report::table(&report));
         modes.push(report);
     }
@@ -374,6 +432,47 @@ impl ModeRun<'_> {
 
     async fn run(&self) -> anyhow::Result<ModeReport> {
         let args = self.args;
+        let mut report = if args.scenarios.iter().any(|s| !s.is_chaos()) {
+            self.benchmark().await?
+        } else {
+            ModeReport {
+                mode: format!("{:?}", self.mode).to_lowercase(),
+                description: self.description().into(),
+                pgbench_inserts_per_second: None,
+                setup_seconds: 0.0,
+                phases: Vec::new(),
+                verdicts: Vec::new(),
+                chaos: Vec::new(),
+            }
+        };
+        if args.scenarios.contains(&Scenario::ChaosKill) {
+            if self.mode == Mode::Split {
+                eprintln!("chaos-kill kills the all-in-one process: skipped in split mode");
+            } else {
+                report.chaos.push(self.chaos_kill().await?);
+            }
+        }
+        if args.scenarios.contains(&Scenario::ChaosPgRestart) {
+            if self.mode == Mode::Sqlite {
+                eprintln!("chaos-pg-restart needs PostgreSQL: skipped on SQLite");
+            } else {
+                report.chaos.push(self.chaos_pg_restart().await?);
+            }
+        }
+        Ok(report)
+    }
+
+    fn description(&self) -> &'static str {
+        match self.mode {
+            Mode::Sqlite => "all in one process, SQLite",
+            Mode::Postgres => "all in one process, PostgreSQL",
+            Mode::Split => "five processes (facade, auth, registry, queue, sender), PostgreSQL",
+        }
+    }
+
+    /// The benchmark scenarios (every one but the chaos ones).
+    async fn benchmark(&self) -> anyhow::Result<ModeReport> {
+        let args = self.args;
         let wants = |s: Scenario| args.scenarios.contains(&s);
         let mut phases: Vec<Phase> = Vec::new();
         let mut setup = Duration::ZERO;
@@ -469,16 +568,12 @@ impl ModeRun<'_> {
         }
         Ok(ModeReport {
             mode: format!("{:?}", self.mode).to_lowercase(),
-            description: match self.mode {
-                Mode::Sqlite => "all in one process, SQLite",
-                Mode::Postgres => "all in one process, PostgreSQL",
-                Mode::Split => "five processes (facade, auth, registry, queue, sender), PostgreSQL",
-            }
-            .into(),
+            description: self.description().into(),
             pgbench_inserts_per_second: None,
             setup_seconds: setup.as_secs_f64(),
             phases,
             verdicts: Vec::new(),
+            chaos: Vec::new(),
         })
     }
 }
@@ -560,6 +655,9 @@ fn mode_verdicts(report: &ModeReport, mode: Mode) -> Vec<Verdict> {
             }
         };
         verdicts.push(verdict);
+    }
+    if report.phases.is_empty() {
+        return verdicts;
     }
     let peak = report
         .phases

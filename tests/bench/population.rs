@@ -25,6 +25,8 @@ pub struct Device {
     pub device_id: String,
     pub registration_id: String,
     pub platform: Platform,
+    /// The native token registered at set-up (a re-registration in `mixed` replaces it).
+    pub token: String,
 }
 
 pub struct Host {
@@ -159,6 +161,7 @@ pub async fn build(
                     device_id,
                     registration_id,
                     platform,
+                    token,
                 });
             }
             progress.inc(1);

@@ -48,6 +48,9 @@ pub struct ModeReport {
     pub setup_seconds: f64,
     pub phases: Vec<Phase>,
     pub verdicts: Vec<Verdict>,
+    /// The chaos runs' figures (docs/reliability.md), when any ran.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chaos: Vec<crate::chaos::ChaosFigure>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -109,6 +112,12 @@ pub fn table(mode: &ModeReport) -> String {
     let mut out = format!("\n### {} — {}\n\n", mode.mode, mode.description);
     if let Some(tps) = mode.pgbench_inserts_per_second {
         out += &format!("pgbench, single-row INSERT commits on the same server: {tps:.0}/s\n\n");
+    }
+    if !mode.chaos.is_empty() {
+        out += &crate::chaos::table(&mode.chaos);
+    }
+    if mode.phases.is_empty() {
+        return out + &verdict_lines(&mode.verdicts);
     }
     out += "| scenario | phase | ok | ok/s | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms | errors | gateway CPU % | database CPU % | bench CPU % | RSS MiB | peak RSS MiB |\n";
     out += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";

@@ -106,6 +106,8 @@ pub struct Arrivals {
     waiters: Mutex<HashMap<String, tokio::sync::oneshot::Sender<Instant>>>,
     pub apns: AtomicU64,
     pub fcm: AtomicU64,
+    /// Every arrival since `keep_all`, for the chaos runs that count each phone and event.
+    kept: Mutex<Option<Vec<Arrival>>>,
 }
 
 impl Arrivals {
@@ -127,6 +129,21 @@ impl Arrivals {
         self.waiters.lock().unwrap().remove(notification_id);
     }
 
+    /// From now on keeps every arrival until `take_kept` hands them over.
+    pub fn keep_all(&self) {
+        *self.kept.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// The arrivals kept since the last call (empty unless `keep_all` was called).
+    pub fn take_kept(&self) -> Vec<Arrival> {
+        self.kept
+            .lock()
+            .unwrap()
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
     pub async fn pump(self: Arc<Self>, mut rx: tokio::sync::mpsc::UnboundedReceiver<Arrival>) {
         while let Some(arrival) = rx.recv().await {
             match arrival.provider {
@@ -134,10 +151,13 @@ impl Arrivals {
                 _ => &self.fcm,
             }
             .fetch_add(1, Ordering::Relaxed);
-            if let Some(id) = arrival.notification_id
-                && let Some(tx) = self.waiters.lock().unwrap().remove(&id)
+            if let Some(id) = &arrival.notification_id
+                && let Some(tx) = self.waiters.lock().unwrap().remove(id)
             {
                 let _ = tx.send(arrival.at);
+            }
+            if let Some(kept) = self.kept.lock().unwrap().as_mut() {
+                kept.push(arrival);
             }
         }
     }
@@ -240,7 +260,7 @@ pub async fn idle(target: &Target, seconds: f64) -> Phase {
     .0
 }
 
-fn error_kind(error: &GatewayError) -> String {
+pub fn error_kind(error: &GatewayError) -> String {
     match error {
         GatewayError::Api { status, code } => format!("{status} {code}"),
         GatewayError::Http(e) if e.is_timeout() => "timeout".into(),
@@ -286,7 +306,7 @@ pub async fn handshake(target: &Target, seconds: f64, concurrency: usize) -> Pha
     .0
 }
 
-fn alert(host: &population::Host, ids: Vec<String>, notification_id: &str) -> Value {
+pub fn alert(host: &population::Host, ids: Vec<String>, notification_id: &str) -> Value {
     json!({
         "v": 1,
         "registrationIds": ids,

@@ -31,6 +31,10 @@ pub struct Arrival {
     pub provider: &'static str,
     /// `orca.notificationId` (APNs) or `data.notificationId` (FCM) of the request.
     pub notification_id: Option<String>,
+    /// The device token the request was addressed to.
+    pub token: String,
+    /// `apns-collapse-id` (APNs) or `android.notification.tag` (FCM), when the request has one.
+    pub collapse_id: Option<String>,
     pub at: std::time::Instant,
 }
 

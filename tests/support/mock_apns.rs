@@ -358,6 +358,12 @@ async fn handle(
             let _ = sink.send(crate::Arrival {
                 provider: "apns",
                 notification_id: body["orca"]["notificationId"].as_str().map(str::to_owned),
+                token: token.clone(),
+                collapse_id: parts
+                    .headers
+                    .get("apns-collapse-id")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned),
                 at: Instant::now(),
             });
         } else {

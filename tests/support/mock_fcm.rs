@@ -324,6 +324,10 @@ async fn send(
                 notification_id: body["message"]["data"]["notificationId"]
                     .as_str()
                     .map(str::to_owned),
+                token: token.clone(),
+                collapse_id: body["message"]["android"]["notification"]["tag"]
+                    .as_str()
+                    .map(str::to_owned),
                 at: Instant::now(),
             });
         } else {
