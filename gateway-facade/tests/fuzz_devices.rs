@@ -126,11 +126,16 @@ fn subset(all: &'static [&'static str]) -> impl Strategy<Value = Vec<&'static st
     prop::sample::subsequence(all.to_vec(), 0..=all.len()).prop_shuffle()
 }
 
+/// Any char but NUL, which becomes a space: a filter would reject too often over a long run
+/// (proptest stops after 65,536 local rejects).
+fn not_nul() -> impl Strategy<Value = char> {
+    any::<char>().prop_map(|c| if c == '\0' { ' ' } else { c })
+}
+
 /// A registration the contract accepts.
 fn valid_body() -> impl Strategy<Value = Value> {
-    let device_id =
-        proptest::collection::vec(any::<char>().prop_filter("no NUL", |c| *c != '\0'), 1..=64)
-            .prop_map(|c| c.into_iter().collect::<String>());
+    let device_id = proptest::collection::vec(not_nul(), 1..=64)
+        .prop_map(|c| c.into_iter().collect::<String>());
     let ios = (
         proptest::collection::vec(any::<u8>(), 1..=200),
         any::<bool>(),
