@@ -27,13 +27,17 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for StrictJson<T> {
                     ApiError::InvalidRequest
                 }
             })?;
-        if has_nul_in_strings(&bytes) {
-            return Err(ApiError::InvalidRequest);
-        }
-        serde_json::from_slice(&bytes)
-            .map(StrictJson)
-            .map_err(|_| ApiError::InvalidRequest)
+        parse_body(&bytes).map(StrictJson)
     }
+}
+
+/// What [`StrictJson`] does with the bytes of a body: no NUL in any string, then strict serde.
+/// A plain function so the fuzz targets (docs/fuzzing.md) drive exactly the extractor's path.
+pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if has_nul_in_strings(bytes) {
+        return Err(ApiError::InvalidRequest);
+    }
+    serde_json::from_slice(bytes).map_err(|_| ApiError::InvalidRequest)
 }
 
 /// Whether a JSON text carries U+0000 in a string (or a key). JSON can only spell it as the escape

@@ -101,6 +101,23 @@ fn decode_fixed<const N: usize>(text: &str) -> Result<[u8; N], GatewayError> {
         ))
 }
 
+impl ChallengeEnvelope {
+    /// Reads the JSON of a `POST /v1/host/challenge` answer, decoding its base64 fields.
+    pub fn from_reply(reply: Value) -> Result<Self, GatewayError> {
+        let reply: ChallengeReply = serde_json::from_value(reply)
+            .map_err(|_| GatewayError::Malformed("challenge reply"))?;
+        Ok(Self {
+            challenge_id: reply.challenge_id,
+            gateway_ephemeral_public_key: decode_fixed(&reply.gateway_ephemeral_public_key_b64)?,
+            nonce: decode_fixed(&reply.nonce_b64)?,
+            ciphertext: STANDARD
+                .decode(&reply.ciphertext_b64)
+                .map_err(|_| GatewayError::Malformed("ciphertext is not base64"))?,
+            expires_at_ms: reply.expires_at,
+        })
+    }
+}
+
 impl GatewayClient {
     pub fn new(base_url: &str, key: HostKey) -> Result<Self, GatewayError> {
         let origin = crate::origin_of(base_url)?;
@@ -206,17 +223,7 @@ impl GatewayClient {
                 None,
             )
             .await?;
-        let reply: ChallengeReply = serde_json::from_value(reply)
-            .map_err(|_| GatewayError::Malformed("challenge reply"))?;
-        let envelope = ChallengeEnvelope {
-            challenge_id: reply.challenge_id,
-            gateway_ephemeral_public_key: decode_fixed(&reply.gateway_ephemeral_public_key_b64)?,
-            nonce: decode_fixed(&reply.nonce_b64)?,
-            ciphertext: STANDARD
-                .decode(&reply.ciphertext_b64)
-                .map_err(|_| GatewayError::Malformed("ciphertext is not base64"))?,
-            expires_at_ms: reply.expires_at,
-        };
+        let envelope = ChallengeEnvelope::from_reply(reply)?;
         let proof = answer_challenge(&self.key, &self.origin, &envelope, now_ms())?;
         let reply = self
             .send(

@@ -52,13 +52,13 @@ pub struct Registered {
     registration_id: String,
 }
 
-pub async fn register(
-    State(state): State<AppState>,
-    host: AuthenticatedHost,
-    StrictJson(body): StrictJson<RegisterBody>,
-) -> Result<Json<Registered>, ApiError> {
-    let request = pb::RegisterDeviceRequest {
-        host_fingerprint: host.fingerprint,
+/// The registry request for a register body; the registry judges every field's bounds.
+pub fn registration_request(
+    body: RegisterBody,
+    host_fingerprint: String,
+) -> pb::RegisterDeviceRequest {
+    pb::RegisterDeviceRequest {
+        host_fingerprint,
         device_id: body.device_id,
         platform: match body.platform {
             PlatformJson::Ios => pb::Platform::Ios,
@@ -74,7 +74,15 @@ pub async fn register(
             sources: f.sources,
             agent_states: f.agent_states,
         }),
-    };
+    }
+}
+
+pub async fn register(
+    State(state): State<AppState>,
+    host: AuthenticatedHost,
+    StrictJson(body): StrictJson<RegisterBody>,
+) -> Result<Json<Registered>, ApiError> {
+    let request = registration_request(body, host.fingerprint);
     let registered = state
         .backends()?
         .registry

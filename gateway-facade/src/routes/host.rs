@@ -14,7 +14,7 @@ use crate::json::{StrictJson, V1, decode_base64_exact, encode_base64};
 pub struct ChallengeBody {
     #[allow(dead_code)]
     v: V1,
-    host_public_key_b64: String,
+    pub host_public_key_b64: String,
 }
 
 #[derive(Serialize)]
@@ -56,7 +56,7 @@ pub struct SessionBody {
     #[allow(dead_code)]
     v: V1,
     challenge_id: String,
-    proof_b64: String,
+    pub proof_b64: String,
 }
 
 #[derive(Serialize)]

@@ -96,6 +96,44 @@ fn utf16_len(value: &str) -> usize {
     value.encode_utf16().count()
 }
 
+/// A send body that passed every check of the contract: what the handler asks the registry and
+/// the queue about.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SendRequest {
+    /// Distinct, in first-seen order.
+    pub registration_ids: Vec<String>,
+    pub notification: queue_pb::Notification,
+    /// `sound: false`.
+    pub silent: bool,
+}
+
+/// Validates a whole send body; any failure is `invalid_request`.
+pub fn parse_send(body: SendBody) -> Result<SendRequest, ApiError> {
+    // The cap counts ids as sent; duplicates are folded afterwards, keeping first-seen order.
+    if body.registration_ids.is_empty() || body.registration_ids.len() > MAX_REGISTRATION_IDS {
+        return Err(ApiError::InvalidRequest);
+    }
+    if !body
+        .registration_ids
+        .iter()
+        .all(|id| (1..=128).contains(&utf16_len(id)))
+    {
+        return Err(ApiError::InvalidRequest);
+    }
+    let (notification, silent) = parse_notification(body.notification)?;
+    let mut registration_ids: Vec<String> = Vec::with_capacity(body.registration_ids.len());
+    for id in body.registration_ids {
+        if !registration_ids.contains(&id) {
+            registration_ids.push(id);
+        }
+    }
+    Ok(SendRequest {
+        registration_ids,
+        notification,
+        silent,
+    })
+}
+
 /// The contract's bounds on a notification; any failure is `invalid_request`.
 fn parse_notification(raw: Value) -> Result<(queue_pb::Notification, bool), ApiError> {
     // The 3000-byte cap is on the UTF-8 JSON of the notification as parsed.
@@ -157,24 +195,11 @@ pub async fn send(
     host: AuthenticatedHost,
     StrictJson(body): StrictJson<SendBody>,
 ) -> Result<Json<SendReply>, ApiError> {
-    // The cap counts ids as sent; duplicates are folded afterwards, keeping first-seen order.
-    if body.registration_ids.is_empty() || body.registration_ids.len() > MAX_REGISTRATION_IDS {
-        return Err(ApiError::InvalidRequest);
-    }
-    if !body
-        .registration_ids
-        .iter()
-        .all(|id| (1..=128).contains(&utf16_len(id)))
-    {
-        return Err(ApiError::InvalidRequest);
-    }
-    let (notification, silent) = parse_notification(body.notification)?;
-    let mut ids: Vec<String> = Vec::with_capacity(body.registration_ids.len());
-    for id in body.registration_ids {
-        if !ids.contains(&id) {
-            ids.push(id);
-        }
-    }
+    let SendRequest {
+        registration_ids: ids,
+        notification,
+        silent,
+    } = parse_send(body)?;
     let backends = state.backends()?;
     // Both calls are idempotent (a repeated admission of one event identity is a no-op), so a
     // replica lost mid-call is retried once on another.

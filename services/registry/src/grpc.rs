@@ -59,24 +59,28 @@ fn filter_to_wire(filter: DeviceFilter) -> pb::DeviceFilter {
     }
 }
 
+/// A `RegisterDevice` request as the registry reads it, before [`Registration::validate`].
+pub fn registration_from_wire(r: pb::RegisterDeviceRequest) -> Result<Registration, RegistryError> {
+    Ok(Registration {
+        host_fingerprint: r.host_fingerprint,
+        device_id: r.device_id,
+        platform: platform_from_wire(r.platform)?,
+        token: r.token,
+        apns_environment: environment_from_wire(r.apns_environment)?,
+        filter: r.filter.map(|f| DeviceFilter {
+            sources: f.sources,
+            agent_states: f.agent_states,
+        }),
+    })
+}
+
 #[tonic::async_trait]
 impl pb::registry_service_server::RegistryService for RegistryGrpc {
     async fn register_device(
         &self,
         request: Request<pb::RegisterDeviceRequest>,
     ) -> Result<Response<pb::RegisterDeviceResponse>, Status> {
-        let r = request.into_inner();
-        let registration = Registration {
-            host_fingerprint: r.host_fingerprint,
-            device_id: r.device_id,
-            platform: platform_from_wire(r.platform)?,
-            token: r.token,
-            apns_environment: environment_from_wire(r.apns_environment)?,
-            filter: r.filter.map(|f| DeviceFilter {
-                sources: f.sources,
-                agent_states: f.agent_states,
-            }),
-        };
+        let registration = registration_from_wire(request.into_inner())?;
         let registration_id = self.registry.register(&registration).await?;
         Ok(Response::new(pb::RegisterDeviceResponse {
             registration_id,

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
 pub use error::RegistryError;
-pub use grpc::RegistryGrpc;
+pub use grpc::{RegistryGrpc, registration_from_wire};
 pub use registry::DeviceRegistry;
 pub use store::{AnyRegistryStore, RegistryStore};
 
