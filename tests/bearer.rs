@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use orca_push_host::HostKey;
-use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends};
+use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends, scrape_sum};
 
 on_both_backends!(
     forged_bearers_are_refused_without_reaching_auth,
@@ -14,36 +14,17 @@ on_both_backends!(
     sessions_survive_a_restart_of_an_all_in_one_gateway,
 );
 
-/// A Prometheus sample's value, summed over every series of `name` that has all `labels`.
-fn sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter(|l| {
-            labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// How many Authenticate calls the auth service has served.
 async fn auth_look_ups(gateway: &mut Gateway) -> f64 {
-    let text = reqwest::get(gateway.process("all").metrics_url())
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    sum(
-        &text,
+    scrape_sum(
+        &gateway.process("all").metrics_url(),
         "orca_push_grpc_server_calls_total",
         &[
             ("service", "orca.push.auth.v1.AuthService"),
             ("method", "Authenticate"),
         ],
     )
+    .await
 }
 
 fn base64url(token: &str) -> bool {

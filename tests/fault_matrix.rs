@@ -35,16 +35,12 @@ async fn world_behind_proxy(fault: Fault) -> (World, FaultProxy) {
 
 /// `orca_push_apns_tokens_signed_total` as the gateway's /metrics shows it.
 async fn signatures(w: &mut World) -> f64 {
-    let text = reqwest::get(w.gateway.process("all").metrics_url())
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("orca_push_apns_tokens_signed_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    orca_push_tests::scrape_sum(
+        &w.gateway.process("all").metrics_url(),
+        "orca_push_apns_tokens_signed_total",
+        &[],
+    )
+    .await
 }
 
 async fn dead_flags(w: &World) -> std::collections::HashMap<String, bool> {

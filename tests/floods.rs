@@ -6,22 +6,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use orca_push_host::HostKey;
-use orca_push_tests::{Backend, Gateway, Raw, bearer};
+use orca_push_tests::{Backend, Gateway, Raw, bearer, metric_sum};
 
 const IP: &str = "203.0.113.7";
-
-fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter(|l| {
-            labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 fn rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -47,7 +34,7 @@ async fn a_forged_bearer_flood_next_to_a_real_host_on_its_ip_costs_no_look_ups()
     let metrics = gateway.process("all").metrics_url();
     let pid = gateway.process("all").pid().unwrap();
     let look_ups = |text: &str| {
-        sample(
+        metric_sum(
             text,
             "orca_push_grpc_server_calls_total",
             &[("method", "Authenticate")],

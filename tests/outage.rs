@@ -17,16 +17,7 @@ fn ios_token(i: usize) -> String {
 }
 
 async fn metric(w: &mut World, name: &str) -> f64 {
-    let text = reqwest::get(w.gateway.process("all").metrics_url())
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    orca_push_tests::scrape_sum(&w.gateway.process("all").metrics_url(), name, &[]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

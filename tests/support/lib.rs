@@ -649,3 +649,28 @@ macro_rules! on_both_backends {
         }
     )*};
 }
+
+/// A Prometheus sample's value, summed over every series of `name` that has all of `labels`.
+pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `metric_sum` of what the process answers at `metrics_url` now.
+pub async fn scrape_sum(metrics_url: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = reqwest::get(metrics_url)
+        .await
+        .expect("metrics answer")
+        .text()
+        .await
+        .expect("metrics body");
+    metric_sum(&text, name, labels)
+}
