@@ -272,10 +272,14 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
         request: Request<pb::HoldProviderRequest>,
     ) -> Result<Response<pb::HoldProviderResponse>, Status> {
         let r = request.into_inner();
-        let held = self
-            .queue
-            .hold(provider_from_wire(r.provider), r.until_ms, r.release)
-            .await?;
+        let provider = provider_from_wire(r.provider);
+        let held = if r.release {
+            let limit = (r.release_limit > 0).then_some(u64::from(r.release_limit));
+            self.queue.release(provider, limit).await?
+        } else {
+            let due_before = (r.due_before_ms > 0).then_some(r.due_before_ms);
+            self.queue.hold(provider, r.until_ms, due_before).await?
+        };
         Ok(Response::new(pb::HoldProviderResponse { held }))
     }
 

@@ -232,35 +232,24 @@ impl<S: QueueStore> DeliveryQueue<S> {
     }
 
     /// Holds a failing provider's pending work until `until` (at most five minutes ahead: every
-    /// deadline is, so a longer hold only means expiry); with `release`, makes the held work due
-    /// again (the provider recovered).
+    /// deadline is, so a longer hold only means expiry): the batches due before `due_before` (all
+    /// those due before `until` when absent), so batches already held further out cost nothing.
     pub async fn hold(
         &self,
         provider: Provider,
         until: i64,
-        release: bool,
+        due_before: Option<i64>,
     ) -> Result<u64, QueueError> {
         let now = now(&*self.clock);
-        if provider == Provider::Unknown || (!release && until <= now) {
+        if provider == Provider::Unknown || until <= now {
             return Err(QueueError::InvalidRequest(
-                "a provider, and a time in the future unless releasing",
+                "a provider, and a time in the future",
             ));
         }
-        if release {
-            let released = self.store.release(provider, now).await?;
-            if released > 0 {
-                self.wake.notify_waiters();
-                tracing::info!(
-                    provider = provider.as_str(),
-                    released,
-                    "released a recovered provider's work"
-                );
-            }
-            return Ok(released);
-        }
+        let until = until.min(now + MAX_HOLD_MS);
         let held = self
             .store
-            .hold(provider, until.min(now + MAX_HOLD_MS))
+            .hold(provider, until, due_before.unwrap_or(until).min(until))
             .await?;
         if held > 0 {
             tracing::info!(
@@ -270,6 +259,28 @@ impl<S: QueueStore> DeliveryQueue<S> {
             );
         }
         Ok(held)
+    }
+
+    /// Makes a held provider's work due again: all of it (the provider recovered), or `limit`
+    /// batches (a probe).
+    pub async fn release(&self, provider: Provider, limit: Option<u64>) -> Result<u64, QueueError> {
+        let now = now(&*self.clock);
+        if provider == Provider::Unknown {
+            return Err(QueueError::InvalidRequest("a provider"));
+        }
+        let limit = limit.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
+        {
+            let released = self.store.release(provider, now, limit).await?;
+            if released > 0 {
+                self.wake.notify_waiters();
+                tracing::info!(
+                    provider = provider.as_str(),
+                    released,
+                    "released a recovered provider's work"
+                );
+            }
+            Ok(released)
+        }
     }
 
     pub async fn event_record(

@@ -201,18 +201,21 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
         how: Retry,
         now: i64,
     ) -> impl Future<Output = Result<RetryResult, QueueError>> + Send;
-    /// Moves the pending batches of `provider` to `until` (not earlier ones' later times); how
-    /// many it moved.
+    /// Moves the pending batches of `provider` due before `due_before` to `until`; how many it
+    /// moved. Batches already held further out are not written again.
     fn hold(
         &self,
         provider: Provider,
         until: i64,
+        due_before: i64,
     ) -> impl Future<Output = Result<u64, QueueError>> + Send;
-    /// Makes the held batches of `provider` due again (not before their own retry time).
+    /// Makes at most `limit` held batches of `provider` due again, earliest deadline first (not
+    /// before their own retry time).
     fn release(
         &self,
         provider: Provider,
         now: i64,
+        limit: i64,
     ) -> impl Future<Output = Result<u64, QueueError>> + Send;
     fn event_record(
         &self,
@@ -1007,31 +1010,36 @@ macro_rules! queue_store {
                 Ok(RetryResult::Scheduled)
             }
 
-            async fn hold(&self, provider: Provider, until: i64) -> Result<u64, QueueError> {
+            async fn hold(&self, provider: Provider, until: i64, due_before: i64) -> Result<u64, QueueError> {
                 if provider == Provider::Unknown {
                     return Ok(0);
                 }
                 let held = sqlx::query(
                     "UPDATE push_delivery_batches SET available_at = $2, last_reason = 'held' \
-                     WHERE provider = $1 AND state = 'pending' AND available_at < $2",
+                     WHERE provider = $1 AND state = 'pending' AND available_at < $3",
                 )
                 .bind(provider.as_str())
                 .bind(until)
+                .bind(due_before)
                 .execute(&self.pool)
                 .await?;
                 Ok(held.rows_affected())
             }
 
-            async fn release(&self, provider: Provider, now: i64) -> Result<u64, QueueError> {
+            async fn release(&self, provider: Provider, now: i64, limit: i64) -> Result<u64, QueueError> {
                 let mut tx = self.begin_claim().await?;
-                // Never before a retry's own time (backoff, Retry-After).
+                // Never before a retry's own time (backoff, Retry-After); the earliest deadlines
+                // first when only some go (a probe).
                 let released = sqlx::query(
                     "UPDATE push_delivery_batches SET last_reason = 'released', \
                      available_at = CASE WHEN not_before > $2 THEN not_before ELSE $2 END \
-                     WHERE provider = $1 AND state = 'pending' AND last_reason = 'held'",
+                     WHERE batch_id IN (SELECT batch_id FROM push_delivery_batches \
+                       WHERE provider = $1 AND state = 'pending' AND last_reason = 'held' \
+                       ORDER BY deadline LIMIT $3)",
                 )
                 .bind(provider.as_str())
                 .bind(now)
+                .bind(limit)
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
@@ -1373,11 +1381,16 @@ impl QueueStore for AnyQueueStore {
     ) -> Result<RetryResult, QueueError> {
         delegate!(self, s => s.retry(batch_id, token, at, reason, how, now))
     }
-    async fn hold(&self, provider: Provider, until: i64) -> Result<u64, QueueError> {
-        delegate!(self, s => s.hold(provider, until))
+    async fn hold(
+        &self,
+        provider: Provider,
+        until: i64,
+        due_before: i64,
+    ) -> Result<u64, QueueError> {
+        delegate!(self, s => s.hold(provider, until, due_before))
     }
-    async fn release(&self, provider: Provider, now: i64) -> Result<u64, QueueError> {
-        delegate!(self, s => s.release(provider, now))
+    async fn release(&self, provider: Provider, now: i64, limit: i64) -> Result<u64, QueueError> {
+        delegate!(self, s => s.release(provider, now, limit))
     }
     async fn event_record(
         &self,

@@ -15,6 +15,7 @@ on_both_backends!(
     each_coalesced_member_keeps_its_own_deadline,
     a_failing_providers_work_is_held_and_released,
     a_released_batch_never_goes_before_its_own_retry_time,
+    a_held_backlog_is_written_once_and_probed_one_batch_at_a_time,
 );
 
 async fn only_provider_answers_count_as_attempts(backend: Backend) {
@@ -128,7 +129,7 @@ async fn a_failing_providers_work_is_held_and_released(backend: Backend) {
     h.admit(&ios).await;
     h.admit(&android).await;
     let until = T0 as i64 + 20_000;
-    assert_eq!(h.queue.hold(Provider::Apns, until, false).await.unwrap(), 1);
+    assert_eq!(h.queue.hold(Provider::Apns, until, None).await.unwrap(), 1);
     // Only the other provider's work is handed out meanwhile.
     let claimed = h.claim_all().await;
     assert_eq!(claimed.len(), 1);
@@ -137,13 +138,13 @@ async fn a_failing_providers_work_is_held_and_released(backend: Backend) {
     h.clock.advance(5_000);
     assert!(h.claim_all().await.is_empty(), "held");
     // The provider answers again: its work is due at once, not at the end of the hold.
-    assert_eq!(h.queue.hold(Provider::Apns, 0, true).await.unwrap(), 1);
+    assert_eq!(h.queue.release(Provider::Apns, None).await.unwrap(), 1);
     let claimed = h.claim_all().await;
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].registration_id, "iphone");
     // Bad requests are errors, not writes.
-    assert!(h.queue.hold(Provider::Unknown, until, false).await.is_err());
-    assert!(h.queue.hold(Provider::Fcm, T0 as i64, false).await.is_err());
+    assert!(h.queue.hold(Provider::Unknown, until, None).await.is_err());
+    assert!(h.queue.hold(Provider::Fcm, T0 as i64, None).await.is_err());
 }
 
 async fn a_released_batch_never_goes_before_its_own_retry_time(backend: Backend) {
@@ -164,17 +165,52 @@ async fn a_released_batch_never_goes_before_its_own_retry_time(backend: Backend)
         .unwrap();
     assert_eq!(
         h.queue
-            .hold(Provider::Apns, T0 as i64 + 60_000, false)
+            .hold(Provider::Apns, T0 as i64 + 60_000, None)
             .await
             .unwrap(),
         1
     );
     h.clock.advance(10_000);
-    h.queue.hold(Provider::Apns, 0, true).await.unwrap();
+    h.queue.release(Provider::Apns, None).await.unwrap();
     assert!(
         h.claim_all().await.is_empty(),
         "Retry-After is never shortened"
     );
     h.clock.set(retry_after as u64);
     assert_eq!(h.claim_all().await.len(), 1);
+}
+
+async fn a_held_backlog_is_written_once_and_probed_one_batch_at_a_time(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    for seq in 0..5 {
+        h.admit(&alert(seq, &["iphone"])).await;
+    }
+    let five_minutes = T0 as i64 + 300_000;
+    let probe_at = T0 as i64 + 2_000;
+    assert_eq!(
+        h.queue
+            .hold(Provider::Apns, five_minutes, Some(probe_at))
+            .await
+            .unwrap(),
+        5
+    );
+    // The next hold (a failed probe) writes only what would come due before its probe.
+    h.admit(&alert(9, &["iphone"])).await;
+    h.clock.advance(2_000);
+    assert_eq!(
+        h.queue
+            .hold(Provider::Apns, five_minutes, Some(probe_at + 4_000))
+            .await
+            .unwrap(),
+        1,
+        "the backlog already held is not written again"
+    );
+    // A probe releases one batch, the earliest deadline first.
+    assert_eq!(h.queue.release(Provider::Apns, Some(1)).await.unwrap(), 1);
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].members[0].notification_seq, 0);
+    // The provider answers: everything else is due at once.
+    assert_eq!(h.queue.release(Provider::Apns, None).await.unwrap(), 5);
+    assert_eq!(h.claim_all().await.len(), 5);
 }

@@ -36,6 +36,9 @@ pub const IN_FLIGHT_PER_LANE: usize = 256;
 /// Deliveries of one provider a lane keeps in flight at most: a provider that stalls (every
 /// request waiting out its timeout) leaves the other a quarter of the lane.
 pub const IN_FLIGHT_PER_PROVIDER: usize = IN_FLIGHT_PER_LANE * 3 / 4;
+/// How long a failing provider's work is held at most: the longest deadline. It is released as
+/// soon as a probe succeeds; what is still held at its deadline expires.
+const HELD_FOR: Duration = Duration::from_secs(5 * 60);
 /// A batch handed back because its provider's share of the lane was full waits this long.
 const SATURATED_RETRY: Duration = Duration::from_secs(1);
 /// Batches one claim takes at most. A claim is one write transaction with a few statements per
@@ -435,20 +438,38 @@ impl Sender {
             Verdict::Failed(reason) if reason.ends_with("_not_configured") => Change::None,
             _ => breaker.success(),
         };
+        let now = now_ms(&*self.clock);
         let request = match change {
             Change::None => return,
             Change::Opened(until) => {
                 let wait = until.saturating_duration_since(std::time::Instant::now());
+                // The probe: when the hold is over, one held batch is made due again. The rest
+                // stay held until the provider answers (or their deadline), so a large backlog
+                // is written once, not at every probe.
+                let queue = self.queue.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(wait).await;
+                    let probe = queue_pb::HoldProviderRequest {
+                        provider: provider as i32,
+                        release: true,
+                        release_limit: 1,
+                        ..Default::default()
+                    };
+                    if let Err(status) = queue.clone().hold_provider(probe).await {
+                        tracing::warn!(code = ?status.code(), "could not release a probe");
+                    }
+                });
                 queue_pb::HoldProviderRequest {
                     provider: provider as i32,
-                    until_ms: at_ms(now_ms(&*self.clock), wait),
-                    release: false,
+                    until_ms: at_ms(now, HELD_FOR),
+                    due_before_ms: at_ms(now, wait),
+                    ..Default::default()
                 }
             }
             Change::Closed => queue_pb::HoldProviderRequest {
                 provider: provider as i32,
-                until_ms: 0,
                 release: true,
+                ..Default::default()
             },
         };
         if let Err(status) = self.queue.clone().hold_provider(request).await {
