@@ -210,3 +210,31 @@ async fn a_down_token_endpoint_is_not_asked_again_for_every_send() {
     tokio::time::sleep(FIRST_HOLD + Duration::from_millis(100)).await;
     assert_eq!(fcm.send(message, true).await, Verdict::Sent);
 }
+
+/// A provider that answers only after the event's deadline: the attempt ends at the deadline and
+/// the batch expires (before, it was sent and reported `sent` 8 s later), and its lease is not
+/// renewed past the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_sent_or_renewed_past_the_deadline() {
+    let mut w = World::start_with(Backend::Sqlite, "0", &[("ORCA_PUSH_LEASE_MS", "1000")]).await;
+    let ios = w.register_ios("iphone", &ios_token(1)).await;
+    w.apns.set_latency(Duration::from_secs(8));
+    let mut short = alert(1);
+    short["expiresAt"] = json!(orca_push_tests::now_ms() + 3_000);
+    let sent = std::time::Instant::now();
+    w.send(&[&ios], short).await;
+    w.wait_outcome(&ios, "expired").await;
+    assert!(
+        sent.elapsed() < Duration::from_secs(7),
+        "{:?}",
+        sent.elapsed()
+    );
+    // Renewed every third of the 1 s lease until the deadline, 3 s after the send: about 9.
+    let renewals = orca_push_tests::scrape_sum(
+        &w.gateway.process("all").metrics_url(),
+        "orca_push_grpc_server_calls_total",
+        &[("method", "RenewLease")],
+    )
+    .await;
+    assert!((1.0..=12.0).contains(&renewals), "{renewals} renewals");
+}
