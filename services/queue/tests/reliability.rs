@@ -16,6 +16,7 @@ on_both_backends!(
     a_failing_providers_work_is_held_and_released,
     a_released_batch_never_goes_before_its_own_retry_time,
     a_held_backlog_is_written_once_and_probed_one_batch_at_a_time,
+    a_probe_is_never_a_batch_past_its_deadline,
 );
 
 async fn only_provider_answers_count_as_attempts(backend: Backend) {
@@ -205,7 +206,7 @@ async fn a_held_backlog_is_written_once_and_probed_one_batch_at_a_time(backend: 
         1,
         "the backlog already held is not written again"
     );
-    // A probe releases one batch, the earliest deadline first.
+    // A probe releases one batch, the earliest deadline still ahead first.
     assert_eq!(h.queue.release(Provider::Apns, Some(1)).await.unwrap(), 1);
     let claimed = h.claim_all().await;
     assert_eq!(claimed.len(), 1);
@@ -213,4 +214,25 @@ async fn a_held_backlog_is_written_once_and_probed_one_batch_at_a_time(backend: 
     // The provider answers: everything else is due at once.
     assert_eq!(h.queue.release(Provider::Apns, None).await.unwrap(), 5);
     assert_eq!(h.claim_all().await.len(), 5);
+}
+
+async fn a_probe_is_never_a_batch_past_its_deadline(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    let mut short = alert(1, &["iphone"]);
+    short.expires_at_ms = Some(T0 as i64 + 1_000);
+    h.admit(&short).await;
+    h.admit(&alert(2, &["iphone"])).await;
+    h.queue
+        .hold(Provider::Apns, T0 as i64 + 300_000, None)
+        .await
+        .unwrap();
+    h.clock.advance(2_000);
+    assert_eq!(h.queue.release(Provider::Apns, Some(1)).await.unwrap(), 1);
+    let claimed = h.claim_all().await;
+    assert_eq!(
+        claimed.len(),
+        1,
+        "the probe is the batch still before its deadline"
+    );
+    assert_eq!(claimed[0].members[0].notification_seq, 2);
 }
