@@ -1030,11 +1030,14 @@ macro_rules! queue_store {
                 let mut tx = self.begin_claim().await?;
                 // Never before a retry's own time (backoff, Retry-After); the earliest deadlines
                 // first when only some go (a probe), and never one already past its deadline (the
-                // claim would expire it and no probe would go out). Those are left to cleanup.
+                // claim would expire it and no probe would go out). Those are left to cleanup. The
+                // outer conditions are checked again on a row another transaction changed meanwhile
+                // (PostgreSQL re-reads it), so a release racing a claim never cuts a live lease.
                 let released = sqlx::query(
                     "UPDATE push_delivery_batches SET last_reason = 'released', \
                      available_at = CASE WHEN not_before > $2 THEN not_before ELSE $2 END \
-                     WHERE batch_id IN (SELECT batch_id FROM push_delivery_batches \
+                     WHERE state = 'pending' AND last_reason = 'held' \
+                     AND batch_id IN (SELECT batch_id FROM push_delivery_batches \
                        WHERE provider = $1 AND state = 'pending' AND last_reason = 'held' \
                        AND deadline > $2 ORDER BY deadline LIMIT $3)",
                 )

@@ -136,6 +136,36 @@ impl Breaker {
     }
 }
 
+/// Held while a probe is out: dropped before its result was recorded (the attempt was cancelled,
+/// handed back, or answered in a way that says nothing of the provider), it lets another probe go
+/// instead of leaving the breaker waiting for an answer that will never come.
+pub struct ProbeGuard<'a> {
+    breaker: &'a Breaker,
+    armed: bool,
+}
+
+impl<'a> ProbeGuard<'a> {
+    pub fn new(breaker: &'a Breaker) -> Self {
+        Self {
+            breaker,
+            armed: true,
+        }
+    }
+
+    /// The probe's result was recorded (success or failure).
+    pub fn recorded(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.breaker.probe_abandoned();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,6 +216,26 @@ mod tests {
         assert_eq!(b.success(), Change::Closed);
         assert_eq!(b.gate(t), Gate::Pass);
         assert!(!b.is_open());
+    }
+
+    #[test]
+    fn a_probe_dropped_without_a_result_lets_another_go() {
+        let b = Breaker::new("apns");
+        let t = Instant::now();
+        for _ in 0..TRIP_AFTER {
+            b.failure(t);
+        }
+        let later = t + FIRST_HOLD;
+        assert_eq!(b.gate(later), Gate::Probe);
+        drop(ProbeGuard::new(&b));
+        assert_eq!(b.gate(later), Gate::Probe, "the dropped probe was released");
+        let guard = ProbeGuard::new(&b);
+        b.failure(later);
+        guard.recorded();
+        assert!(
+            matches!(b.gate(later), Gate::Hold(_)),
+            "a recorded failure holds again"
+        );
     }
 
     #[test]

@@ -149,10 +149,14 @@ impl Fcm {
         if let Some(bearer) = self.cached_bearer() {
             return Ok(bearer);
         }
-        // Closed, or this miss is the probe.
-        if let crate::breaker::Gate::Hold(_) = self.token_endpoint.gate(std::time::Instant::now()) {
-            return Err("token endpoint held".to_owned());
-        }
+        // Closed, or this miss is the probe (released if the caller's own deadline drops it).
+        let probe = match self.token_endpoint.gate(std::time::Instant::now()) {
+            crate::breaker::Gate::Hold(_) => return Err("token endpoint held".to_owned()),
+            crate::breaker::Gate::Probe => {
+                Some(crate::breaker::ProbeGuard::new(&self.token_endpoint))
+            }
+            crate::breaker::Gate::Pass => None,
+        };
         let fetched = tokio::time::timeout(TOKEN_TIMEOUT, self.fetch_bearer())
             .await
             .unwrap_or_else(|_| Err("token endpoint timed out".to_owned()));
@@ -165,6 +169,9 @@ impl Fcm {
                     .increment(1);
                 self.token_endpoint.failure(std::time::Instant::now());
             }
+        }
+        if let Some(probe) = probe {
+            probe.recorded();
         }
         fetched
     }

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
-use crate::breaker::{Breaker, Change, Gate};
+use crate::breaker::{Breaker, Change, Gate, ProbeGuard};
 use crate::payload::Job;
 use crate::providers::{Providers, Target};
 use crate::report::Reporter;
@@ -36,9 +36,11 @@ pub const IN_FLIGHT_PER_LANE: usize = 256;
 /// Deliveries of one provider a lane keeps in flight at most: a provider that stalls (every
 /// request waiting out its timeout) leaves the other a quarter of the lane.
 pub const IN_FLIGHT_PER_PROVIDER: usize = IN_FLIGHT_PER_LANE * 3 / 4;
-/// How long a failing provider's work is held at most: the longest deadline. It is released as
-/// soon as a probe succeeds; what is still held at its deadline expires.
-const HELD_FOR: Duration = Duration::from_secs(5 * 60);
+/// How long a failing provider's work is held in one go: twice the longest breaker hold. A probe's
+/// success releases it at once; should that release never come (the sender restarted, the probe
+/// went to another replica, an RPC failed), the work comes back on its own this soon, where the
+/// next probe finds it. Each failed probe re-holds only what would come due before the next one.
+const HELD_FOR: Duration = Duration::from_secs(60);
 /// A batch handed back because its provider's share of the lane was full waits this long.
 const SATURATED_RETRY: Duration = Duration::from_secs(1);
 /// Batches one claim takes at most. A claim is one write transaction with a few statements per
@@ -147,6 +149,18 @@ impl Sender {
     /// Runs `LANES` lanes until `stop` (stop taking work), then lets in-flight deliveries finish
     /// until `hard_stop`; whatever is still running then is dropped, its lease left to lapse.
     pub async fn run(self: Arc<Self>, stop: CancellationToken, hard_stop: CancellationToken) {
+        // A sender that stopped while a breaker was open left its provider's work held: a new
+        // one starts closed, so that work is due again now rather than when the hold ends.
+        for provider in [queue_pb::Provider::Apns, queue_pb::Provider::Fcm] {
+            let release = queue_pb::HoldProviderRequest {
+                provider: provider as i32,
+                release: true,
+                ..Default::default()
+            };
+            if let Err(status) = self.queue.clone().hold_provider(release).await {
+                tracing::warn!(code = ?status.code(), "could not release held work at start");
+            }
+        }
         let lanes: Vec<_> = (0..LANES)
             .map(|i| tokio::spawn(self.clone().lane(i, stop.clone(), hard_stop.clone())))
             .collect();
@@ -398,18 +412,17 @@ impl Sender {
         }
         let target = Target::from_device(device);
         let (breaker, provider) = self.breakers.of(&target);
+        // A probe whose result is never recorded (handed back, cancelled, or an answer that
+        // says nothing of the provider) lets the next attempt probe instead.
         let probe = match breaker.gate(std::time::Instant::now()) {
-            Gate::Pass => false,
-            Gate::Probe => true,
+            Gate::Pass => None,
+            Gate::Probe => Some(ProbeGuard::new(breaker)),
             Gate::Hold(until) => {
                 let wait = until.saturating_duration_since(std::time::Instant::now());
                 return Outcome::HandBack(at_ms(now, wait), "provider_held");
             }
         };
         let Some(_room) = provider_room.try_take(&target) else {
-            if probe {
-                breaker.probe_abandoned();
-            }
             return Outcome::HandBack(at_ms(now, SATURATED_RETRY), "provider_saturated");
         };
         // Nothing is sent past the earliest member's deadline, however the provider stalls.
@@ -418,29 +431,32 @@ impl Sender {
             tokio::time::timeout(left, self.providers.send(job, &target, now, &self.counters))
                 .await
                 .unwrap_or_else(|_| Verdict::unanswered("deadline"));
-        self.record_health(breaker, provider, &verdict).await;
+        let recorded = self.record_health(breaker, provider, &verdict).await;
+        if let Some(probe) = probe.filter(|_| recorded) {
+            probe.recorded();
+        }
         Outcome::Verdict(verdict, Some(target))
     }
 
     /// Feeds the provider's breaker; holds or releases the provider's queued work when it opens or
-    /// closes.
+    /// closes. False when the verdict said nothing of the provider (nothing recorded).
     async fn record_health(
         &self,
         breaker: &Breaker,
         provider: queue_pb::Provider,
         verdict: &Verdict,
-    ) {
+    ) -> bool {
         let change = match verdict {
             // APNs throttles one device token this way: that says nothing of the provider.
-            Verdict::Retry { reason, .. } if reason == "TooManyRequests" => Change::None,
+            Verdict::Retry { reason, .. } if reason == "TooManyRequests" => return false,
             Verdict::Retry { .. } => breaker.failure(std::time::Instant::now()),
             // Not-configured failures say nothing of the provider.
-            Verdict::Failed(reason) if reason.ends_with("_not_configured") => Change::None,
+            Verdict::Failed(reason) if reason.ends_with("_not_configured") => return false,
             _ => breaker.success(),
         };
         let now = now_ms(&*self.clock);
         let request = match change {
-            Change::None => return,
+            Change::None => return true,
             Change::Opened(until) => {
                 let wait = until.saturating_duration_since(std::time::Instant::now());
                 // The probe: when the hold is over, one held batch is made due again. The rest
@@ -473,10 +489,11 @@ impl Sender {
             },
         };
         if let Err(status) = self.queue.clone().hold_provider(request).await {
-            // Holding saves work, it is not needed for correctness: without it the held
-            // provider's batches are claimed and handed back one by one.
+            // Holding saves work; a missed hold or release costs at most HELD_FOR: without a hold
+            // the provider's batches are claimed and handed back one by one.
             tracing::warn!(code = ?status.code(), "could not hold or release a provider's work");
         }
+        true
     }
 
     async fn report(
