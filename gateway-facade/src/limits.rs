@@ -103,12 +103,29 @@ pub struct BoundedBuckets<K: Hash + Eq + Clone> {
     keyed: DefaultKeyedRateLimiter<K>,
     overflow: DefaultDirectRateLimiter,
     max_keys: usize,
-    /// A sweep walks the whole map: at most one per `SWEEP_SPACING`, or a flood at the cap would
-    /// turn every request into a full scan.
-    last_sweep: std::sync::Mutex<Option<Instant>>,
+    sweeps: SweepSpacing,
 }
 
-const SWEEP_SPACING: Duration = Duration::from_millis(500);
+/// A sweep walks a whole map: at most one per 500 ms, or a flood at a map's cap would turn every
+/// request into a full scan. Shared by the limiter's maps and the session cache.
+#[derive(Debug, Default)]
+pub struct SweepSpacing {
+    last: std::sync::Mutex<Option<Instant>>,
+}
+
+impl SweepSpacing {
+    const SPACING: Duration = Duration::from_millis(500);
+
+    /// True (and the time taken) when a sweep may run now.
+    pub fn due(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let due = last.is_none_or(|at| at.elapsed() >= Self::SPACING);
+        if due {
+            *last = Some(Instant::now());
+        }
+        due
+    }
+}
 
 impl<K: Hash + Eq + Clone> BoundedBuckets<K> {
     pub fn per_minute(per_minute: u32, max_keys: usize) -> Self {
@@ -117,22 +134,14 @@ impl<K: Hash + Eq + Clone> BoundedBuckets<K> {
             keyed: RateLimiter::keyed(quota),
             overflow: RateLimiter::direct(quota),
             max_keys,
-            last_sweep: std::sync::Mutex::new(None),
+            sweeps: SweepSpacing::default(),
         }
     }
 
     /// Takes one token for `key`; false when its bucket is empty.
     pub fn try_take(&self, key: &K) -> bool {
         if self.keyed.len() >= self.max_keys {
-            let due = {
-                let mut last = self.last_sweep.lock().unwrap_or_else(|p| p.into_inner());
-                let due = last.is_none_or(|at| at.elapsed() >= SWEEP_SPACING);
-                if due {
-                    *last = Some(Instant::now());
-                }
-                due
-            };
-            if due {
+            if self.sweeps.due() {
                 self.sweep();
             }
             if self.keyed.len() >= self.max_keys {

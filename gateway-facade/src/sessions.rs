@@ -7,7 +7,7 @@
 //! It must never hold a token in plaintext (entries are keyed by its sha256) nor log one or the key.
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
@@ -26,7 +26,6 @@ pub const REMEMBER_REFUSAL_FOR: Duration = Duration::from_secs(60);
 /// Most sessions held; past it, stale entries are swept and, if it is still full, new verdicts are
 /// not remembered (their next request is looked up again).
 pub const MAX_CACHED_SESSIONS: usize = 100_000;
-const SWEEP_SPACING: Duration = Duration::from_millis(500);
 
 type TokenHash = [u8; 32];
 type AuthClient = orca_push_proto::auth::v1::auth_service_client::AuthServiceClient<
@@ -59,7 +58,7 @@ pub struct SessionCheck {
     entries: DashMap<TokenHash, Entry>,
     in_flight: DashMap<TokenHash, (Instant, Shared)>,
     max_entries: usize,
-    last_sweep: Mutex<Option<Instant>>,
+    sweeps: crate::limits::SweepSpacing,
 }
 
 impl Default for SessionCheck {
@@ -81,7 +80,7 @@ impl SessionCheck {
             entries: DashMap::new(),
             in_flight: DashMap::new(),
             max_entries,
-            last_sweep: Mutex::new(None),
+            sweeps: crate::limits::SweepSpacing::default(),
         }
     }
 
@@ -180,15 +179,7 @@ impl SessionCheck {
 
     fn remember(&self, hash: TokenHash, verdict: Verdict, checked_at: Instant) {
         if self.entries.len() >= self.max_entries && !self.entries.contains_key(&hash) {
-            let due = {
-                let mut last = self.last_sweep.lock().unwrap_or_else(|p| p.into_inner());
-                let due = last.is_none_or(|at| at.elapsed() >= SWEEP_SPACING);
-                if due {
-                    *last = Some(Instant::now());
-                }
-                due
-            };
-            if due {
+            if self.sweeps.due() {
                 self.sweep();
             }
             if self.entries.len() >= self.max_entries {
