@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use orca_push_internal_auth::{InternalChannel, InternalKey};
+use orca_push_internal_auth::{InternalChannel, InternalKey, Target};
 use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
 use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
 use orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient;
@@ -20,18 +20,18 @@ pub struct ServiceEndpoint {
 }
 
 impl ServiceEndpoint {
-    /// A lazily connecting channel, so services may start in any order. Calls carry the facade's
-    /// internal token for `name`.
+    /// A channel to `target` (lazily connecting for a URL, so services may start in any order).
+    /// Calls carry the facade's identity for `name`.
     pub fn connect(
         name: &'static str,
         health_name: &'static str,
-        url: &str,
+        target: &Target,
         key: &InternalKey,
     ) -> Result<Self, tonic::transport::Error> {
         Ok(Self {
             name,
             health_name,
-            channel: orca_push_internal_auth::channel(url, key, "facade", name)?,
+            channel: orca_push_internal_auth::channel_to(target, key, "facade", name)?,
         })
     }
 
@@ -65,17 +65,20 @@ pub struct Backends {
     pub endpoints: Vec<ServiceEndpoint>,
 }
 
-/// Where each service lives.
-#[derive(Debug, Clone)]
-pub struct BackendUrls {
-    pub auth: String,
-    pub registry: String,
-    pub queue: String,
-    pub sender: String,
+/// Where each service lives: in this process, or at a URL.
+#[derive(Clone)]
+pub struct BackendTargets {
+    pub auth: Target,
+    pub registry: Target,
+    pub queue: Target,
+    pub sender: Target,
 }
 
 impl Backends {
-    pub fn connect(urls: &BackendUrls, key: &InternalKey) -> Result<Self, tonic::transport::Error> {
+    pub fn connect(
+        urls: &BackendTargets,
+        key: &InternalKey,
+    ) -> Result<Self, tonic::transport::Error> {
         let auth = ServiceEndpoint::connect("auth", orca_push_auth::HEALTH_NAME, &urls.auth, key)?;
         let registry = ServiceEndpoint::connect(
             "registry",

@@ -1,5 +1,7 @@
 //! Starting the gateway: all services in one process (the embedded default), or one service per
-//! process (split mode). In both, the facade reaches the services over the same gRPC.
+//! process (split mode). In both, the facade reaches the services over the same gRPC: in one
+//! process its clients call the generated servers as tower services (no sockets, same layers);
+//! split, over HTTP/2.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,11 +12,11 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::{AppState, router};
-use crate::backends::{BackendUrls, Backends};
-use crate::config::{Config, HttpLimits, Mode, ServiceName};
+use crate::backends::{BackendTargets, Backends};
+use crate::config::{Config, HttpLimits, InternalTransport, Mode, ServiceName};
 use crate::connections;
 use crate::limits::Limits;
-use orca_push_internal_auth::InternalKey;
+use orca_push_internal_auth::{InternalKey, LocalServer, Target};
 
 /// Applies every service's migrations.
 pub async fn migrate(config: &Config) -> anyhow::Result<()> {
@@ -52,6 +54,12 @@ pub async fn serve_all_in_one(
         .clone()
         .unwrap_or_else(InternalKey::generate);
     let mut tasks = tokio::task::JoinSet::new();
+    let mut expose = Exposer {
+        transport: config.internal_transport,
+        key: key.clone(),
+        shutdown: shutdown.clone(),
+        tasks: &mut tasks,
+    };
 
     let auth_pool = orca_push_auth::open_and_migrate(&config.database)
         .await
@@ -59,59 +67,59 @@ pub async fn serve_all_in_one(
     let registry_pool = orca_push_registry::open_and_migrate(&config.database)
         .await
         .context("registry database")?;
-    let (auth_listener, auth_url) = loopback_listener().await?;
-    let (registry_listener, registry_url) = loopback_listener().await?;
-    tasks.spawn(orca_push_registry::serve(
-        registry_listener,
-        registry_pool,
-        clock.clone(),
-        key.clone(),
-        shutdown.clone(),
-    ));
+    let registry = orca_push_registry::routes(registry_pool, clock.clone(), shutdown.clone()).await;
+    let registry = expose
+        .service(orca_push_registry::AUDIENCE, registry)
+        .await?;
     let origin = config.gateway_origin(listener.local_addr()?.port());
-    tasks.spawn(orca_push_auth::serve(
-        auth_listener,
+    let auth = orca_push_auth::routes(
         auth_pool,
         origin,
         clock.clone(),
-        orca_push_auth::registry_client(&registry_url, &key).context("registry channel")?,
-        key.clone(),
+        orca_push_auth::registry_client(&registry, &key).context("registry channel")?,
         shutdown.clone(),
-    ));
+    )
+    .await;
+    let auth = expose.service(orca_push_auth::AUDIENCE, auth).await?;
     let queue_pool = orca_push_queue::open_and_migrate(&config.database)
         .await
         .context("queue database")?;
-    let (queue_listener, queue_url) = loopback_listener().await?;
-    tasks.spawn(orca_push_queue::serve(
-        queue_listener,
+    let queue = orca_push_queue::routes(
         queue_pool,
         clock.clone(),
         config.coalesce_ms,
-        key.clone(),
         shutdown.clone(),
-    ));
+    )
+    .await;
+    let queue = expose.service(orca_push_queue::AUDIENCE, queue).await?;
     let providers = orca_push_sender::Providers::new(&config.providers)
         .await
         .context("providers")?;
-    let (sender_listener, sender_url) = loopback_listener().await?;
-    tasks.spawn(orca_push_sender::serve(
-        sender_listener,
+    let (sender, lanes) = orca_push_sender::start(
         providers,
-        queue_url.clone(),
-        registry_url.clone(),
+        &queue,
+        &registry,
         clock.clone(),
         config.sender_settings(),
-        key.clone(),
+        &key,
         drain.clone(),
         stop.clone(),
-    ));
+    )
+    .context("sender channels")?;
+    let sender = expose.service(orca_push_sender::AUDIENCE, sender).await?;
+    tasks.spawn(async move {
+        match lanes.await {
+            Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+            _ => Ok(()),
+        }
+    });
 
     let backends = Backends::connect(
-        &BackendUrls {
-            auth: auth_url,
-            registry: registry_url,
-            queue: queue_url,
-            sender: sender_url,
+        &BackendTargets {
+            auth,
+            registry,
+            queue,
+            sender,
         },
         &key,
     )
@@ -159,11 +167,11 @@ pub async fn serve_split(
             Mode::Validation => AppState::validation(),
             Mode::Serve => AppState::serving(
                 Backends::connect(
-                    &BackendUrls {
-                        auth: config.require_url(ServiceName::Auth)?,
-                        registry: config.require_url(ServiceName::Registry)?,
-                        queue: config.require_url(ServiceName::Queue)?,
-                        sender: config.require_url(ServiceName::Sender)?,
+                    &BackendTargets {
+                        auth: config.require_url(ServiceName::Auth)?.into(),
+                        registry: config.require_url(ServiceName::Registry)?.into(),
+                        queue: config.require_url(ServiceName::Queue)?.into(),
+                        sender: config.require_url(ServiceName::Sender)?.into(),
                     },
                     &key,
                 )
@@ -192,8 +200,11 @@ pub async fn serve_split(
                 pool,
                 config.require_public_url()?,
                 Arc::new(SystemClock),
-                orca_push_auth::registry_client(&config.require_url(ServiceName::Registry)?, &key)
-                    .context("registry channel")?,
+                orca_push_auth::registry_client(
+                    &config.require_url(ServiceName::Registry)?.into(),
+                    &key,
+                )
+                .context("registry channel")?,
                 key,
                 shutdown,
             )
@@ -228,8 +239,8 @@ pub async fn serve_split(
             orca_push_sender::serve(
                 listener,
                 providers,
-                config.require_url(ServiceName::Queue)?,
-                config.require_url(ServiceName::Registry)?,
+                config.require_url(ServiceName::Queue)?.into(),
+                config.require_url(ServiceName::Registry)?.into(),
                 Arc::new(SystemClock),
                 config.sender_settings(),
                 key,
@@ -271,11 +282,42 @@ async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("cannot listen on {addr}"))
 }
 
-/// An in-process service's listener on a kernel-chosen loopback port, and the URL to reach it.
-async fn loopback_listener() -> anyhow::Result<(TcpListener, String)> {
-    let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    Ok((listener, url))
+/// How the services of one process are reached by each other and by the facade.
+struct Exposer<'a> {
+    transport: InternalTransport,
+    key: InternalKey,
+    shutdown: CancellationToken,
+    tasks: &'a mut tokio::task::JoinSet<Result<(), tonic::transport::Error>>,
+}
+
+impl Exposer<'_> {
+    /// `routes` as a server in this process, or (`loopback`) served on a kernel-chosen loopback
+    /// port until shutdown.
+    async fn service(
+        &mut self,
+        audience: &'static str,
+        routes: tonic::service::Routes,
+    ) -> anyhow::Result<Target> {
+        match self.transport {
+            InternalTransport::InProcess => Ok(Target::Local(LocalServer::new(
+                self.key.clone(),
+                audience,
+                routes,
+            ))),
+            InternalTransport::Loopback => {
+                let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+                let url = format!("http://{}", listener.local_addr()?);
+                self.tasks.spawn(orca_push_internal_auth::serve_routes(
+                    listener,
+                    self.key.clone(),
+                    audience,
+                    routes,
+                    self.shutdown.clone(),
+                ));
+                Ok(Target::Url(url))
+            }
+        }
+    }
 }
 
 /// Drops limiter state for clients that went quiet, so memory follows the live client set.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::Request;
 use orca_push::app::{AppState, router};
-use orca_push::backends::{BackendUrls, Backends};
+use orca_push::backends::{BackendTargets, Backends};
 use orca_push::limits::{Limits, MAX_KEYS_PER_MAP};
 use tower::ServiceExt as _;
 
@@ -29,11 +29,11 @@ async fn a_million_distinct_ips_leave_memory_bounded() {
     // No service is reached: each request is charged to its IP's bucket, then refused for its body.
     let nowhere = "http://127.0.0.1:9".to_owned();
     let backends = Backends::connect(
-        &BackendUrls {
-            auth: nowhere.clone(),
-            registry: nowhere.clone(),
-            queue: nowhere.clone(),
-            sender: nowhere,
+        &BackendTargets {
+            auth: nowhere.clone().into(),
+            registry: nowhere.clone().into(),
+            queue: nowhere.clone().into(),
+            sender: nowhere.into(),
         },
         &orca_push_internal_auth::InternalKey::generate(),
     )

@@ -8,7 +8,7 @@ use axum::http::Request;
 use opentelemetry::trace::{SpanKind, TraceId};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use orca_push::app::{AppState, router};
-use orca_push::backends::{BackendUrls, Backends};
+use orca_push::backends::{BackendTargets, Backends};
 use orca_push::limits::Limits;
 use orca_push_storage::SystemClock;
 use orca_push_storage::testing::{Backend, fresh};
@@ -43,16 +43,16 @@ async fn one_trace_spans_the_http_request_and_the_grpc_call() {
         pool,
         "http://127.0.0.1:8080".into(),
         Arc::new(SystemClock),
-        orca_push_auth::registry_client(&nowhere, &key).unwrap(),
+        orca_push_auth::registry_client(&nowhere.clone().into(), &key).unwrap(),
         key.clone(),
         shutdown.clone(),
     ));
     let backends = Backends::connect(
-        &BackendUrls {
-            auth: auth_url,
-            registry: nowhere.clone(),
-            queue: nowhere.clone(),
-            sender: nowhere,
+        &BackendTargets {
+            auth: auth_url.into(),
+            registry: nowhere.clone().into(),
+            queue: nowhere.clone().into(),
+            sender: nowhere.into(),
         },
         &key,
     )

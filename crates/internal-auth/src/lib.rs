@@ -22,6 +22,10 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use rand::RngCore as _;
 use serde::{Deserialize, Serialize};
 
+mod transport;
+use tonic::service::Routes;
+pub use transport::{CALL_TIMEOUT, LocalCaller, LocalServer, Target, Transport};
+
 /// Tokens services mint for each other live this long, and are re-minted a minute before.
 pub const SERVICE_TOKEN_TTL: Duration = Duration::from_secs(300);
 const REMINT_BEFORE: Duration = Duration::from_secs(60);
@@ -217,21 +221,6 @@ pub fn verify(key: &InternalKey, token: &str, audience: &str) -> Result<Claims, 
         })
 }
 
-/// The gRPC server stack every service runs: traced (outermost), token-checked, then each call run
-/// to completion even if its caller goes away.
-pub type ServiceRouter = tonic::transport::server::Router<
-    tower::layer::util::Stack<
-        RunToCompletion,
-        tower::layer::util::Stack<
-            RequireToken,
-            tower::layer::util::Stack<
-                orca_push_telemetry::GrpcServerLayer,
-                tower::layer::util::Identity,
-            >,
-        >,
-    >,
->;
-
 /// Runs each call on its own task, so a caller that disconnects (an HTTP client gone, a sender
 /// killed) cannot drop a handler halfway through a database transaction; the answer is discarded
 /// instead. The call keeps the span it was made in.
@@ -301,27 +290,41 @@ pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
-/// A service's gRPC server with gRPC health (open) and reflection (behind the token) already
-/// added; the caller adds its own service and serves.
-pub fn service_router<H>(
-    key: InternalKey,
-    audience: &'static str,
-    health: tonic_health::pb::health_server::HealthServer<H>,
-) -> ServiceRouter
+/// A service's routes: gRPC health (open) and reflection (behind the caller check); the caller
+/// adds its own service.
+pub fn service_routes<H>(health: tonic_health::pb::health_server::HealthServer<H>) -> Routes
 where
     H: tonic_health::pb::health_server::Health,
 {
-    let reflection = orca_push_proto::reflection_service()
-        .inspect_err(|error| tracing::error!(%error, "gRPC reflection unavailable"))
-        .ok();
+    let routes = Routes::new(health);
+    match orca_push_proto::reflection_service() {
+        Ok(reflection) => routes.add_service(reflection),
+        Err(error) => {
+            tracing::error!(%error, "gRPC reflection unavailable");
+            routes
+        }
+    }
+}
+
+/// Serves `routes` on `listener` until `shutdown`, under the stack every service runs: traced
+/// (outermost), caller-checked for `audience`, then each call run to completion even if its
+/// caller goes away. [`LocalServer`] runs the same stack in process.
+pub async fn serve_routes(
+    listener: tokio::net::TcpListener,
+    key: InternalKey,
+    audience: &'static str,
+    routes: Routes,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .layer(orca_push_telemetry::GrpcServerLayer::new(
             orca_push_proto::is_known_method,
         ))
         .layer(RequireToken::new(key, audience))
         .layer(RunToCompletion)
-        .add_service(health)
-        .add_optional_service(reflection)
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
+        .await
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -379,6 +382,14 @@ where
         if request.uri().path().starts_with(OPEN_PREFIX) {
             return Box::pin(self.inner.call(request));
         }
+        // A call from this process: full scope, no token to check.
+        if let Some(local) = request.extensions_mut().remove::<LocalCaller>() {
+            tracing::Span::current().record("enduser.id", &*local.subject);
+            request
+                .extensions_mut()
+                .insert(Caller(local.subject.to_string()));
+            return Box::pin(self.inner.call(request));
+        }
         let token = request
             .headers()
             .get(http::header::AUTHORIZATION)
@@ -415,11 +426,13 @@ where
     }
 }
 
-/// Client side: every call carries a full-scope token for `audience`, re-minted before it expires.
+/// Client side: every call carries a full-scope token for `audience`, re-minted before it expires;
+/// a call to a server in this process carries a [`LocalCaller`] instead.
 #[derive(Clone)]
 pub struct AttachToken<S> {
     inner: S,
     minter: Arc<Minter>,
+    local: Option<LocalCaller>,
 }
 
 struct Minter {
@@ -465,15 +478,51 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        request
-            .headers_mut()
-            .insert(http::header::AUTHORIZATION, self.minter.header());
+        match &self.local {
+            Some(local) => {
+                request.extensions_mut().insert(local.clone());
+            }
+            None => {
+                request
+                    .headers_mut()
+                    .insert(http::header::AUTHORIZATION, self.minter.header());
+            }
+        }
         self.inner.call(request)
     }
 }
 
-/// A traced channel whose calls carry tokens from `subject` for `audience`.
-pub type InternalChannel = AttachToken<orca_push_telemetry::TracedChannel>;
+/// A traced transport whose calls carry `subject`'s identity to `audience`.
+pub type InternalChannel = AttachToken<orca_push_telemetry::GrpcClientService<Transport>>;
+
+/// A traced channel to `target` carrying `subject`'s identity: a token over the network, a
+/// [`LocalCaller`] to a server in this process.
+pub fn channel_to(
+    target: &Target,
+    key: &InternalKey,
+    subject: &str,
+    audience: &str,
+) -> Result<InternalChannel, tonic::transport::Error> {
+    match target {
+        Target::Url(url) => channel(url, key, subject, audience),
+        Target::Local(server) => Ok(AttachToken {
+            inner: orca_push_telemetry::traced(Transport::Local(server.clone())),
+            minter: minter(key, subject, audience),
+            local: Some(LocalCaller {
+                subject: Arc::from(subject),
+            }),
+        }),
+    }
+}
+
+fn minter(key: &InternalKey, subject: &str, audience: &str) -> Arc<Minter> {
+    Arc::new(Minter {
+        key: key.clone(),
+        subject: subject.to_owned(),
+        audience: audience.to_owned(),
+        cached: Mutex::new(None),
+    })
+}
 
 /// A lazily connecting, traced, token-carrying channel to `url`.
 ///
@@ -508,20 +557,16 @@ pub fn channel(
         channel
     };
     Ok(AttachToken {
-        inner: orca_push_telemetry::traced_channel(channel),
-        minter: Arc::new(Minter {
-            key: key.clone(),
-            subject: subject.to_owned(),
-            audience: audience.to_owned(),
-            cached: Mutex::new(None),
-        }),
+        inner: orca_push_telemetry::traced(Transport::Remote(channel)),
+        minter: minter(key, subject, audience),
+        local: None,
     })
 }
 
 fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
     Ok(tonic::transport::Endpoint::from_shared(url.to_owned())?
         .connect_timeout(Duration::from_secs(3))
-        .timeout(Duration::from_secs(40))
+        .timeout(CALL_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(30))
         .keep_alive_while_idle(true))

@@ -151,11 +151,10 @@ pub struct GrpcClientService<S> {
     inner: S,
 }
 
-/// A tonic channel whose every call is traced and carries the caller's trace context.
-pub type TracedChannel = GrpcClientService<tonic::transport::Channel>;
-
-pub fn traced_channel(channel: tonic::transport::Channel) -> TracedChannel {
-    GrpcClientService { inner: channel }
+/// `transport` (a tonic channel, or a server in this process) with every call traced and carrying
+/// the caller's trace context.
+pub fn traced<S>(transport: S) -> GrpcClientService<S> {
+    GrpcClientService { inner: transport }
 }
 
 impl<S, B, R> tower::Service<http::Request<B>> for GrpcClientService<S>

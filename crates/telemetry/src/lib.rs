@@ -8,7 +8,7 @@
 mod grpc;
 mod init;
 
-pub use grpc::{GrpcClientLayer, GrpcServerLayer, TracedChannel, traced_channel};
+pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced};
 pub use init::{
     TelemetryGuard, init, init_with_log_writer, install_propagator, resource, tracer_provider,
 };

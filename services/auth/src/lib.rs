@@ -58,13 +58,13 @@ pub type RegistryClient =
         orca_push_internal_auth::InternalChannel,
     >;
 
-/// A lazily connecting, traced, token-carrying registry client.
+/// A traced registry client carrying auth's identity (a lazily connecting channel for a URL).
 pub fn registry_client(
-    url: &str,
+    registry: &orca_push_internal_auth::Target,
     key: &orca_push_internal_auth::InternalKey,
 ) -> Result<RegistryClient, tonic::transport::Error> {
-    Ok(RegistryClient::new(orca_push_internal_auth::channel(
-        url, key, "auth", "registry",
+    Ok(RegistryClient::new(orca_push_internal_auth::channel_to(
+        registry, key, "auth", "registry",
     )?))
 }
 
@@ -87,6 +87,19 @@ pub async fn serve(
     key: orca_push_internal_auth::InternalKey,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let routes = routes(pool, gateway_origin, clock, registry, shutdown.clone()).await;
+    orca_push_internal_auth::serve_routes(listener, key, AUDIENCE, routes, shutdown).await
+}
+
+/// The auth service's routes (health, reflection, AuthService), with its pruning running until
+/// `shutdown`: served on a listener by [`serve`], or in process.
+pub async fn routes(
+    pool: Pool,
+    gateway_origin: String,
+    clock: Arc<dyn Clock>,
+    registry: RegistryClient,
+    shutdown: CancellationToken,
+) -> tonic::service::Routes {
     let pool_for_health = pool.clone();
     let auth = Arc::new(HostAuth::new(
         AnyAuthStore::new(pool),
@@ -119,11 +132,6 @@ pub async fn serve(
         ));
     }
 
-    orca_push_internal_auth::service_router(key, AUDIENCE, health_service)
+    orca_push_internal_auth::service_routes(health_service)
         .add_service(AuthServiceServer::new(AuthGrpc::new(auth)))
-        .serve_with_incoming_shutdown(
-            orca_push_internal_auth::incoming(listener),
-            shutdown.cancelled_owned(),
-        )
-        .await
 }

@@ -51,6 +51,17 @@ pub async fn serve(
     key: orca_push_internal_auth::InternalKey,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let routes = routes(pool, clock, shutdown.clone()).await;
+    orca_push_internal_auth::serve_routes(listener, key, AUDIENCE, routes, shutdown).await
+}
+
+/// The registry's routes (health, reflection, RegistryService), with its database health followed
+/// until `shutdown`: served on a listener by [`serve`], or in process.
+pub async fn routes(
+    pool: Pool,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) -> tonic::service::Routes {
     let registry = Arc::new(DeviceRegistry::new(
         AnyRegistryStore::new(pool.clone()),
         clock,
@@ -67,11 +78,6 @@ pub async fn serve(
         orca_push_storage::health::nothing,
         shutdown.clone(),
     ));
-    orca_push_internal_auth::service_router(key, AUDIENCE, health_service)
+    orca_push_internal_auth::service_routes(health_service)
         .add_service(RegistryServiceServer::new(RegistryGrpc::new(registry)))
-        .serve_with_incoming_shutdown(
-            orca_push_internal_auth::incoming(listener),
-            shutdown.cancelled_owned(),
-        )
-        .await
 }

@@ -17,6 +17,7 @@ pub mod verdict;
 use std::sync::Arc;
 use std::time::Duration;
 
+use orca_push_internal_auth::Target;
 use orca_push_storage::Clock;
 use tokio_util::sync::CancellationToken;
 
@@ -50,23 +51,49 @@ pub const DRAIN_GRACE: Duration = Duration::from_secs(8);
 pub async fn serve(
     listener: tokio::net::TcpListener,
     providers: Providers,
-    queue_url: String,
-    registry_url: String,
+    queue: Target,
+    registry: Target,
     clock: Arc<dyn Clock>,
     settings: SenderSettings,
     key: orca_push_internal_auth::InternalKey,
     drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let (routes, lanes) = start(
+        providers,
+        &queue,
+        &registry,
+        clock,
+        settings,
+        &key,
+        drain,
+        shutdown.clone(),
+    )?;
+    let result =
+        orca_push_internal_auth::serve_routes(listener, key, AUDIENCE, routes, shutdown).await;
+    let _ = lanes.await;
+    result
+}
+
+/// Starts the lanes (as [`serve`] does) and returns the sender's routes (health, reflection) with
+/// the task that ends once the lanes have drained and `shutdown` is cancelled.
+#[allow(clippy::too_many_arguments)]
+pub fn start(
+    providers: Providers,
+    queue: &Target,
+    registry: &Target,
+    clock: Arc<dyn Clock>,
+    settings: SenderSettings,
+    key: &orca_push_internal_auth::InternalKey,
+    drain: CancellationToken,
+    shutdown: CancellationToken,
+) -> Result<(tonic::service::Routes, tokio::task::JoinHandle<()>), tonic::transport::Error> {
     let sender = Arc::new(Sender {
-        queue: QueueClient::new(orca_push_internal_auth::channel(
-            &queue_url, &key, "sender", "queue",
+        queue: QueueClient::new(orca_push_internal_auth::channel_to(
+            queue, key, "sender", "queue",
         )?),
-        registry: RegistryClient::new(orca_push_internal_auth::channel(
-            &registry_url,
-            &key,
-            "sender",
-            "registry",
+        registry: RegistryClient::new(orca_push_internal_auth::channel_to(
+            registry, key, "sender", "registry",
         )?),
         providers,
         clock,
@@ -87,23 +114,14 @@ pub async fn serve(
             hard_stop.cancel();
         });
     }
-    let lanes = {
-        let shutdown = shutdown.clone();
-        let sender = sender.clone();
-        let drain = drain.clone();
-        tokio::spawn(async move {
-            sender.run(drain, hard_stop).await;
-            // Drained: the services this process shares (all in one) may stop now.
-            shutdown.cancel();
-        })
-    };
+    let lanes = tokio::spawn(async move {
+        sender.run(drain, hard_stop).await;
+        // Drained: the services this process shares (all in one) may stop now.
+        shutdown.cancel();
+    });
     let (_health, health_service) = tonic_health::server::health_reporter();
-    let server = orca_push_internal_auth::service_router(key.clone(), AUDIENCE, health_service)
-        .serve_with_incoming_shutdown(
-            orca_push_internal_auth::incoming(listener),
-            shutdown.cancelled_owned(),
-        );
-    let result = server.await;
-    let _ = lanes.await;
-    result
+    Ok((
+        orca_push_internal_auth::service_routes(health_service),
+        lanes,
+    ))
 }
