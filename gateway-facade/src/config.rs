@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use orca_push_storage::DatabaseConfig;
+use orca_push_storage::{DatabaseConfig, SqliteDurability};
 
 pub use crate::connections::HttpLimits;
 
@@ -40,6 +40,16 @@ impl Mode {
             Self::Validation => "validation",
         }
     }
+}
+
+/// How the services of `orca-push serve` reach each other (`ORCA_PUSH_INTERNAL_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InternalTransport {
+    /// Clients call the generated servers as tower services: no sockets, the same layers.
+    InProcess,
+    /// Each service on a kernel-chosen loopback port, over HTTP/2, as split mode runs them; for
+    /// testing the network path in one process.
+    Loopback,
 }
 
 /// The services a process can run.
@@ -107,6 +117,8 @@ pub struct Config {
     pub mode: Mode,
     pub trusted_proxy_hops: usize,
     pub coalesce_ms: u64,
+    /// How the services of one process reach each other.
+    pub internal_transport: InternalTransport,
     pub service_urls: ServiceUrls,
     /// Listen address of a split-mode gRPC service, if set.
     pub grpc_addr: Option<SocketAddr>,
@@ -171,6 +183,16 @@ impl Config {
                 data_dir: PathBuf::from(
                     get("ORCA_PUSH_DATA_DIR").unwrap_or_else(|| "./data".into()),
                 ),
+                durability: match get("ORCA_PUSH_SQLITE_SYNCHRONOUS").as_deref() {
+                    None | Some("full") => SqliteDurability::Full,
+                    Some("normal") => SqliteDurability::Normal,
+                    Some(_) => {
+                        return Err(invalid(
+                            "ORCA_PUSH_SQLITE_SYNCHRONOUS",
+                            "must be `full` or `normal`",
+                        ));
+                    }
+                },
             },
         };
         let mode = match get("ORCA_PUSH_MODE").as_deref() {
@@ -198,6 +220,16 @@ impl Config {
                 .filter(|n| *n <= 60_000)
                 .ok_or_else(|| invalid("ORCA_PUSH_COALESCE_MS", "must be milliseconds 0-60000"))?,
             None => DEFAULT_COALESCE_MS,
+        };
+        let internal_transport = match get("ORCA_PUSH_INTERNAL_TRANSPORT").as_deref() {
+            None | Some("in-process") => InternalTransport::InProcess,
+            Some("loopback") => InternalTransport::Loopback,
+            Some(_) => {
+                return Err(invalid(
+                    "ORCA_PUSH_INTERNAL_TRANSPORT",
+                    "must be `in-process` or `loopback`",
+                ));
+            }
         };
         let service_url = |service: ServiceName| -> Result<Option<String>, ConfigError> {
             let variable = service.url_variable();
@@ -289,6 +321,7 @@ impl Config {
             mode,
             trusted_proxy_hops,
             coalesce_ms,
+            internal_transport,
             service_urls,
             grpc_addr,
             providers,
@@ -532,12 +565,14 @@ mod tests {
         assert_eq!(
             c.database,
             DatabaseConfig::Sqlite {
-                data_dir: "./data".into()
+                data_dir: "./data".into(),
+                durability: SqliteDurability::Full,
             }
         );
         assert_eq!(c.mode, Mode::Serve);
         assert_eq!(c.trusted_proxy_hops, 0);
         assert_eq!(c.coalesce_ms, 3000);
+        assert_eq!(c.internal_transport, InternalTransport::InProcess);
         assert_eq!(c.service_urls, ServiceUrls::default());
         assert_eq!(
             c.http,
@@ -568,6 +603,23 @@ mod tests {
     }
 
     #[test]
+    fn sqlite_durability_and_the_internal_transport_can_be_chosen() {
+        let c = config(&[
+            ("ORCA_PUSH_SQLITE_SYNCHRONOUS", "normal"),
+            ("ORCA_PUSH_INTERNAL_TRANSPORT", "loopback"),
+        ])
+        .unwrap();
+        assert!(matches!(
+            c.database,
+            DatabaseConfig::Sqlite {
+                durability: SqliteDurability::Normal,
+                ..
+            }
+        ));
+        assert_eq!(c.internal_transport, InternalTransport::Loopback);
+    }
+
+    #[test]
     fn every_bad_setting_names_its_variable() {
         for (var, value) in [
             ("PORT", "http"),
@@ -592,6 +644,8 @@ mod tests {
             ("ORCA_PUSH_HTTP_IDLE_TIMEOUT_MS", "3600001"),
             ("ORCA_PUSH_HTTP_MAX_CONNECTIONS", "0"),
             ("ORCA_PUSH_HTTP_MAX_CONNECTIONS", "-5"),
+            ("ORCA_PUSH_SQLITE_SYNCHRONOUS", "off"),
+            ("ORCA_PUSH_INTERNAL_TRANSPORT", "tcp"),
         ] {
             let err = config(&[(var, value)]).expect_err(value);
             assert_eq!(err.variable, var, "{value}");

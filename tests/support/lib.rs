@@ -81,6 +81,7 @@ async fn fresh_database(backend: Backend, data_dir: &std::path::Path) -> Databas
     match backend {
         Backend::Sqlite => DatabaseConfig::Sqlite {
             data_dir: data_dir.to_owned(),
+            durability: orca_push_storage::SqliteDurability::Full,
         },
         Backend::Postgres => DatabaseConfig::Postgres {
             url: orca_push_storage::testing::fresh_postgres_url().await,

@@ -22,7 +22,10 @@ pub use clock::{Clock, ManualClock, SystemClock};
 #[derive(Clone, PartialEq, Eq)]
 pub enum DatabaseConfig {
     /// The embedded default: one SQLite file per service in this folder.
-    Sqlite { data_dir: PathBuf },
+    Sqlite {
+        data_dir: PathBuf,
+        durability: SqliteDurability,
+    },
     /// Production: one PostgreSQL database shared by all services, one schema each.
     Postgres { url: String },
 }
@@ -30,14 +33,30 @@ pub enum DatabaseConfig {
 impl std::fmt::Debug for DatabaseConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Sqlite { data_dir } => f
+            Self::Sqlite {
+                data_dir,
+                durability,
+            } => f
                 .debug_struct("Sqlite")
                 .field("data_dir", data_dir)
+                .field("durability", durability)
                 .finish(),
             // The URL may carry a password.
             Self::Postgres { .. } => f.write_str("Postgres { url: <redacted> }"),
         }
     }
+}
+
+/// When a SQLite commit is on disk (`ORCA_PUSH_SQLITE_SYNCHRONOUS`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SqliteDurability {
+    /// `synchronous=FULL`: each commit is synced before it returns, so what was answered `queued`
+    /// survives a power loss. Group commit makes one sync cover every admission of a group.
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: durable across a process crash, but a power loss (or a kernel crash)
+    /// can drop the last commits, sends already answered `queued` among them.
+    Normal,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +113,10 @@ pub struct ServiceStorage {
 /// Opens (creating if needed) the service's database.
 pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<Pool, OpenError> {
     match config {
-        DatabaseConfig::Sqlite { data_dir } => open_sqlite(&data_dir.join(service.sqlite_file))
+        DatabaseConfig::Sqlite {
+            data_dir,
+            durability,
+        } => open_sqlite(&data_dir.join(service.sqlite_file), *durability)
             .await
             .map(Pool::Sqlite),
         DatabaseConfig::Postgres { url } => open_postgres(url, service).await.map(Pool::Postgres),
@@ -102,7 +124,10 @@ pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<P
 }
 
 /// The writer of a SQLite database (see `sqlite_readers` for reads outside a transaction).
-pub async fn open_sqlite(path: &Path) -> Result<SqlitePool, OpenError> {
+pub async fn open_sqlite(
+    path: &Path,
+    durability: SqliteDurability,
+) -> Result<SqlitePool, OpenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|source| OpenError::DataDir {
             path: dir.to_owned(),
@@ -113,9 +138,10 @@ pub async fn open_sqlite(path: &Path) -> Result<SqlitePool, OpenError> {
         .filename(path)
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
-        // WAL with NORMAL is durable across process crashes; only a power loss can lose the last
-        // transactions. The embedded default trades that for commit latency.
-        .synchronous(SqliteSynchronous::Normal)
+        .synchronous(match durability {
+            SqliteDurability::Full => SqliteSynchronous::Full,
+            SqliteDurability::Normal => SqliteSynchronous::Normal,
+        })
         .busy_timeout(Duration::from_secs(10))
         .foreign_keys(true);
     // One writer: SQLite takes one write transaction at a time, and a second connection that
@@ -227,9 +253,28 @@ mod tests {
     use super::*;
 
     #[tokio::test]
+    async fn sqlite_syncs_every_commit_unless_told_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        for (durability, expected) in [(SqliteDurability::Full, 2), (SqliteDurability::Normal, 1)] {
+            let path = dir.path().join(format!("{durability:?}.db"));
+            let writer = open_sqlite(&path, durability).await.unwrap();
+            let readers = sqlite_readers(&writer, 1);
+            for pool in [&writer, &readers] {
+                let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+                assert_eq!(level, expected, "{durability:?}");
+            }
+        }
+    }
+
+    #[tokio::test]
     async fn sqlite_has_one_writer_and_readers_that_do_not_wait_for_it() {
         let dir = tempfile::tempdir().unwrap();
-        let writer = open_sqlite(&dir.path().join("store.db")).await.unwrap();
+        let writer = open_sqlite(&dir.path().join("store.db"), SqliteDurability::Full)
+            .await
+            .unwrap();
         assert_eq!(writer.options().get_max_connections(), 1);
         let readers = writer.readers();
         assert_eq!(readers.options().get_max_connections(), SQLITE_READERS);
@@ -272,7 +317,7 @@ mod tests {
     async fn the_wal_reaches_the_database_file_without_the_writer_checkpointing() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("store.db");
-        let writer = open_sqlite(&path).await.unwrap();
+        let writer = open_sqlite(&path, SqliteDurability::Full).await.unwrap();
         let autocheckpoint: i64 = sqlx::query_scalar("PRAGMA wal_autocheckpoint")
             .fetch_one(&writer)
             .await

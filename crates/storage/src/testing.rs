@@ -23,6 +23,7 @@ pub async fn fresh(backend: Backend) -> (DatabaseConfig, TestDbGuard) {
             (
                 DatabaseConfig::Sqlite {
                     data_dir: dir.clone(),
+                    durability: crate::SqliteDurability::Full,
                 },
                 TestDbGuard { dir: Some(dir) },
             )

@@ -9,6 +9,8 @@ pub enum QueueError {
     Storage(#[from] sqlx::Error),
     #[error("the claim task ended without an answer")]
     ClaimTask,
+    #[error("the admission writer stopped")]
+    WriterStopped,
 }
 
 impl From<QueueError> for tonic::Status {
@@ -24,6 +26,10 @@ impl From<QueueError> for tonic::Status {
             }
             QueueError::ClaimTask => {
                 tracing::error!("queue: the claim task ended without an answer");
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
+            QueueError::WriterStopped => {
+                tracing::error!("queue: the admission writer stopped");
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }
         }

@@ -6,6 +6,7 @@
 //! token, or more than 4 characters of a host fingerprint.
 
 mod error;
+pub mod group_commit;
 mod grpc;
 pub mod model;
 mod queue;
@@ -82,6 +83,18 @@ pub async fn serve(
     key: orca_push_internal_auth::InternalKey,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let routes = routes(pool, clock, coalesce_ms, shutdown.clone()).await;
+    orca_push_internal_auth::serve_routes(listener, key, AUDIENCE, routes, shutdown).await
+}
+
+/// The queue's routes (health, reflection, QueueService), with its depth gauge, cleanup and
+/// database health running until `shutdown`: served on a listener by [`serve`], or in process.
+pub async fn routes(
+    pool: Pool,
+    clock: Arc<dyn Clock>,
+    coalesce_ms: u64,
+    shutdown: CancellationToken,
+) -> tonic::service::Routes {
     let queue = delivery_queue(pool.clone(), clock, coalesce_ms, &shutdown);
     metrics::counter!("orca_push_lease_expiries_total").increment(0);
     for kind in ["alert", "dismiss"] {
@@ -135,13 +148,8 @@ pub async fn serve(
             shutdown.clone(),
         ));
     }
-    orca_push_internal_auth::service_router(key, AUDIENCE, health_service)
+    orca_push_internal_auth::service_routes(health_service)
         .add_service(QueueServiceServer::new(QueueGrpc::new(queue)))
-        .serve_with_incoming_shutdown(
-            orca_push_internal_auth::incoming(listener),
-            shutdown.cancelled_owned(),
-        )
-        .await
 }
 
 /// Another replica committed work that may be due: wake this replica's waiting claims.

@@ -9,6 +9,7 @@ use tokio::sync::Notify;
 use tracing::Instrument as _;
 
 use crate::error::QueueError;
+use crate::group_commit::GroupCommit;
 use crate::model::{Admission, Kind, Provider};
 use crate::store::{
     ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry, RetryResult,
@@ -27,10 +28,11 @@ pub const MAX_HOLD_MS: i64 = 5 * 60 * 1000;
 pub struct DeliveryQueue<S> {
     store: S,
     clock: Arc<dyn Clock>,
-    coalesce_ms: i64,
     /// Wakes waiting claims when work may have become due (this process's admissions and retries,
     /// and other replicas' through PostgreSQL notifications).
     wake: Arc<Notify>,
+    /// Admissions that arrive together commit together.
+    admissions: GroupCommit,
 }
 
 fn now(clock: &dyn Clock) -> i64 {
@@ -38,17 +40,26 @@ fn now(clock: &dyn Clock) -> i64 {
 }
 
 impl<S: QueueStore> DeliveryQueue<S> {
+    /// A queue over `store`; its admission writers run until it is dropped.
     pub fn new(store: S, clock: Arc<dyn Clock>, coalesce_ms: u64, wake: Arc<Notify>) -> Self {
+        let coalesce_ms = i64::try_from(coalesce_ms).unwrap_or(0);
+        let admissions =
+            GroupCommit::start(store.clone(), clock.clone(), coalesce_ms, wake.clone());
         Self {
             store,
             clock,
-            coalesce_ms: i64::try_from(coalesce_ms).unwrap_or(0),
             wake,
+            admissions,
         }
     }
 
     pub fn store(&self) -> &S {
         &self.store
+    }
+
+    /// Admission groups committed so far (each one transaction).
+    pub fn admission_groups(&self) -> u64 {
+        self.admissions.groups()
     }
 
     /// Admits a notification for already-resolved recipients; one status per recipient, in order.
@@ -57,13 +68,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         admission: &Admission,
     ) -> Result<crate::store::Enqueued, QueueError> {
         admission.validate()?;
-        let enqueued = self
-            .store
-            .enqueue(admission, now(&*self.clock), self.coalesce_ms)
-            .await?;
-        if enqueued.next_due_at.is_some() {
-            self.wake.notify_waiters();
-        }
+        let enqueued = self.admissions.admit(admission.clone()).await?;
         if enqueued
             .statuses
             .iter()

@@ -164,12 +164,18 @@ pub struct Cleaned {
 }
 
 pub trait QueueStore: Clone + Send + Sync + 'static {
-    fn enqueue(
+    /// Admits `group` in one transaction (one commit for all); one result per admission, in order.
+    /// If any of them fails, that transaction is rolled back and each is admitted again in its
+    /// own, so one bad admission never fails its neighbours.
+    fn enqueue_group(
         &self,
-        admission: &Admission,
+        group: &[&Admission],
         now: i64,
         coalesce_ms: i64,
-    ) -> impl Future<Output = Result<Enqueued, QueueError>> + Send;
+    ) -> impl Future<Output = Vec<Result<Enqueued, QueueError>>> + Send;
+    /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
+    /// whose per-host locks let groups of different hosts commit side by side.
+    fn group_writers(&self) -> usize;
     fn claim(
         &self,
         lane: &str,
@@ -232,7 +238,7 @@ fn flag(value: bool) -> i32 {
     i32::from(value)
 }
 
-/// The SQL of every operation, expanded once per backend. `$store` provides `begin_host_write`,
+/// The SQL of every operation, expanded once per backend. `$store` provides `begin_group_write`,
 /// `begin_claim`, `wake_replicas` and `CLAIM_SQL`.
 macro_rules! queue_store {
     ($store:ident) => {
@@ -607,13 +613,32 @@ macro_rules! queue_store {
             }
         }
 
-        impl QueueStore for $store {
-            async fn enqueue(&self, a: &Admission, now: i64, coalesce_ms: i64) -> Result<Enqueued, QueueError> {
+        impl $store {
+            /// Admits a group in one transaction, or fails as a whole (nothing written).
+            async fn admit_together(&self, group: &[&Admission], now: i64, coalesce_ms: i64) -> Result<Vec<Enqueued>, QueueError> {
+                let mut tx = self.begin_group_write(group).await?;
+                let mut admitted = Vec::with_capacity(group.len());
+                for a in group {
+                    admitted.push(Self::admit(&mut tx, a, now, coalesce_ms).await?);
+                }
+                if admitted.iter().any(|e| e.next_due_at.is_some()) {
+                    Self::wake_replicas(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(admitted)
+            }
+
+            /// One admission inside the group's transaction, after the group's host locks.
+            async fn admit(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<Enqueued, QueueError> {
                 let every = |status| Enqueued {
                     statuses: a.recipients.iter().map(|r| (r.registration_id.clone(), status)).collect(),
                     next_due_at: None,
                 };
-                let mut tx = self.begin_host_write(&a.host_fingerprint).await?;
                 if a.kind == Kind::Dismiss && !Self::FOR_UPDATE.is_empty() {
                     // A dismissal takes back pending alerts from batches a lane may be reporting. It
                     // locks every named phone's active batches first, all in one id order, as a
@@ -629,7 +654,7 @@ macro_rules! queue_store {
                     }
                     lock.push(") ORDER BY batch_id");
                     lock.push(Self::FOR_UPDATE);
-                    lock.build().fetch_all(&mut *tx).await?;
+                    lock.build().fetch_all(&mut **tx).await?;
                 }
                 let hash = a.content.hash();
                 // One read for what admission needs to know first: the event if it is a retry, the
@@ -651,7 +676,7 @@ macro_rules! queue_store {
                 .bind(a.notification_seq)
                 .bind(now - QUOTA_WINDOW_MS)
                 .bind(a.content.notification_id.as_deref())
-                .fetch_one(&mut *tx)
+                .fetch_one(&mut **tx)
                 .await?;
                 let existing: Option<String> = seen.try_get("event_id")?;
                 let is_new = existing.is_none();
@@ -671,7 +696,7 @@ macro_rules! queue_store {
                         )
                         .bind(&event_id)
                         .bind(a.content.to_json())
-                        .execute(&mut *tx)
+                        .execute(&mut **tx)
                         .await?;
                         (event_id, deadline)
                     }
@@ -702,7 +727,7 @@ macro_rules! queue_store {
                         .bind(a.trace_parent.as_deref())
                         .bind(now)
                         .bind(deadline)
-                        .execute(&mut *tx)
+                        .execute(&mut **tx)
                         .await?;
                         (event_id, deadline)
                     }
@@ -728,7 +753,7 @@ macro_rules! queue_store {
                         )
                         .bind(&event_id)
                         .bind(&recipient.registration_id)
-                        .fetch_optional(&mut *tx)
+                        .fetch_optional(&mut **tx)
                         .await?
                         .is_some());
                     if !known {
@@ -737,26 +762,26 @@ macro_rules! queue_store {
                         } else {
                             let (batch_id, due) = match a.kind {
                                 Kind::Dismiss => {
-                                    Self::cancel_covered_alerts(&mut tx, a, &recipient.registration_id, now).await?;
+                                    Self::cancel_covered_alerts(tx, a, &recipient.registration_id, now).await?;
                                     let bytes = member_bytes(
                                         a.content.notification_id.as_deref().unwrap_or_default(),
                                         &a.notification_epoch,
                                     );
                                     let id = Self::open_batch(
-                                        &mut tx, a, recipient, false, now, bytes, deadline, now,
+                                        tx, a, recipient, false, now, bytes, deadline, now,
                                     )
                                     .await?;
                                     (id, now)
                                 }
                                 Kind::Alert if coalesce_ms == 0 || a.content.notification_id.is_none() => {
                                     let id = Self::open_batch(
-                                        &mut tx, a, recipient, false, now, 0, deadline, now,
+                                        tx, a, recipient, false, now, 0, deadline, now,
                                     )
                                     .await?;
                                     (id, now)
                                 }
                                 Kind::Alert => {
-                                    Self::coalesce(&mut tx, a, recipient, deadline, now, coalesce_ms)
+                                    Self::coalesce(tx, a, recipient, deadline, now, coalesce_ms)
                                     .await?
                                 }
                             };
@@ -773,7 +798,7 @@ macro_rules! queue_store {
                         .bind(status)
                         .bind(flag(recipient.silent))
                         .bind(now)
-                        .execute(&mut *tx)
+                        .execute(&mut **tx)
                         .await?;
                     }
                     statuses.push((recipient.registration_id.clone(), AdmissionStatus::Queued));
@@ -792,14 +817,31 @@ macro_rules! queue_store {
                     .bind(id)
                     .bind(a.notification_seq)
                     .bind(now)
-                    .execute(&mut *tx)
+                    .execute(&mut **tx)
                     .await?;
                 }
-                if next_due_at.is_some() {
-                    Self::wake_replicas(&mut tx).await?;
-                }
-                tx.commit().await?;
                 Ok(Enqueued { statuses, next_due_at })
+            }
+        }
+
+        impl QueueStore for $store {
+            async fn enqueue_group(&self, group: &[&Admission], now: i64, coalesce_ms: i64) -> Vec<Result<Enqueued, QueueError>> {
+                if group.len() > 1 {
+                    match self.admit_together(group, now, coalesce_ms).await {
+                        Ok(admitted) => return admitted.into_iter().map(Ok).collect(),
+                        Err(error) => tracing::debug!(%error, size = group.len(), "group admission failed; admitting one by one"),
+                    }
+                }
+                let mut results = Vec::with_capacity(group.len());
+                for a in group {
+                    let one = self.admit_together(&[a], now, coalesce_ms).await;
+                    results.push(one.map(|mut admitted| admitted.remove(0)));
+                }
+                results
+            }
+
+            fn group_writers(&self) -> usize {
+                Self::GROUP_WRITERS
             }
 
             async fn claim(&self, lane: &str, max: i64, lease_ms: i64, now: i64) -> Result<Vec<ClaimedBatch>, QueueError> {
@@ -1239,7 +1281,13 @@ impl SqliteQueueStore {
         &self.readers
     }
 
-    async fn begin_host_write(&self, _host: &str) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+    /// One writer: a second group could only wait for it.
+    const GROUP_WRITERS: usize = 1;
+
+    async fn begin_group_write(
+        &self,
+        _group: &[&Admission],
+    ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         self.pool.begin_with("BEGIN IMMEDIATE").await
     }
 
@@ -1288,10 +1336,22 @@ impl PgQueueStore {
         &self.pool
     }
 
-    async fn begin_host_write(&self, host: &str) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+    /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
+    const GROUP_WRITERS: usize = 4;
+    /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
+    /// hosts never each hold what the other waits for.
+    const LOCK_HOSTS_SQL: &'static str = "SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
+         (SELECT DISTINCT hashtextextended('push_events:' || h, 0) AS k FROM UNNEST($1::text[]) AS h \
+          ORDER BY k) AS keys";
+
+    async fn begin_group_write(
+        &self,
+        group: &[&Admission],
+    ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('push_events:' || $1, 0))")
-            .bind(host)
+        let hosts: Vec<&str> = group.iter().map(|a| a.host_fingerprint.as_str()).collect();
+        sqlx::query(Self::LOCK_HOSTS_SQL)
+            .bind(hosts)
             .execute(&mut *tx)
             .await?;
         Ok(tx)
@@ -1344,13 +1404,19 @@ macro_rules! delegate {
 }
 
 impl QueueStore for AnyQueueStore {
-    async fn enqueue(
+    async fn enqueue_group(
         &self,
-        a: &Admission,
+        group: &[&Admission],
         now: i64,
         coalesce_ms: i64,
-    ) -> Result<Enqueued, QueueError> {
-        delegate!(self, s => s.enqueue(a, now, coalesce_ms))
+    ) -> Vec<Result<Enqueued, QueueError>> {
+        delegate!(self, s => s.enqueue_group(group, now, coalesce_ms))
+    }
+    fn group_writers(&self) -> usize {
+        match self {
+            Self::Sqlite(s) => s.group_writers(),
+            Self::Postgres(s) => s.group_writers(),
+        }
     }
     async fn claim(
         &self,

@@ -1,0 +1,142 @@
+//! Group commit: admissions that arrive together commit together. Each admission waits on a
+//! channel; a writer takes everything waiting (up to `MAX_GROUP`) and admits it in one transaction,
+//! then answers each caller, so `queued` still means committed. While one group commits, the next
+//! gathers. Callers of one host that wait for each other's answers are in successive groups, in
+//! order; within a group admissions run in arrival order, so quota counts what went before.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use orca_push_storage::Clock;
+use tokio::sync::{Mutex, Notify, mpsc, oneshot};
+use tracing::Instrument as _;
+
+use crate::error::QueueError;
+use crate::model::Admission;
+use crate::store::{Enqueued, QueueStore};
+
+/// The most admissions one transaction carries.
+pub const MAX_GROUP: usize = 128;
+/// Admissions waiting for a writer before callers wait to hand theirs over.
+const WAITING: usize = 4 * MAX_GROUP;
+
+struct Waiting {
+    admission: Admission,
+    answer: oneshot::Sender<Result<Enqueued, QueueError>>,
+    /// The caller's span: the group's work is traced under the first caller's and linked from
+    /// every other's.
+    span: tracing::Span,
+}
+
+/// Hands admissions to the writers.
+pub struct GroupCommit {
+    waiting: mpsc::Sender<Waiting>,
+    groups: Arc<AtomicU64>,
+}
+
+impl GroupCommit {
+    /// Starts `store.group_writers()` writers, which stop when this is dropped.
+    pub fn start<S: QueueStore>(
+        store: S,
+        clock: Arc<dyn Clock>,
+        coalesce_ms: i64,
+        wake: Arc<Notify>,
+    ) -> Self {
+        let (waiting, queue) = mpsc::channel(WAITING);
+        let queue = Arc::new(Mutex::new(queue));
+        let groups = Arc::new(AtomicU64::new(0));
+        for _ in 0..store.group_writers().max(1) {
+            let writer = Writer {
+                store: store.clone(),
+                clock: clock.clone(),
+                coalesce_ms,
+                wake: wake.clone(),
+                queue: queue.clone(),
+                groups: groups.clone(),
+            };
+            tokio::spawn(writer.run());
+        }
+        Self { waiting, groups }
+    }
+
+    /// Groups handed to the store so far.
+    pub fn groups(&self) -> u64 {
+        self.groups.load(Ordering::Relaxed)
+    }
+
+    /// Admits `admission` with whatever else is waiting; answers once its group has committed.
+    pub async fn admit(&self, admission: Admission) -> Result<Enqueued, QueueError> {
+        let (answer, answered) = oneshot::channel();
+        self.waiting
+            .send(Waiting {
+                admission,
+                answer,
+                span: tracing::Span::current(),
+            })
+            .await
+            .map_err(|_| QueueError::WriterStopped)?;
+        answered.await.map_err(|_| QueueError::WriterStopped)?
+    }
+}
+
+struct Writer<S> {
+    store: S,
+    clock: Arc<dyn Clock>,
+    coalesce_ms: i64,
+    wake: Arc<Notify>,
+    queue: Arc<Mutex<mpsc::Receiver<Waiting>>>,
+    groups: Arc<AtomicU64>,
+}
+
+impl<S: QueueStore> Writer<S> {
+    async fn run(self) {
+        while let Some(group) = self.next_group().await {
+            let span = tracing::info_span!(
+                parent: &group[0].span,
+                "queue.group_commit",
+                otel.kind = "internal",
+                admissions = group.len(),
+            );
+            for other in &group[1..] {
+                span.follows_from(&other.span);
+            }
+            self.commit(group).instrument(span).await;
+        }
+    }
+
+    /// Waits for one admission, then takes whatever else is already waiting. None: stopped.
+    async fn next_group(&self) -> Option<Vec<Waiting>> {
+        let mut queue = self.queue.lock().await;
+        let first = queue.recv().await?;
+        let mut group = Vec::with_capacity(queue.len().min(MAX_GROUP - 1) + 1);
+        group.push(first);
+        while group.len() < MAX_GROUP {
+            match queue.try_recv() {
+                Ok(next) => group.push(next),
+                Err(_) => break,
+            }
+        }
+        Some(group)
+    }
+
+    async fn commit(&self, group: Vec<Waiting>) {
+        metrics::histogram!("orca_push_queue_admission_group_size").record(group.len() as f64);
+        self.groups.fetch_add(1, Ordering::Relaxed);
+        let now = i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX);
+        let admissions: Vec<&Admission> = group.iter().map(|w| &w.admission).collect();
+        let results = self
+            .store
+            .enqueue_group(&admissions, now, self.coalesce_ms)
+            .await;
+        if results
+            .iter()
+            .any(|r| r.as_ref().is_ok_and(|e| e.next_due_at.is_some()))
+        {
+            self.wake.notify_waiters();
+        }
+        for (waiting, result) in group.into_iter().zip(results) {
+            // A caller that went away misses its answer; the admission stands.
+            let _ = waiting.answer.send(result);
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Group commit: admissions that arrive together share one transaction, yet each keeps its own
+//! outcome, quota stays exact, and one failing admission never fails its neighbours.
+
+mod support;
+
+use std::collections::HashMap;
+
+use orca_push_queue::model::{AdmissionStatus, Kind, QUOTA_PER_KIND};
+use orca_push_queue::store::QueueStore as _;
+use orca_push_storage::Pool;
+use orca_push_storage::testing::Backend;
+use support::*;
+
+/// Makes every admission of `host` fail inside the database, as a broken row would.
+async fn poison(config: &orca_push_storage::DatabaseConfig, host: &str) {
+    let pool = orca_push_queue::open_and_migrate(config).await.unwrap();
+    match pool {
+        Pool::Sqlite(pool) => {
+            sqlx::query(&format!(
+                "CREATE TRIGGER poison BEFORE INSERT ON push_events \
+                 WHEN NEW.host_fingerprint = '{host}' BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        Pool::Postgres(pool) => {
+            sqlx::query(&format!(
+                "CREATE FUNCTION poison() RETURNS trigger AS $$ BEGIN \
+                 IF NEW.host_fingerprint = '{host}' THEN RAISE EXCEPTION 'poisoned'; END IF; \
+                 RETURN NEW; END $$ LANGUAGE plpgsql"
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+            sqlx::query(
+                "CREATE TRIGGER poison BEFORE INSERT ON push_events \
+                 FOR EACH ROW EXECUTE FUNCTION poison()",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    }
+}
+
+fn from(host: &str, seq: i64, phone: &str) -> orca_push_queue::model::Admission {
+    let mut a = alert(seq, &[phone]);
+    a.host_fingerprint = host.into();
+    a
+}
+
+async fn one_failing_admission_never_fails_its_neighbours(backend: Backend) {
+    let h = harness(backend).await;
+    poison(&h.config, "hostPOISONPOISON").await;
+    let good = from("hostGOODGOODGOOD", 1, "phone-1");
+    let bad = from("hostPOISONPOISON", 1, "phone-2");
+    let also_good = from("hostOTHEROTHEROT", 1, "phone-3");
+    let results = h
+        .queue
+        .store()
+        .enqueue_group(&[&good, &bad, &also_good], T0 as i64, 0)
+        .await;
+    assert_eq!(results.len(), 3);
+    assert!(results[1].is_err(), "the poisoned admission fails");
+    for (i, a) in [(0, &good), (2, &also_good)] {
+        let statuses = &results[i]
+            .as_ref()
+            .expect("a neighbour is admitted")
+            .statuses;
+        assert_eq!(statuses[0].1, AdmissionStatus::Queued);
+        let record = h
+            .queue
+            .event_record(&a.host_fingerprint, Kind::Alert, &a.notification_epoch, 1)
+            .await
+            .unwrap();
+        assert!(record.is_some(), "a neighbour's event is committed");
+    }
+    let record = h
+        .queue
+        .event_record("hostPOISONPOISON", Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap();
+    assert!(record.is_none(), "nothing of the failed admission is kept");
+    // Its neighbours' batches are due, exactly one each.
+    let claimed = h.claim_all().await;
+    let mut phones: Vec<_> = claimed.iter().map(|b| b.registration_id.as_str()).collect();
+    phones.sort();
+    assert_eq!(phones, ["phone-1", "phone-3"]);
+}
+
+async fn concurrent_admissions_commit_in_groups_and_quota_stays_exact(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    let total = QUOTA_PER_KIND + 100;
+    let mut calls = tokio::task::JoinSet::new();
+    for seq in 0..total {
+        let queue = h.queue.clone();
+        calls.spawn(async move {
+            let a = alert(seq, &["phone-1"]);
+            queue.enqueue(&a).await.expect("enqueue").statuses[0].1
+        });
+    }
+    let mut counts: HashMap<AdmissionStatus, i64> = HashMap::new();
+    while let Some(status) = calls.join_next().await {
+        *counts.entry(status.unwrap()).or_default() += 1;
+    }
+    assert_eq!(counts.get(&AdmissionStatus::Queued), Some(&QUOTA_PER_KIND));
+    assert_eq!(counts.get(&AdmissionStatus::RateLimited), Some(&100));
+    // The events the quota let in are exactly the ones committed.
+    let mut kept = 0;
+    for seq in 0..total {
+        if h.queue
+            .event_record(HOST, Kind::Alert, "epoch-1", seq)
+            .await
+            .unwrap()
+            .is_some()
+        {
+            kept += 1;
+        }
+    }
+    assert_eq!(kept, QUOTA_PER_KIND);
+    let groups = h.queue.admission_groups();
+    assert!(
+        groups <= total as u64 / 2,
+        "{total} concurrent admissions took {groups} transactions"
+    );
+}
+
+async fn a_hosts_admissions_answered_in_turn_keep_their_order(backend: Backend) {
+    // A host that waits for each answer before the next send: each is in a later group, so an
+    // alert sent after its dismissal's answer is fenced, and one sent before is taken back.
+    let h = harness(backend).await;
+    let first = alert(1, &["phone-1"]);
+    assert_eq!(h.admit(&first).await, [AdmissionStatus::Queued]);
+    let dismissal = dismiss(&first, 2, &["phone-1"]);
+    assert_eq!(h.admit(&dismissal).await, [AdmissionStatus::Queued]);
+    let mut late = alert(1, &["phone-2"]);
+    late.content = first.content.clone();
+    assert_eq!(h.admit(&late).await, [AdmissionStatus::Queued]);
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    let statuses: HashMap<_, _> = record
+        .recipients
+        .iter()
+        .map(|r| (r.registration_id.as_str(), r.status.as_str()))
+        .collect();
+    assert_eq!(statuses.get("phone-1"), Some(&"cancelled"));
+    assert_eq!(statuses.get("phone-2"), Some(&"cancelled"));
+}
+
+on_both_backends!(
+    one_failing_admission_never_fails_its_neighbours,
+    concurrent_admissions_commit_in_groups_and_quota_stays_exact,
+    a_hosts_admissions_answered_in_turn_keep_their_order,
+);
