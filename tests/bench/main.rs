@@ -8,6 +8,7 @@
 //! `scripts/chaos` runs them; see docs/reliability.md.
 
 mod chaos;
+mod outage;
 mod population;
 mod procstat;
 mod report;
@@ -45,6 +46,12 @@ enum Scenario {
     Send,
     Deliver,
     Mixed,
+    /// Sends from new hosts (one Android phone each) in closed loops at `--admission-connections`,
+    /// providers refusing connections.
+    Admission,
+    /// Sends while the providers refuse connections, then answer 503; the gateway's CPU during
+    /// the outage and after it.
+    Outage,
     /// SIGKILL the all-in-one gateway every `--kill-every` seconds under load (docs/reliability.md).
     ChaosKill,
     /// Stop and start PostgreSQL under load (`--pg-stop`, `--pg-start`; docs/reliability.md).
@@ -76,7 +83,7 @@ struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "handshake,send,deliver,mixed"
+        default_value = "handshake,send,deliver,mixed,admission,outage"
     )]
     scenarios: Vec<Scenario>,
     /// Seconds of each measured phase (the mixed scenario has its own).
@@ -121,6 +128,21 @@ struct Args {
     /// Seconds pgbench runs per client count (0: do not run pgbench).
     #[arg(long, default_value_t = 3.0)]
     pgbench_seconds: f64,
+    /// Seconds of each closed loop of the admission scenario.
+    #[arg(long, default_value_t = 10.0)]
+    admission_seconds: f64,
+    /// New hosts the admission scenario sets up (one Android phone each).
+    #[arg(long, default_value_t = 2000)]
+    admission_hosts: usize,
+    /// Connections (requests in flight) of the admission scenario's closed loops.
+    #[arg(long, value_delimiter = ',', default_value = "8,32,64")]
+    admission_connections: Vec<usize>,
+    /// Seconds of each phase of the outage scenario.
+    #[arg(long, default_value_t = 5.0)]
+    outage_seconds: f64,
+    /// Sends per second during the outage.
+    #[arg(long, default_value_t = 100.0)]
+    outage_rate: f64,
     /// A short run of every scenario (seconds, small populations): what the smoke test runs.
     #[arg(long)]
     smoke: bool,
@@ -193,6 +215,11 @@ impl Args {
             self.pg_outage_seconds = 1.0;
             self.pg_after_seconds = 3.0;
             self.drain_seconds = self.drain_seconds.min(60.0);
+            self.admission_seconds = 1.0;
+            self.admission_hosts = 20;
+            self.admission_connections = vec![2, 8];
+            self.outage_seconds = 1.0;
+            self.outage_rate = 10.0;
         }
     }
 }
@@ -370,9 +397,15 @@ struct ModeRun<'a> {
 
 impl ModeRun<'_> {
     async fn start(&self, coalesce_ms: Option<u32>) -> Gateway {
+        self.start_with(coalesce_ms, &[]).await
+    }
+
+    /// A gateway with `extra` settings over the bench's own (later ones win).
+    async fn start_with(&self, coalesce_ms: Option<u32>, extra: &[(String, String)]) -> Gateway {
         let mut env: Vec<(&str, &str)> = self
             .env
             .iter()
+            .chain(extra)
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         let window = coalesce_ms.map(|ms| ms.to_string());
@@ -416,12 +449,26 @@ impl ModeRun<'_> {
         target: &Target,
         hosts: usize,
     ) -> anyhow::Result<Arc<population::Pool>> {
+        self.population_of(
+            target,
+            hosts,
+            population::Phones::Alternating(self.args.devices),
+        )
+        .await
+    }
+
+    async fn population_of(
+        &self,
+        target: &Target,
+        hosts: usize,
+        phones: population::Phones,
+    ) -> anyhow::Result<Arc<population::Pool>> {
         let bar = report::count_bar("setting up hosts and phones", hosts as u64);
         let pool = population::build(
             &target.base,
             &target.http,
             hosts,
-            self.args.devices,
+            phones,
             self.args.concurrency,
             &bar,
         )
@@ -460,6 +507,58 @@ impl ModeRun<'_> {
             }
         }
         Ok(report)
+    }
+
+    /// The admission and outage scenarios, each on a fresh gateway whose providers are down; the
+    /// rows, and the time spent setting up.
+    async fn provider_outage(&self) -> anyhow::Result<(Vec<Phase>, Duration)> {
+        let args = self.args;
+        let mut rows = Vec::new();
+        let mut setup = Duration::ZERO;
+        if args.scenarios.contains(&Scenario::Admission) {
+            let provider = outage::FlakyProvider::new()?;
+            let clock = Instant::now();
+            let gateway = self.start_with(None, &provider.env()).await;
+            let target = self.target(&gateway);
+            let pool = self
+                .population_of(
+                    &target,
+                    args.admission_hosts,
+                    population::Phones::OneAndroid,
+                )
+                .await?;
+            setup += clock.elapsed();
+            rows.extend(
+                outage::admission(
+                    &target,
+                    &pool,
+                    args.admission_seconds,
+                    &args.admission_connections,
+                )
+                .await,
+            );
+            self.keep_log(&gateway);
+        }
+        if args.scenarios.contains(&Scenario::Outage) {
+            let provider = outage::FlakyProvider::new()?;
+            let clock = Instant::now();
+            let gateway = self.start_with(Some(0), &provider.env()).await;
+            let target = self.target(&gateway);
+            let pool = self.population(&target, args.window_hosts).await?;
+            setup += clock.elapsed();
+            rows.extend(
+                outage::outage(
+                    &target,
+                    &pool,
+                    &provider,
+                    args.outage_seconds,
+                    args.outage_rate,
+                )
+                .await?,
+            );
+            self.keep_log(&gateway);
+        }
+        Ok((rows, setup))
     }
 
     fn description(&self) -> &'static str {
@@ -535,6 +634,12 @@ impl ModeRun<'_> {
         }
         self.keep_log(&gateway);
         drop(gateway);
+
+        if wants(Scenario::Admission) || wants(Scenario::Outage) {
+            let (rows, took) = self.provider_outage().await?;
+            phases.extend(rows);
+            setup += took;
+        }
 
         // The default window: what a host sees in production, and the realistic blend.
         if wants(Scenario::Deliver) || wants(Scenario::Mixed) {

@@ -123,23 +123,35 @@ impl Pool {
     }
 }
 
-/// Logs in `hosts` hosts and registers `devices` phones on each (alternately iOS and Android),
-/// `concurrency` hosts at a time.
+/// The phones each simulated host registers.
+#[derive(Debug, Clone, Copy)]
+pub enum Phones {
+    /// This many, alternately iOS and Android.
+    Alternating(usize),
+    /// One Android phone.
+    OneAndroid,
+}
+
+/// Logs in `hosts` hosts and registers `phones` on each, `concurrency` hosts at a time.
 pub async fn build(
     base: &str,
     http: &reqwest::Client,
     hosts: usize,
-    devices: usize,
+    phones: Phones,
     concurrency: usize,
     progress: &indicatif::ProgressBar,
 ) -> anyhow::Result<Pool> {
+    let devices = match phones {
+        Phones::Alternating(n) => n,
+        Phones::OneAndroid => 1,
+    };
     let made: Vec<Result<Host, GatewayError>> = futures::stream::iter(0..hosts)
         .map(|n| async move {
             let client = client(base, http, &client_ip(10, n))?;
             client.login().await?;
             let mut registered = Vec::new();
             for d in 0..devices {
-                let platform = if d % 2 == 0 {
+                let platform = if d % 2 == 0 && !matches!(phones, Phones::OneAndroid) {
                     Platform::Ios
                 } else {
                     Platform::Android

@@ -348,7 +348,12 @@ async fn post_send(host: &population::Host, body: &Value) -> Result<(), String> 
 }
 
 /// One alert to every phone of the next host with budget; the deliveries it should cause.
-async fn send_one(pool: Arc<Pool>, recorder: &Recorder, scheduled: Instant, label: &str) -> u64 {
+pub async fn send_one(
+    pool: Arc<Pool>,
+    recorder: &Recorder,
+    scheduled: Instant,
+    label: &str,
+) -> u64 {
     let Some(host) = pool.take(false) else {
         recorder.error("hosts' quota budget spent");
         return 0;
@@ -497,7 +502,7 @@ pub async fn send(
 
 /// Starts `task(scheduled_at)` at `rate` per second until `deadline`, never more than `cap` at
 /// once (those not started are counted and returned).
-async fn open_loop<F, Fut>(rate: f64, deadline: Instant, cap: usize, task: F) -> u64
+pub async fn open_loop<F, Fut>(rate: f64, deadline: Instant, cap: usize, task: F) -> u64
 where
     F: Fn(Instant) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,

@@ -1,0 +1,210 @@
+//! The `admission` and `outage` scenarios: what the gateway admits and what it burns while the
+//! providers are down. Both run against providers at one local port the bench controls: nothing
+//! listening (connections refused), or a server answering every request with one status.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::population::Pool;
+use crate::scenarios::{Phase, Target, measure, open_loop, send_one};
+
+/// A provider endpoint (APNs over h2c and FCM over HTTP/1 or h2c, at one port) that refuses
+/// connections until told to answer.
+pub struct FlakyProvider {
+    port: u16,
+    status: Arc<AtomicU16>,
+    server: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl FlakyProvider {
+    /// A free loopback port with nothing listening on it yet.
+    pub fn new() -> anyhow::Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        Ok(Self {
+            port,
+            status: Arc::new(AtomicU16::new(503)),
+            server: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The gateway's provider settings pointing both providers here.
+    pub fn env(&self) -> Vec<(String, String)> {
+        let url = format!("http://127.0.0.1:{}", self.port);
+        vec![
+            ("ORCA_PUSH_APNS_URL".into(), url.clone()),
+            ("ORCA_PUSH_FCM_URL".into(), url),
+        ]
+    }
+
+    /// From now on, connections are accepted and every request is answered `status` (200 is a
+    /// delivery as either provider acknowledges it).
+    pub async fn answer(&self, status: u16) -> anyhow::Result<()> {
+        self.status.store(status, Ordering::Relaxed);
+        let mut server = self.server.lock().unwrap();
+        if server.is_none() {
+            let listener = std::net::TcpListener::bind(("127.0.0.1", self.port))?;
+            listener.set_nonblocking(true)?;
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let status = self.status.clone();
+            let app = axum::Router::new().fallback(move || {
+                let status = status.load(Ordering::Relaxed);
+                async move { answer(status) }
+            });
+            *server = Some(tokio::spawn(async move {
+                let _ = axum::serve(listener, app).await;
+            }));
+        }
+        Ok(())
+    }
+
+    /// Refuses connections again.
+    pub fn refuse(&self) {
+        if let Some(server) = self.server.lock().unwrap().take() {
+            server.abort();
+        }
+    }
+}
+
+impl Drop for FlakyProvider {
+    fn drop(&mut self) {
+        self.refuse();
+    }
+}
+
+fn answer(status: u16) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let code = axum::http::StatusCode::from_u16(status)
+        .unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    if code.is_success() {
+        // APNs reads only the status; FCM's answer names the message.
+        (code, r#"{"name":"projects/bench/messages/1"}"#).into_response()
+    } else {
+        (
+            code,
+            r#"{"reason":"ServiceUnavailable","error":{"code":503,"status":"UNAVAILABLE"}}"#,
+        )
+            .into_response()
+    }
+}
+
+/// `admission`: a closed loop of sends at each of `levels` connections, every host new to the
+/// gateway with one Android phone, every send naming that one phone, while the providers refuse
+/// connections (so failed deliveries retry beside the admissions).
+pub async fn admission(
+    target: &Target,
+    pool: &Arc<Pool>,
+    seconds: f64,
+    levels: &[usize],
+) -> Vec<Phase> {
+    let mut rows = Vec::new();
+    for &connections in levels {
+        let (row, _) = measure(
+            target,
+            "admission",
+            &format!("closed loop, {connections} connections"),
+            seconds,
+            |recorder, deadline| async move {
+                let workers = (0..connections).map(|_| {
+                    let recorder = recorder.clone();
+                    async move {
+                        while Instant::now() < deadline {
+                            send_one(pool.clone(), &recorder, Instant::now(), "a").await;
+                        }
+                    }
+                });
+                futures::future::join_all(workers).await;
+                BTreeMap::new()
+            },
+        )
+        .await;
+        rows.push(row);
+    }
+    rows
+}
+
+/// `outage`: sends at `rate` per second while the providers refuse connections, then while they
+/// answer 503; then the same outage with no new sends (what the backlog's retries cost), and
+/// the providers back (what draining it costs).
+pub async fn outage(
+    target: &Target,
+    pool: &Arc<Pool>,
+    provider: &FlakyProvider,
+    seconds: f64,
+    rate: f64,
+) -> anyhow::Result<Vec<Phase>> {
+    let quiet = |phase: &'static str| {
+        measure(target, "outage", phase, seconds, |_, deadline| async move {
+            tokio::time::sleep_until(deadline.into()).await;
+            BTreeMap::new()
+        })
+    };
+    let mut rows = Vec::new();
+    provider.refuse();
+    rows.push(
+        sending(
+            target,
+            pool,
+            &format!("sends at {rate:.0}/s, providers refusing connections"),
+            seconds,
+            rate,
+        )
+        .await
+        .0,
+    );
+    provider.answer(503).await?;
+    rows.push(
+        sending(
+            target,
+            pool,
+            &format!("sends at {rate:.0}/s, providers answering 503"),
+            seconds,
+            rate,
+        )
+        .await
+        .0,
+    );
+    rows.push(quiet("no sends, providers still answering 503").await.0);
+    provider.answer(200).await?;
+    rows.push(quiet("providers back (answering 200)").await.0);
+    // Give the drain a moment to end before the next mode starts.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    Ok(rows)
+}
+
+/// One phase of sends at `rate` per second, from `pool`'s hosts in turn.
+async fn sending(
+    target: &Target,
+    pool: &Arc<Pool>,
+    phase: &str,
+    seconds: f64,
+    rate: f64,
+) -> (Phase, Arc<crate::scenarios::Recorder>) {
+    measure(
+        target,
+        "outage",
+        phase,
+        seconds,
+        move |recorder, deadline| {
+            let pool = pool.clone();
+            async move {
+                let dropped = open_loop(rate, deadline, 4096, move |scheduled| {
+                    let recorder = recorder.clone();
+                    let pool = pool.clone();
+                    async move {
+                        send_one(pool, &recorder, scheduled, "u").await;
+                    }
+                })
+                .await;
+                BTreeMap::from([
+                    ("offered_per_second".into(), rate),
+                    ("not_started_over_4096_in_flight".into(), dropped as f64),
+                ])
+            }
+        },
+    )
+    .await
+}
