@@ -5,6 +5,7 @@
 //! Every accepted event is committed before `queued` is answered. It must never log a title, body,
 //! token, or more than 4 characters of a host fingerprint.
 
+pub mod admission;
 mod error;
 pub mod group_commit;
 mod grpc;

@@ -616,15 +616,43 @@ macro_rules! queue_store {
         impl $store {
             /// Admits a group in one transaction, or fails as a whole (nothing written).
             async fn admit_together(&self, group: &[&Admission], now: i64, coalesce_ms: i64) -> Result<Vec<Enqueued>, QueueError> {
+                use $crate::admission::Batched;
                 let mut tx = self.begin_group_write(group).await?;
-                let mut admitted = Vec::with_capacity(group.len());
-                for a in group {
-                    admitted.push(Self::admit(&mut tx, a, now, coalesce_ms).await?);
-                }
+                let batched = if self.row_by_row {
+                    Batched::RowByRow
+                } else {
+                    Self::admit_batched(&mut tx, group, now, coalesce_ms).await?
+                };
+                let admitted = match batched {
+                    Batched::Done(admitted) => {
+                        self.batched_groups.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        admitted
+                    }
+                    Batched::RowByRow => Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
+                    Batched::Raced => {
+                        tx.rollback().await?;
+                        tx = self.begin_group_write(group).await?;
+                        Self::admit_each(&mut tx, group, now, coalesce_ms).await?
+                    }
+                };
                 if admitted.iter().any(|e| e.next_due_at.is_some()) {
                     Self::wake_replicas(&mut tx).await?;
                 }
                 tx.commit().await?;
+                Ok(admitted)
+            }
+
+            /// The group one admission at a time, each statement on its own.
+            async fn admit_each(
+                tx: &mut <$store as Backend>::Tx,
+                group: &[&Admission],
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<Vec<Enqueued>, QueueError> {
+                let mut admitted = Vec::with_capacity(group.len());
+                for a in group {
+                    admitted.push(Self::admit(tx, a, now, coalesce_ms).await?);
+                }
                 Ok(admitted)
             }
 
@@ -1257,6 +1285,9 @@ pub trait Backend {
 pub struct SqliteQueueStore {
     pool: sqlx::SqlitePool,
     readers: sqlx::SqlitePool,
+    row_by_row: bool,
+    /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
+    batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Backend for SqliteQueueStore {
@@ -1273,7 +1304,12 @@ impl SqliteQueueStore {
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
-        Self { pool, readers }
+        Self {
+            pool,
+            readers,
+            row_by_row: false,
+            batched_groups: Default::default(),
+        }
     }
 
     /// Where reads outside a transaction go.
@@ -1308,6 +1344,9 @@ impl SqliteQueueStore {
 pub struct PgQueueStore {
     pool: sqlx::PgPool,
     readers: sqlx::PgPool,
+    row_by_row: bool,
+    /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
+    batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Backend for PgQueueStore {
@@ -1324,7 +1363,12 @@ impl PgQueueStore {
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
-        Self { pool, readers }
+        Self {
+            pool,
+            readers,
+            row_by_row: false,
+            batched_groups: Default::default(),
+        }
     }
 
     /// Where reads outside a transaction go.
@@ -1372,6 +1416,8 @@ impl PgQueueStore {
 
 queue_store!(SqliteQueueStore);
 queue_store!(PgQueueStore);
+crate::admission::batched_admission!(SqliteQueueStore);
+crate::admission::batched_admission!(PgQueueStore);
 
 /// Either backend, chosen at start-up.
 #[derive(Debug, Clone)]
@@ -1385,6 +1431,31 @@ impl AnyQueueStore {
         match pool {
             Pool::Sqlite(p) => Self::Sqlite(SqliteQueueStore::new(p)),
             Pool::Postgres(p) => Self::Postgres(PgQueueStore::new(p)),
+        }
+    }
+
+    /// Groups admitted on the batched path of `crate::admission` so far.
+    pub fn batched_groups(&self) -> u64 {
+        let counter = match self {
+            Self::Sqlite(s) => &s.batched_groups,
+            Self::Postgres(s) => &s.batched_groups,
+        };
+        counter.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Admits every group one statement at a time, never on the batched path of
+    /// `crate::admission`: the path the batched one must agree with, kept for the tests that
+    /// compare the two and to measure against.
+    pub fn row_by_row(self) -> Self {
+        match self {
+            Self::Sqlite(mut s) => {
+                s.row_by_row = true;
+                Self::Sqlite(s)
+            }
+            Self::Postgres(mut s) => {
+                s.row_by_row = true;
+                Self::Postgres(s)
+            }
         }
     }
 }

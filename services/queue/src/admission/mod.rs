@@ -1,0 +1,654 @@
+//! Admitting a group of new alerts in a fixed number of statements, whatever its size.
+//!
+//! Admitting one alert one statement at a time costs about five statements (the retry and quota
+//! read, the event, the window read, the batch, the recipient). On SQLite each statement is a
+//! round trip to sqlx's worker thread, and the group writer waits for every one of them in turn:
+//! profiled at 64 connections, a group of 32 took about 160 such hops, and the writer, not the
+//! disk, bounded admission. Here a group reads what it needs in two statements
+//! (`read_seen_sql`, `read_windows_sql`), `plan` decides every outcome in memory, and the writes
+//! go out as one multi-row statement per table.
+//!
+//! Only the common case takes this path: every admission a new alert (not a retry of a stored
+//! event) and no two with the same identity. Dismissals and retries still go one statement at a
+//! time (`queue_store!`'s `admit`), inside the same transaction. `plan` is that path's decisions,
+//! for alerts, written as a plain function: the quota, the deadline, the dismissal fence and the
+//! coalescing windows, with the group's own earlier admissions counted as the per-row path would
+//! have seen them once written.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::model::{
+    Admission, AdmissionRecipient, AdmissionStatus, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS,
+    Provider, QUOTA_PER_KIND, member_bytes, summary_fits,
+};
+use crate::store::{Enqueued, random_id};
+
+mod statements;
+
+pub(crate) use statements::batched_admission;
+pub use statements::*;
+
+/// What the group's read found for one admission.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Seen {
+    /// An event with this identity is stored: a retry, which takes the per-row path.
+    pub stored: bool,
+    /// The host's events of this kind inside the quota window.
+    pub used: i64,
+    /// The dismissal fence of the notification: alerts below it are cancelled at once.
+    pub fence: Option<i64>,
+}
+
+/// An open coalescing window, as read before the group's writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenWindow {
+    pub batch_id: String,
+    pub registration_id: String,
+    pub host_fingerprint: String,
+    pub member_count: i64,
+    pub members_bytes: i64,
+    pub routing_bytes: i64,
+    pub window_ends_at: i64,
+    pub created_at: i64,
+}
+
+/// A `push_events` row to insert.
+#[derive(Debug)]
+pub struct NewEvent<'a> {
+    pub admission: &'a Admission,
+    pub event_id: String,
+    pub content_hash: String,
+    pub deadline: i64,
+}
+
+/// A `push_delivery_batches` row to insert, in its state at the end of the group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewBatch<'a> {
+    pub batch_id: String,
+    pub registration_id: &'a str,
+    pub host_fingerprint: &'a str,
+    pub coalescible: bool,
+    /// Also its `available_at`.
+    pub window_ends_at: i64,
+    pub member_count: i64,
+    pub members_bytes: i64,
+    pub routing_bytes: i64,
+    pub deadline: i64,
+    pub silent: bool,
+    pub provider: Provider,
+}
+
+/// A stored open window the group joined or closed, in its state at the end of the group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowUpdate {
+    pub batch_id: String,
+    /// Its member count as read: the update applies only if no one changed it since (on
+    /// PostgreSQL a lane may claim the window meanwhile).
+    pub read_count: i64,
+    pub member_count: i64,
+    pub members_bytes: i64,
+    pub routing_bytes: i64,
+    /// The new `window_ends_at` and `available_at`.
+    pub due: i64,
+    /// The last joiner's sound; `None` if the group only closed it.
+    pub silent: Option<bool>,
+    /// The latest deadline of the members the group added (0 if none): the stored one only grows.
+    pub deadline_at_least: i64,
+}
+
+/// A `push_event_recipients` row to insert.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewRecipient<'a> {
+    /// Index into `Plan::events`.
+    pub event: usize,
+    pub registration_id: &'a str,
+    pub batch_id: Option<String>,
+    /// `pending`, or `cancelled` below a dismissal fence.
+    pub status: &'static str,
+    pub silent: bool,
+}
+
+/// Every write of a group, and what each admission is answered.
+#[derive(Debug, Default)]
+pub struct Plan<'a> {
+    pub events: Vec<NewEvent<'a>>,
+    pub batches: Vec<NewBatch<'a>>,
+    pub updates: Vec<WindowUpdate>,
+    pub recipients: Vec<NewRecipient<'a>>,
+    /// One per admission, in order.
+    pub results: Vec<Enqueued>,
+}
+
+impl Plan<'_> {
+    /// Whether any batch the group wrote becomes claimable (other replicas are woken then).
+    pub fn makes_work_due(&self) -> bool {
+        self.results.iter().any(|e| e.next_due_at.is_some())
+    }
+}
+
+/// Whether `group` may take the batched path before anything is read: alerts only (a dismissal
+/// cancels and fences what it covers, row by row), and no identity twice (the second would be a
+/// retry of the first).
+pub fn eligible(group: &[&Admission]) -> bool {
+    let mut identities = HashSet::with_capacity(group.len());
+    group.iter().all(|a| {
+        a.kind == Kind::Alert
+            && identities.insert((
+                a.host_fingerprint.as_str(),
+                a.notification_epoch.as_str(),
+                a.notification_seq,
+            ))
+    })
+}
+
+/// Whether an alert of `a` coalesces into a registration's window.
+pub fn coalesces(a: &Admission, coalesce_ms: i64) -> bool {
+    coalesce_ms > 0 && a.content.notification_id.is_some()
+}
+
+/// Decides the group's writes, or `None` if an admission is a retry of a stored event.
+/// `seen` holds one entry per admission; `windows` the open stored windows of the group's
+/// registrations. `group` must be `eligible`.
+pub fn plan<'a>(
+    group: &[&'a Admission],
+    seen: &[Seen],
+    windows: Vec<OpenWindow>,
+    now: i64,
+    coalesce_ms: i64,
+) -> Option<Plan<'a>> {
+    if seen.len() != group.len() || seen.iter().any(|s| s.stored) {
+        return None;
+    }
+    let mut plan = Plan::default();
+    let mut windows = Windows::new(windows, now);
+    let mut used_here: HashMap<&str, i64> = HashMap::new();
+    for (a, seen) in group.iter().copied().zip(seen) {
+        let every = |status| Enqueued {
+            statuses: a
+                .recipients
+                .iter()
+                .map(|r| (r.registration_id.clone(), status))
+                .collect(),
+            next_due_at: None,
+        };
+        if a.expires_at_ms.is_some_and(|at| at <= now) {
+            plan.results.push(every(AdmissionStatus::Error));
+            continue;
+        }
+        let used = used_here.entry(a.host_fingerprint.as_str()).or_default();
+        if seen.used + *used >= QUOTA_PER_KIND {
+            plan.results.push(every(AdmissionStatus::RateLimited));
+            continue;
+        }
+        *used += 1;
+        let cap = now + MAX_LIFETIME_MS;
+        let deadline = a.expires_at_ms.map_or(cap, |at| at.min(cap));
+        let event = plan.events.len();
+        plan.events.push(NewEvent {
+            admission: a,
+            event_id: random_id(),
+            content_hash: a.content.hash(),
+            deadline,
+        });
+        let fenced = a.content.notification_id.is_some()
+            && seen.fence.is_some_and(|seq| a.notification_seq < seq);
+
+        let mut statuses = Vec::with_capacity(a.recipients.len());
+        let mut next_due_at: Option<i64> = None;
+        let mut named = HashSet::with_capacity(a.recipients.len());
+        for recipient in &a.recipients {
+            statuses.push((recipient.registration_id.clone(), AdmissionStatus::Queued));
+            if !named.insert(recipient.registration_id.as_str()) {
+                continue;
+            }
+            let (batch_id, status) = if fenced {
+                (None, "cancelled")
+            } else {
+                let (batch_id, due) = if coalesces(a, coalesce_ms) {
+                    windows.coalesce(&mut plan.batches, a, recipient, deadline, now, coalesce_ms)
+                } else {
+                    let batch = NewBatch {
+                        batch_id: random_id(),
+                        registration_id: &recipient.registration_id,
+                        host_fingerprint: &a.host_fingerprint,
+                        coalescible: false,
+                        window_ends_at: now,
+                        member_count: 1,
+                        members_bytes: 0,
+                        routing_bytes: a.content.routing_bytes(),
+                        deadline,
+                        silent: recipient.silent,
+                        provider: recipient.provider,
+                    };
+                    let id = batch.batch_id.clone();
+                    plan.batches.push(batch);
+                    (id, now)
+                };
+                next_due_at = Some(next_due_at.map_or(due, |d| d.min(due)));
+                (Some(batch_id), "pending")
+            };
+            plan.recipients.push(NewRecipient {
+                event,
+                registration_id: &recipient.registration_id,
+                batch_id,
+                status,
+                silent: recipient.silent,
+            });
+        }
+        plan.results.push(Enqueued {
+            statuses,
+            next_due_at,
+        });
+    }
+    plan.updates = windows.finish(&mut plan.batches);
+    Some(plan)
+}
+
+/// Where a window's state lives until the writes: a stored row or a batch the group opens.
+#[derive(Debug)]
+enum Origin {
+    Stored { read_count: i64, touched: bool },
+    New(usize),
+}
+
+#[derive(Debug)]
+struct Window {
+    batch_id: String,
+    origin: Origin,
+    member_count: i64,
+    members_bytes: i64,
+    routing_bytes: i64,
+    window_ends_at: i64,
+    silent: Option<bool>,
+    deadline_at_least: i64,
+}
+
+impl Window {
+    /// The stored path's window read: open, still before its end, and not full.
+    fn joinable(&self, now: i64) -> bool {
+        self.window_ends_at > now && self.member_count < MAX_BATCH_MEMBERS
+    }
+}
+
+/// The coalescing windows of the group's registrations, as the per-row path would see them after
+/// each earlier admission of the group.
+struct Windows {
+    all: Vec<Window>,
+    /// (registration, host) to the window a new member would try first.
+    latest: HashMap<(String, String), usize>,
+}
+
+impl Windows {
+    /// Keeps, per registration and host, the newest window a member may join (the per-row
+    /// path's read: `ORDER BY created_at DESC LIMIT 1` over the joinable ones).
+    fn new(stored: Vec<OpenWindow>, now: i64) -> Self {
+        let mut newest: HashMap<(String, String), OpenWindow> = HashMap::new();
+        let joinable = stored
+            .into_iter()
+            .filter(|w| w.window_ends_at > now && w.member_count < MAX_BATCH_MEMBERS);
+        for w in joinable {
+            let key = (w.registration_id.clone(), w.host_fingerprint.clone());
+            match newest.get(&key) {
+                Some(kept) if kept.created_at >= w.created_at => {}
+                _ => {
+                    newest.insert(key, w);
+                }
+            }
+        }
+        let mut windows = Self {
+            all: Vec::with_capacity(newest.len()),
+            latest: HashMap::with_capacity(newest.len()),
+        };
+        for (key, w) in newest {
+            windows.latest.insert(key, windows.all.len());
+            windows.all.push(Window {
+                batch_id: w.batch_id,
+                origin: Origin::Stored {
+                    read_count: w.member_count,
+                    touched: false,
+                },
+                member_count: w.member_count,
+                members_bytes: w.members_bytes,
+                routing_bytes: w.routing_bytes,
+                window_ends_at: w.window_ends_at,
+                silent: None,
+                deadline_at_least: 0,
+            });
+        }
+        windows
+    }
+
+    /// Joins the registration's window if the member fits; otherwise closes that window (due at
+    /// once) and opens a new one. Returns the batch and when it becomes due.
+    fn coalesce<'a>(
+        &mut self,
+        batches: &mut Vec<NewBatch<'a>>,
+        a: &'a Admission,
+        recipient: &'a AdmissionRecipient,
+        deadline: i64,
+        now: i64,
+        coalesce_ms: i64,
+    ) -> (String, i64) {
+        let id = a.content.notification_id.as_deref().unwrap_or_default();
+        let bytes = member_bytes(id, &a.notification_epoch);
+        let routing = a.content.routing_bytes();
+        let key = (
+            recipient.registration_id.clone(),
+            a.host_fingerprint.clone(),
+        );
+        if let Some(&index) = self.latest.get(&key)
+            && self.all[index].joinable(now)
+        {
+            let w = &mut self.all[index];
+            let count = w.member_count + 1;
+            let members = w.members_bytes + bytes;
+            let joined_routing = w.routing_bytes.max(routing);
+            if summary_fits(members, joined_routing) {
+                // A batch that is full is due at once; the burst goes on in a new batch.
+                let due = if count >= MAX_BATCH_MEMBERS {
+                    now
+                } else {
+                    w.window_ends_at
+                };
+                w.member_count = count;
+                w.members_bytes = members;
+                w.routing_bytes = joined_routing;
+                w.window_ends_at = due;
+                w.silent = Some(recipient.silent);
+                w.deadline_at_least = w.deadline_at_least.max(deadline);
+                w.touch();
+                return (w.batch_id.clone(), due);
+            }
+            // Out of payload room: this window closes now and the member opens the next.
+            w.window_ends_at = now;
+            w.touch();
+        }
+        let due = now + coalesce_ms;
+        let batch_id = random_id();
+        self.latest.insert(key, self.all.len());
+        self.all.push(Window {
+            batch_id: batch_id.clone(),
+            origin: Origin::New(batches.len()),
+            member_count: 1,
+            members_bytes: bytes,
+            routing_bytes: routing,
+            window_ends_at: due,
+            silent: Some(recipient.silent),
+            deadline_at_least: deadline,
+        });
+        batches.push(NewBatch {
+            batch_id: batch_id.clone(),
+            registration_id: &recipient.registration_id,
+            host_fingerprint: &a.host_fingerprint,
+            coalescible: true,
+            window_ends_at: due,
+            member_count: 1,
+            members_bytes: bytes,
+            routing_bytes: routing,
+            deadline,
+            silent: recipient.silent,
+            provider: recipient.provider,
+        });
+        (batch_id, due)
+    }
+
+    /// Writes each window's final state: into the new batch it opened, or as an update of the
+    /// stored row it touched.
+    fn finish(self, batches: &mut [NewBatch<'_>]) -> Vec<WindowUpdate> {
+        let mut updates = Vec::new();
+        for w in self.all {
+            match w.origin {
+                Origin::New(index) => {
+                    let batch = &mut batches[index];
+                    batch.member_count = w.member_count;
+                    batch.members_bytes = w.members_bytes;
+                    batch.routing_bytes = w.routing_bytes;
+                    batch.window_ends_at = w.window_ends_at;
+                    batch.silent = w.silent.unwrap_or(batch.silent);
+                    batch.deadline = batch.deadline.max(w.deadline_at_least);
+                }
+                Origin::Stored {
+                    read_count,
+                    touched: true,
+                } => updates.push(WindowUpdate {
+                    batch_id: w.batch_id,
+                    read_count,
+                    member_count: w.member_count,
+                    members_bytes: w.members_bytes,
+                    routing_bytes: w.routing_bytes,
+                    due: w.window_ends_at,
+                    silent: w.silent,
+                    deadline_at_least: w.deadline_at_least,
+                }),
+                Origin::Stored { touched: false, .. } => {}
+            }
+        }
+        updates
+    }
+}
+
+impl Window {
+    fn touch(&mut self) {
+        if let Origin::Stored { touched, .. } = &mut self.origin {
+            *touched = true;
+        }
+    }
+}
+
+/// How a group's batched admission went.
+#[derive(Debug)]
+pub enum Batched {
+    /// Written: one result per admission, in order.
+    Done(Vec<Enqueued>),
+    /// Not the common case (a dismissal, a retry, an identity twice): admit row by row instead,
+    /// in the same transaction (nothing was written).
+    RowByRow,
+    /// A stored window changed between the read and the update (PostgreSQL: a lane claimed it).
+    /// The transaction must be rolled back and the group admitted row by row.
+    Raced,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Content;
+
+    const NOW: i64 = 1_800_000_000_000;
+    const WINDOW: i64 = 3000;
+
+    fn alert(host: &str, seq: i64, phones: &[&str]) -> Admission {
+        Admission {
+            host_fingerprint: host.into(),
+            kind: Kind::Alert,
+            notification_epoch: "e".into(),
+            notification_seq: seq,
+            content: Content {
+                notification_id: Some(format!("n-{seq}")),
+                source: "agent".into(),
+                agent_state: None,
+                title: "t".into(),
+                body: "b".into(),
+                worktree_id: None,
+            },
+            expires_at_ms: None,
+            recipients: phones
+                .iter()
+                .map(|p| AdmissionRecipient {
+                    registration_id: (*p).into(),
+                    silent: false,
+                    provider: Provider::Fcm,
+                })
+                .collect(),
+            trace_parent: None,
+        }
+    }
+
+    fn fresh(n: usize) -> Vec<Seen> {
+        vec![Seen::default(); n]
+    }
+
+    fn stored_window(phone: &str, host: &str, count: i64) -> OpenWindow {
+        OpenWindow {
+            batch_id: format!("stored-{phone}"),
+            registration_id: phone.into(),
+            host_fingerprint: host.into(),
+            member_count: count,
+            members_bytes: count * member_bytes("n-1", "e"),
+            routing_bytes: 10,
+            window_ends_at: NOW + 1000,
+            created_at: NOW - 2000,
+        }
+    }
+
+    fn statuses(e: &Enqueued) -> Vec<AdmissionStatus> {
+        e.statuses.iter().map(|(_, s)| *s).collect()
+    }
+
+    #[test]
+    fn only_new_alerts_with_distinct_identities_are_eligible() {
+        let (a, b) = (alert("h", 1, &["p"]), alert("h", 2, &["p"]));
+        assert!(eligible(&[&a, &b]));
+        assert!(!eligible(&[&a, &a.clone()]), "the same identity twice");
+        let mut d = alert("h", 3, &["p"]);
+        d.kind = Kind::Dismiss;
+        assert!(!eligible(&[&a, &d]), "a dismissal");
+        let retry = Seen {
+            stored: true,
+            ..Seen::default()
+        };
+        assert!(plan(&[&a, &b], &[Seen::default(), retry], vec![], NOW, WINDOW).is_none());
+    }
+
+    #[test]
+    fn quota_counts_the_groups_own_earlier_admissions() {
+        let (a, b, c) = (alert("h", 1, &["p"]), alert("h", 2, &["p"]), alert("g", 1, &["q"]));
+        let near = Seen {
+            used: QUOTA_PER_KIND - 1,
+            ..Seen::default()
+        };
+        let plan = plan(&[&a, &b, &c], &[near, near, near], vec![], NOW, WINDOW).unwrap();
+        assert_eq!(statuses(&plan.results[0]), [AdmissionStatus::Queued]);
+        assert_eq!(statuses(&plan.results[1]), [AdmissionStatus::RateLimited]);
+        assert_eq!(statuses(&plan.results[2]), [AdmissionStatus::Queued], "another host");
+        assert_eq!(plan.events.len(), 2, "a refused admission stores nothing");
+    }
+
+    #[test]
+    fn expired_and_fenced_alerts_store_no_batch() {
+        let mut expired = alert("h", 1, &["p"]);
+        expired.expires_at_ms = Some(NOW);
+        let fenced = alert("h", 2, &["p"]);
+        let seen = [
+            Seen::default(),
+            Seen {
+                fence: Some(3),
+                ..Seen::default()
+            },
+        ];
+        let plan = plan(&[&expired, &fenced], &seen, vec![], NOW, WINDOW).unwrap();
+        assert_eq!(statuses(&plan.results[0]), [AdmissionStatus::Error]);
+        assert_eq!(statuses(&plan.results[1]), [AdmissionStatus::Queued]);
+        assert_eq!(plan.results[1].next_due_at, None);
+        assert_eq!(plan.events.len(), 1);
+        assert!(plan.batches.is_empty());
+        assert_eq!(plan.recipients[0].status, "cancelled");
+        assert_eq!(plan.recipients[0].batch_id, None);
+    }
+
+    #[test]
+    fn a_burst_inside_the_group_shares_one_new_window() {
+        let (a, b) = (alert("h", 1, &["p"]), alert("h", 2, &["p", "p"]));
+        let plan = plan(&[&a, &b], &fresh(2), vec![], NOW, WINDOW).unwrap();
+        assert_eq!(plan.batches.len(), 1);
+        let batch = &plan.batches[0];
+        assert_eq!(batch.member_count, 2, "a phone named twice is one recipient");
+        assert_eq!(
+            batch.members_bytes,
+            member_bytes("n-1", "e") + member_bytes("n-2", "e")
+        );
+        assert_eq!(batch.window_ends_at, NOW + WINDOW);
+        assert_eq!(plan.recipients.len(), 2);
+        assert!(
+            plan.recipients
+                .iter()
+                .all(|r| r.batch_id.as_deref() == Some(batch.batch_id.as_str()))
+        );
+        assert_eq!(plan.results[1].statuses.len(), 2, "every named phone is answered");
+        assert!(plan.updates.is_empty());
+    }
+
+    #[test]
+    fn a_stored_window_is_joined_with_a_guard_on_its_count() {
+        let (a, b) = (alert("h", 1, &["p"]), alert("h", 2, &["p"]));
+        let mut quiet = b.clone();
+        quiet.recipients[0].silent = true;
+        let window = stored_window("p", "h", 3);
+        let plan = plan(&[&a, &quiet], &fresh(2), vec![window], NOW, WINDOW).unwrap();
+        assert!(plan.batches.is_empty());
+        assert_eq!(plan.updates.len(), 1);
+        let update = &plan.updates[0];
+        assert_eq!((update.read_count, update.member_count), (3, 5));
+        assert_eq!(update.due, NOW + 1000, "joining keeps the window's end");
+        assert_eq!(update.silent, Some(true), "the last joiner's sound");
+        assert_eq!(update.deadline_at_least, NOW + MAX_LIFETIME_MS);
+        assert_eq!(plan.results[0].next_due_at, Some(NOW + 1000));
+    }
+
+    #[test]
+    fn another_hosts_or_an_ended_window_is_not_joined() {
+        let a = alert("h", 1, &["p"]);
+        let mut ended = stored_window("p", "h", 1);
+        ended.window_ends_at = NOW;
+        let plan = plan(
+            &[&a],
+            &fresh(1),
+            vec![stored_window("p", "other", 1), ended],
+            NOW,
+            WINDOW,
+        )
+        .unwrap();
+        assert_eq!(plan.batches.len(), 1);
+        assert!(plan.updates.is_empty());
+    }
+
+    #[test]
+    fn a_window_that_fills_is_due_at_once_and_the_burst_goes_on_in_a_new_one() {
+        let a = alert("h", 1, &["p"]);
+        let b = alert("h", 2, &["p"]);
+        let window = stored_window("p", "h", MAX_BATCH_MEMBERS - 1);
+        let plan = plan(&[&a, &b], &fresh(2), vec![window], NOW, WINDOW).unwrap();
+        assert_eq!(plan.updates[0].member_count, MAX_BATCH_MEMBERS);
+        assert_eq!(plan.updates[0].due, NOW);
+        assert_eq!(plan.results[0].next_due_at, Some(NOW));
+        assert_eq!(plan.batches.len(), 1, "the next member opens a window");
+        assert_eq!(plan.results[1].next_due_at, Some(NOW + WINDOW));
+    }
+
+    #[test]
+    fn a_member_that_does_not_fit_closes_the_window_and_opens_the_next() {
+        let mut a = alert("h", 1, &["p"]);
+        a.content.notification_id = Some("x".repeat(2000));
+        let mut window = stored_window("p", "h", 2);
+        window.members_bytes = 2000;
+        let plan = plan(&[&a], &fresh(1), vec![window], NOW, WINDOW).unwrap();
+        let update = &plan.updates[0];
+        assert_eq!((update.member_count, update.due), (2, NOW), "closed, not joined");
+        assert_eq!(update.silent, None, "a closed window keeps its sound");
+        assert_eq!(plan.batches.len(), 1);
+        assert_eq!(plan.batches[0].window_ends_at, NOW + WINDOW);
+    }
+
+    #[test]
+    fn without_a_notification_id_or_a_window_each_alert_goes_alone() {
+        let mut a = alert("h", 1, &["p"]);
+        a.content.notification_id = None;
+        let b = alert("h", 2, &["p"]);
+        let plan_no_id = plan(&[&a], &fresh(1), vec![], NOW, WINDOW).unwrap();
+        assert!(!plan_no_id.batches[0].coalescible);
+        assert_eq!(plan_no_id.batches[0].window_ends_at, NOW);
+        let c = alert("h", 3, &["p"]);
+        let plan_no_window = plan(&[&b, &c], &fresh(2), vec![], NOW, 0).unwrap();
+        assert_eq!(plan_no_window.batches.len(), 2);
+        assert!(plan_no_window.batches.iter().all(|b| !b.coalescible));
+    }
+}

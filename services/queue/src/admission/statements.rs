@@ -1,0 +1,225 @@
+//! The batched admission's statements: what `plan` needs read, and its writes, one multi-row
+//! statement per table. The SQL is written once for both backends, as `queue_store!`'s is.
+
+/// Rows per multi-row statement: far below SQLite's 32,766 bound parameters at 13 per row.
+pub const ROWS_PER_STATEMENT: usize = 1000;
+
+/// Before the rows of `read_seen`: each admission's index and identity.
+pub const READ_SEEN_HEAD: &str = "WITH a (i, host, kind, epoch, seq, nid) AS (";
+/// After them, then the quota window's start, then `READ_SEEN_TAIL`.
+pub const READ_SEEN_MIDDLE: &str = ") SELECT a.i AS i, e.event_id AS event_id, \
+     (SELECT COUNT(*) FROM push_events q \
+       WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at > ";
+pub const READ_SEEN_TAIL: &str = ") AS used, \
+     (SELECT d.dismissed_seq FROM push_dismissed_events d \
+       WHERE d.host_fingerprint = a.host AND d.notification_epoch = a.epoch \
+       AND d.notification_id = a.nid) AS fence \
+     FROM a LEFT JOIN push_events e \
+       ON e.host_fingerprint = a.host AND e.kind = a.kind \
+       AND e.notification_epoch = a.epoch AND e.notification_seq = a.seq";
+
+/// The open windows of a list of registrations, then the list and `)`. Which of them a member may
+/// join (before its end, not full) is decided in `plan`.
+pub const READ_WINDOWS_HEAD: &str = "SELECT batch_id, registration_id, host_fingerprint, \
+     member_count, members_bytes, routing_bytes, window_ends_at, created_at \
+     FROM push_delivery_batches \
+     WHERE kind = 'alert' AND state = 'open' AND coalescible = 1 AND registration_id IN (";
+
+pub const INSERT_EVENTS: &str = "INSERT INTO push_events (event_id, host_fingerprint, kind, \
+     notification_epoch, notification_seq, notification_id, content_hash, payload_json, \
+     trace_parent, accepted_at, expires_at) ";
+
+pub const INSERT_BATCHES: &str = "INSERT INTO push_delivery_batches (batch_id, registration_id, \
+     host_fingerprint, kind, state, coalescible, window_ends_at, available_at, member_count, \
+     members_bytes, routing_bytes, deadline, silent, attempts, created_at, provider) ";
+
+pub const INSERT_RECIPIENTS: &str = "INSERT INTO push_event_recipients (event_id, \
+     registration_id, batch_id, status, silent, created_at, updated_at) ";
+
+/// Before the rows of the windows' final states.
+pub const UPDATE_WINDOWS_HEAD: &str =
+    "WITH v (id, was, n, members, routing, due, quiet, late) AS (";
+/// After them. Each applies only if the window is still open with the count the group read.
+pub const UPDATE_WINDOWS_TAIL: &str = ") UPDATE push_delivery_batches SET member_count = v.n, \
+     members_bytes = v.members, routing_bytes = v.routing, window_ends_at = v.due, \
+     available_at = v.due, silent = COALESCE(v.quiet, push_delivery_batches.silent), \
+     deadline = CASE WHEN push_delivery_batches.deadline < v.late THEN v.late \
+       ELSE push_delivery_batches.deadline END \
+     FROM v WHERE push_delivery_batches.batch_id = v.id \
+     AND push_delivery_batches.state = 'open' AND push_delivery_batches.member_count = v.was";
+
+/// The batched admission's statements for one backend (`$store` implements `Backend`).
+macro_rules! batched_admission {
+    ($store:ty) => {
+        impl $store {
+            /// Admits `group` on the batched path inside `tx` (see `crate::admission`).
+            async fn admit_batched(
+                tx: &mut <$store as Backend>::Tx,
+                group: &[&Admission],
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<$crate::admission::Batched, sqlx::Error> {
+                use $crate::admission::{self as batch, Batched};
+                if !batch::eligible(group) {
+                    return Ok(Batched::RowByRow);
+                }
+                let seen = Self::read_seen(tx, group, now).await?;
+                if seen.iter().any(|s| s.stored) {
+                    return Ok(Batched::RowByRow);
+                }
+                let windows = Self::read_windows(tx, group, coalesce_ms).await?;
+                let Some(plan) = batch::plan(group, &seen, windows, now, coalesce_ms) else {
+                    return Ok(Batched::RowByRow);
+                };
+                if !plan.updates.is_empty() {
+                    let mut q = sqlx::QueryBuilder::new(batch::UPDATE_WINDOWS_HEAD);
+                    q.push_values(&plan.updates, |mut row, u| {
+                        row.push_bind(u.batch_id.as_str())
+                            .push_bind(u.read_count)
+                            .push_bind(u.member_count)
+                            .push_bind(u.members_bytes)
+                            .push_bind(u.routing_bytes)
+                            .push_bind(u.due)
+                            .push_bind(u.silent.map(flag))
+                            .push_bind(u.deadline_at_least);
+                    });
+                    q.push(batch::UPDATE_WINDOWS_TAIL);
+                    let updated = q.build().persistent(false).execute(&mut **tx).await?;
+                    if updated.rows_affected() != plan.updates.len() as u64 {
+                        return Ok(Batched::Raced);
+                    }
+                }
+                for chunk in plan.events.chunks(batch::ROWS_PER_STATEMENT) {
+                    let mut q = sqlx::QueryBuilder::new(batch::INSERT_EVENTS);
+                    q.push_values(chunk, |mut row, e| {
+                        let a = e.admission;
+                        row.push_bind(e.event_id.as_str())
+                            .push_bind(a.host_fingerprint.as_str())
+                            .push_bind(a.kind.as_str())
+                            .push_bind(a.notification_epoch.as_str())
+                            .push_bind(a.notification_seq)
+                            .push_bind(a.content.notification_id.as_deref())
+                            .push_bind(e.content_hash.as_str())
+                            .push_bind(a.content.to_json())
+                            .push_bind(a.trace_parent.as_deref())
+                            .push_bind(now)
+                            .push_bind(e.deadline);
+                    });
+                    q.build().persistent(false).execute(&mut **tx).await?;
+                }
+                for chunk in plan.batches.chunks(batch::ROWS_PER_STATEMENT) {
+                    let mut q = sqlx::QueryBuilder::new(batch::INSERT_BATCHES);
+                    q.push_values(chunk, |mut row, b| {
+                        row.push_bind(b.batch_id.as_str())
+                            .push_bind(b.registration_id)
+                            .push_bind(b.host_fingerprint)
+                            .push_bind(Kind::Alert.as_str())
+                            .push_bind(if b.coalescible { "open" } else { "pending" })
+                            .push_bind(flag(b.coalescible))
+                            .push_bind(b.window_ends_at)
+                            .push_bind(b.window_ends_at)
+                            .push_bind(b.member_count)
+                            .push_bind(b.members_bytes)
+                            .push_bind(b.routing_bytes)
+                            .push_bind(b.deadline)
+                            .push_bind(flag(b.silent))
+                            .push_bind(0_i32)
+                            .push_bind(now)
+                            .push_bind(b.provider.as_str());
+                    });
+                    q.build().persistent(false).execute(&mut **tx).await?;
+                }
+                for chunk in plan.recipients.chunks(batch::ROWS_PER_STATEMENT) {
+                    let mut q = sqlx::QueryBuilder::new(batch::INSERT_RECIPIENTS);
+                    q.push_values(chunk, |mut row, r| {
+                        row.push_bind(plan.events[r.event].event_id.as_str())
+                            .push_bind(r.registration_id)
+                            .push_bind(r.batch_id.as_deref())
+                            .push_bind(r.status)
+                            .push_bind(flag(r.silent))
+                            .push_bind(now)
+                            .push_bind(now);
+                    });
+                    q.build().persistent(false).execute(&mut **tx).await?;
+                }
+                Ok(Batched::Done(plan.results))
+            }
+
+            /// One row per admission: whether its identity is stored, its host's quota use, and
+            /// its notification's dismissal fence.
+            async fn read_seen(
+                tx: &mut <$store as Backend>::Tx,
+                group: &[&Admission],
+                now: i64,
+            ) -> Result<Vec<$crate::admission::Seen>, sqlx::Error> {
+                use $crate::admission as batch;
+                let mut q = sqlx::QueryBuilder::new(batch::READ_SEEN_HEAD);
+                q.push_values(group.iter().enumerate(), |mut row, (i, a)| {
+                    row.push_bind(i as i64)
+                        .push_bind(a.host_fingerprint.as_str())
+                        .push_bind(a.kind.as_str())
+                        .push_bind(a.notification_epoch.as_str())
+                        .push_bind(a.notification_seq)
+                        .push_bind(a.content.notification_id.as_deref());
+                });
+                q.push(batch::READ_SEEN_MIDDLE);
+                q.push_bind(now - QUOTA_WINDOW_MS);
+                q.push(batch::READ_SEEN_TAIL);
+                let rows = q.build().persistent(false).fetch_all(&mut **tx).await?;
+                let mut seen = vec![batch::Seen::default(); group.len()];
+                for row in rows {
+                    let i: i64 = row.try_get("i")?;
+                    let slot = usize::try_from(i)
+                        .ok()
+                        .and_then(|i| seen.get_mut(i))
+                        .ok_or_else(|| sqlx::Error::Protocol(format!("admission index {i} out of range")))?;
+                    *slot = batch::Seen {
+                        stored: row.try_get::<Option<String>, _>("event_id")?.is_some(),
+                        used: row.try_get("used")?,
+                        fence: row.try_get("fence")?,
+                    };
+                }
+                Ok(seen)
+            }
+
+            /// The joinable windows of the group's coalescing recipients.
+            async fn read_windows(
+                tx: &mut <$store as Backend>::Tx,
+                group: &[&Admission],
+                coalesce_ms: i64,
+            ) -> Result<Vec<$crate::admission::OpenWindow>, sqlx::Error> {
+                use $crate::admission as batch;
+                let registrations: std::collections::BTreeSet<&str> = group
+                    .iter()
+                    .filter(|a| batch::coalesces(a, coalesce_ms))
+                    .flat_map(|a| a.recipients.iter().map(|r| r.registration_id.as_str()))
+                    .collect();
+                if registrations.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let mut q = sqlx::QueryBuilder::new(batch::READ_WINDOWS_HEAD);
+                let mut list = q.separated(", ");
+                for id in registrations {
+                    list.push_bind(id);
+                }
+                q.push(")");
+                let rows = q.build().persistent(false).fetch_all(&mut **tx).await?;
+                rows.into_iter()
+                    .map(|row| {
+                        Ok(batch::OpenWindow {
+                            batch_id: row.try_get("batch_id")?,
+                            registration_id: row.try_get("registration_id")?,
+                            host_fingerprint: row.try_get("host_fingerprint")?,
+                            member_count: i64::from(row.try_get::<i32, _>("member_count")?),
+                            members_bytes: i64::from(row.try_get::<i32, _>("members_bytes")?),
+                            routing_bytes: i64::from(row.try_get::<i32, _>("routing_bytes")?),
+                            window_ends_at: row.try_get("window_ends_at")?,
+                            created_at: row.try_get("created_at")?,
+                        })
+                    })
+                    .collect()
+            }
+        }
+    };
+}
+pub(crate) use batched_admission;
