@@ -54,7 +54,11 @@ impl GroupCommit {
                 queue: queue.clone(),
                 groups: groups.clone(),
             };
-            tokio::spawn(writer.run());
+            if store.writer_thread() {
+                spawn_on_own_thread(writer);
+            } else {
+                tokio::spawn(writer.run());
+            }
         }
         Self { waiting, groups }
     }
@@ -76,6 +80,30 @@ impl GroupCommit {
             .await
             .map_err(|_| QueueError::WriterStopped)?;
         answered.await.map_err(|_| QueueError::WriterStopped)?
+    }
+}
+
+/// Runs `writer` on a thread of its own, with a runtime of its own. Every statement of a group is
+/// a round trip to sqlx's SQLite worker thread; on the shared runtime the writer then waits behind
+/// every ready request task before it sends the next one (profiled: 3-4 ms per group of 30 on two
+/// busy cores before anything was written). On its own thread it is woken at once.
+fn spawn_on_own_thread<S: QueueStore>(writer: Writer<S>) {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => {
+            let thread = std::thread::Builder::new()
+                .name("queue-writer".into())
+                .spawn(move || runtime.block_on(writer.run()));
+            if let Err(error) = thread {
+                tracing::error!(%error, "the admission writer's thread did not start");
+            }
+        }
+        Err(error) => {
+            tracing::warn!(%error, "no runtime for the admission writer; it shares the main one");
+            tokio::spawn(writer.run());
+        }
     }
 }
 

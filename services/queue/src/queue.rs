@@ -2,6 +2,7 @@
 //! leases, outcomes, cleanup.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use orca_push_storage::Clock;
@@ -33,6 +34,7 @@ pub struct DeliveryQueue<S> {
     wake: Arc<Notify>,
     /// Admissions that arrive together commit together.
     admissions: GroupCommit,
+    claim_transactions: AtomicU64,
 }
 
 fn now(clock: &dyn Clock) -> i64 {
@@ -50,6 +52,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             clock,
             wake,
             admissions,
+            claim_transactions: AtomicU64::new(0),
         }
     }
 
@@ -101,34 +104,47 @@ impl<S: QueueStore> DeliveryQueue<S> {
             let woken = self.wake.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            let batches = self.claim_once(lane, max, lease_ms).await?;
-            if !batches.is_empty() {
-                for batch in batches.iter().filter(|b| b.recovered) {
-                    tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
-                    metrics::counter!("orca_push_lease_expiries_total").increment(1);
+            // A read first: a claim is a write transaction, and every admission wakes every
+            // waiting lane, mostly for a window that is due seconds later. Claiming on each wake
+            // put four empty write transactions per admission group in the one SQLite writer's
+            // way; the read runs beside it.
+            let until_due = match self.store.next_available_at().await? {
+                Some(at) => Some(Duration::from_millis(
+                    u64::try_from(at - now(&*self.clock)).unwrap_or(0),
+                )),
+                None => None,
+            };
+            if until_due.is_some_and(|d| d.is_zero()) {
+                self.claim_transactions.fetch_add(1, Ordering::Relaxed);
+                let batches = self.claim_once(lane, max, lease_ms).await?;
+                if !batches.is_empty() {
+                    for batch in batches.iter().filter(|b| b.recovered) {
+                        tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
+                        metrics::counter!("orca_push_lease_expiries_total").increment(1);
+                    }
+                    return Ok(batches);
                 }
-                return Ok(batches);
             }
             let remaining = give_up.saturating_duration_since(tokio::time::Instant::now());
             if remaining.is_zero() {
                 return Ok(Vec::new());
             }
-            let until_due = match self.store.next_available_at().await? {
-                Some(at) => {
-                    Duration::from_millis(u64::try_from(at - now(&*self.clock)).unwrap_or(0))
-                }
-                None => remaining,
-            };
-            if until_due.is_zero() {
+            let wait = until_due.unwrap_or(remaining).min(remaining);
+            if wait.is_zero() {
                 // Due but claimed by another lane in between: look again at once.
                 tokio::task::yield_now().await;
                 continue;
             }
             tokio::select! {
                 _ = woken => {}
-                _ = tokio::time::sleep(until_due.min(remaining)) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
         }
+    }
+
+    /// Claim transactions begun so far (a claim that found work due).
+    pub fn claim_transactions(&self) -> u64 {
+        self.claim_transactions.load(Ordering::Relaxed)
     }
 
     /// One claim transaction, run on a task of its own: a caller that goes away mid-claim (the

@@ -176,6 +176,8 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
     /// whose per-host locks let groups of different hosts commit side by side.
     fn group_writers(&self) -> usize;
+    /// Whether each writer gets a thread of its own (see `group_commit`).
+    fn writer_thread(&self) -> bool;
     fn claim(
         &self,
         lane: &str,
@@ -872,6 +874,10 @@ macro_rules! queue_store {
                 Self::GROUP_WRITERS
             }
 
+            fn writer_thread(&self) -> bool {
+                Self::WRITER_THREAD
+            }
+
             async fn claim(&self, lane: &str, max: i64, lease_ms: i64, now: i64) -> Result<Vec<ClaimedBatch>, QueueError> {
                 let mut tx = self.begin_claim().await?;
                 // The due batches with what a lane needs of them, in one statement.
@@ -1039,6 +1045,22 @@ macro_rules! queue_store {
                 now: i64,
             ) -> Result<RetryResult, QueueError> {
                 let (attempts, retries) = how.counts();
+                // The common case is one statement: the lease still held and the retry before the
+                // deadline (a retry is the only write of a failed attempt, so it sets the price
+                // of an outage).
+                let scheduled = sqlx::query(RETRY_SCHEDULE_SQL)
+                    .bind(batch_id)
+                    .bind(at)
+                    .bind(reason)
+                    .bind(attempts)
+                    .bind(retries)
+                    .bind(token)
+                    .execute(&self.pool)
+                    .await?;
+                if scheduled.rows_affected() == 1 {
+                    Self::wake_replicas_after_commit(&self.pool).await?;
+                    return Ok(RetryResult::Scheduled);
+                }
                 let mut tx = self.begin_claim().await?;
                 if !Self::hold_lease(&mut tx, batch_id, token).await? {
                     return Ok(RetryResult::LeaseLost);
@@ -1063,18 +1085,16 @@ macro_rules! queue_store {
                     tx.commit().await?;
                     return Ok(RetryResult::Expired);
                 }
-                sqlx::query(
-                    "UPDATE push_delivery_batches SET state = 'pending', available_at = $2, not_before = $2, \
-                     lease_token = NULL, last_reason = $3, attempts = attempts + $4, retries = retries + $5 \
-                     WHERE batch_id = $1",
-                )
-                .bind(batch_id)
-                .bind(at)
-                .bind(reason)
-                .bind(attempts)
-                .bind(retries)
-                .execute(&mut *tx)
-                .await?;
+                // Only if the batch changed between the first statement and this transaction.
+                sqlx::query(RETRY_SCHEDULE_SQL)
+                    .bind(batch_id)
+                    .bind(at)
+                    .bind(reason)
+                    .bind(attempts)
+                    .bind(retries)
+                    .bind(token)
+                    .execute(&mut *tx)
+                    .await?;
                 Self::wake_replicas(&mut tx).await?;
                 tx.commit().await?;
                 Ok(RetryResult::Scheduled)
@@ -1274,6 +1294,13 @@ const OLDEST_RETAINED: &str = "SELECT MIN(t) FROM (\
        WHERE state NOT IN ('open', 'pending', 'leased') \
      UNION ALL SELECT MIN(created_at) FROM push_dismissed_events) oldest";
 
+/// A leased batch back to pending at `$2`, if `$6` still holds its lease and `$2` is before its
+/// deadline.
+const RETRY_SCHEDULE_SQL: &str = "UPDATE push_delivery_batches SET state = 'pending', \
+     available_at = $2, not_before = $2, lease_token = NULL, last_reason = $3, \
+     attempts = attempts + $4, retries = retries + $5 \
+     WHERE batch_id = $1 AND lease_token = $6 AND state = 'leased' AND deadline > $2";
+
 /// What differs between the backends.
 pub trait Backend {
     type Tx;
@@ -1319,6 +1346,8 @@ impl SqliteQueueStore {
 
     /// One writer: a second group could only wait for it.
     const GROUP_WRITERS: usize = 1;
+    /// Its statements are round trips to a thread: the writer waits for each (`group_commit`).
+    const WRITER_THREAD: bool = true;
 
     async fn begin_group_write(
         &self,
@@ -1333,6 +1362,10 @@ impl SqliteQueueStore {
 
     /// One process owns a SQLite queue: the in-process waker is enough.
     async fn wake_replicas(_tx: &mut <Self as Backend>::Tx) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    async fn wake_replicas_after_commit(_pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
         Ok(())
     }
 }
@@ -1382,6 +1415,8 @@ impl PgQueueStore {
 
     /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
     const GROUP_WRITERS: usize = 4;
+    /// Its connections belong to the main runtime's I/O driver: the writers run there.
+    const WRITER_THREAD: bool = false;
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
     /// hosts never each hold what the other waits for.
     const LOCK_HOSTS_SQL: &'static str = "SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
@@ -1409,6 +1444,15 @@ impl PgQueueStore {
         sqlx::query("SELECT pg_notify($1, '')")
             .bind(WAKE_CHANNEL)
             .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    /// `wake_replicas` for a write that committed on its own.
+    async fn wake_replicas_after_commit(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(WAKE_CHANNEL)
+            .execute(pool)
             .await?;
         Ok(())
     }
@@ -1482,6 +1526,12 @@ impl QueueStore for AnyQueueStore {
         coalesce_ms: i64,
     ) -> Vec<Result<Enqueued, QueueError>> {
         delegate!(self, s => s.enqueue_group(group, now, coalesce_ms))
+    }
+    fn writer_thread(&self) -> bool {
+        match self {
+            Self::Sqlite(s) => s.writer_thread(),
+            Self::Postgres(s) => s.writer_thread(),
+        }
     }
     fn group_writers(&self) -> usize {
         match self {

@@ -140,7 +140,9 @@ async fn batched_and_row_by_row_admissions_write_the_same_rows(backend: Backend)
     let batched_pool = orca_push_queue::open_and_migrate(&batched_config)
         .await
         .unwrap();
-    let row_pool = orca_push_queue::open_and_migrate(&row_config).await.unwrap();
+    let row_pool = orca_push_queue::open_and_migrate(&row_config)
+        .await
+        .unwrap();
     let batched = AnyQueueStore::new(batched_pool.clone());
     let row_by_row = AnyQueueStore::new(row_pool.clone()).row_by_row();
 

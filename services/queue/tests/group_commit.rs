@@ -156,4 +156,28 @@ on_both_backends!(
     one_failing_admission_never_fails_its_neighbours,
     concurrent_admissions_commit_in_groups_and_quota_stays_exact,
     a_hosts_admissions_answered_in_turn_keep_their_order,
+    waking_lanes_claim_only_when_something_is_due,
 );
+
+/// Every admission group wakes the waiting lanes; a window due seconds later must not cost them a
+/// write transaction each (on SQLite they would queue in the one writer's way).
+async fn waking_lanes_claim_only_when_something_is_due(backend: Backend) {
+    let h = harness(backend).await;
+    let queue = h.queue.clone();
+    let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, 30_000, 1_500).await });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    for seq in 1..=20 {
+        let phone = format!("phone-{seq}");
+        h.admit(&alert(seq, &[phone.as_str()])).await;
+    }
+    let claimed = waiting.await.unwrap().unwrap();
+    assert!(claimed.is_empty(), "every window is still open");
+    assert_eq!(
+        h.queue.claim_transactions(),
+        0,
+        "woken 20 times, claimed never"
+    );
+    h.clock.advance(WINDOW);
+    assert_eq!(h.claim_all().await.len(), 20);
+    assert_eq!(h.queue.claim_transactions(), 1);
+}

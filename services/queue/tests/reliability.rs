@@ -17,7 +17,48 @@ on_both_backends!(
     a_released_batch_never_goes_before_its_own_retry_time,
     a_held_backlog_is_written_once_and_probed_one_batch_at_a_time,
     a_probe_is_never_a_batch_past_its_deadline,
+    a_retry_under_a_lapsed_lease_writes_nothing,
 );
+
+/// The retry's one-statement path checks the lease: a lane whose lease lapsed and was claimed again
+/// by another cannot move the batch from under it.
+async fn a_retry_under_a_lapsed_lease_writes_nothing(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let first = h.claim_all().await.pop().unwrap();
+    h.clock.advance(LEASE as u64 + 1);
+    let second = h.claim_all().await.pop().unwrap();
+    assert!(second.recovered);
+    let at = h.clock.now_ms() as i64 + 1_000;
+    let late = h
+        .queue
+        .retry(
+            &first.batch_id,
+            &first.lease_token,
+            at,
+            "x",
+            Retry::Answered,
+        )
+        .await
+        .unwrap();
+    assert_eq!(late, RetryResult::LeaseLost);
+    // Still the second lane's: its own retry goes through, with no attempt added by the first.
+    let own = h
+        .queue
+        .retry(
+            &second.batch_id,
+            &second.lease_token,
+            at,
+            "x",
+            Retry::Unanswered,
+        )
+        .await
+        .unwrap();
+    assert_eq!(own, RetryResult::Scheduled);
+    h.clock.set(at as u64);
+    let third = h.claim_all().await.pop().unwrap();
+    assert_eq!((third.attempt, third.retries), (1, 1));
+}
 
 async fn only_provider_answers_count_as_attempts(backend: Backend) {
     let h = harness_with(backend, 0).await;

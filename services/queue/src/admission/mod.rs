@@ -521,7 +521,11 @@ mod tests {
 
     #[test]
     fn quota_counts_the_groups_own_earlier_admissions() {
-        let (a, b, c) = (alert("h", 1, &["p"]), alert("h", 2, &["p"]), alert("g", 1, &["q"]));
+        let (a, b, c) = (
+            alert("h", 1, &["p"]),
+            alert("h", 2, &["p"]),
+            alert("g", 1, &["q"]),
+        );
         let near = Seen {
             used: QUOTA_PER_KIND - 1,
             ..Seen::default()
@@ -529,7 +533,11 @@ mod tests {
         let plan = plan(&[&a, &b, &c], &[near, near, near], vec![], NOW, WINDOW).unwrap();
         assert_eq!(statuses(&plan.results[0]), [AdmissionStatus::Queued]);
         assert_eq!(statuses(&plan.results[1]), [AdmissionStatus::RateLimited]);
-        assert_eq!(statuses(&plan.results[2]), [AdmissionStatus::Queued], "another host");
+        assert_eq!(
+            statuses(&plan.results[2]),
+            [AdmissionStatus::Queued],
+            "another host"
+        );
         assert_eq!(plan.events.len(), 2, "a refused admission stores nothing");
     }
 
@@ -561,7 +569,10 @@ mod tests {
         let plan = plan(&[&a, &b], &fresh(2), vec![], NOW, WINDOW).unwrap();
         assert_eq!(plan.batches.len(), 1);
         let batch = &plan.batches[0];
-        assert_eq!(batch.member_count, 2, "a phone named twice is one recipient");
+        assert_eq!(
+            batch.member_count, 2,
+            "a phone named twice is one recipient"
+        );
         assert_eq!(
             batch.members_bytes,
             member_bytes("n-1", "e") + member_bytes("n-2", "e")
@@ -573,7 +584,11 @@ mod tests {
                 .iter()
                 .all(|r| r.batch_id.as_deref() == Some(batch.batch_id.as_str()))
         );
-        assert_eq!(plan.results[1].statuses.len(), 2, "every named phone is answered");
+        assert_eq!(
+            plan.results[1].statuses.len(),
+            2,
+            "every named phone is answered"
+        );
         assert!(plan.updates.is_empty());
     }
 
@@ -632,7 +647,11 @@ mod tests {
         window.members_bytes = 2000;
         let plan = plan(&[&a], &fresh(1), vec![window], NOW, WINDOW).unwrap();
         let update = &plan.updates[0];
-        assert_eq!((update.member_count, update.due), (2, NOW), "closed, not joined");
+        assert_eq!(
+            (update.member_count, update.due),
+            (2, NOW),
+            "closed, not joined"
+        );
         assert_eq!(update.silent, None, "a closed window keeps its sound");
         assert_eq!(plan.batches.len(), 1);
         assert_eq!(plan.batches[0].window_ends_at, NOW + WINDOW);

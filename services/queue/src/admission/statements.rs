@@ -172,7 +172,9 @@ macro_rules! batched_admission {
                     let slot = usize::try_from(i)
                         .ok()
                         .and_then(|i| seen.get_mut(i))
-                        .ok_or_else(|| sqlx::Error::Protocol(format!("admission index {i} out of range")))?;
+                        .ok_or_else(|| {
+                            sqlx::Error::Protocol(format!("admission index {i} out of range"))
+                        })?;
                     *slot = batch::Seen {
                         stored: row.try_get::<Option<String>, _>("event_id")?.is_some(),
                         used: row.try_get("used")?,
