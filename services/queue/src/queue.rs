@@ -108,12 +108,9 @@ impl<S: QueueStore> DeliveryQueue<S> {
             // waiting lane, mostly for a window that is due seconds later. Claiming on each wake
             // put four empty write transactions per admission group in the one SQLite writer's
             // way; the read runs beside it.
-            let until_due = match self.store.next_available_at().await? {
-                Some(at) => Some(Duration::from_millis(
-                    u64::try_from(at - now(&*self.clock)).unwrap_or(0),
-                )),
-                None => None,
-            };
+            let until_due = self.store.next_available_at().await?.map(|at| {
+                Duration::from_millis(u64::try_from(at - now(&*self.clock)).unwrap_or(0))
+            });
             if until_due.is_some_and(|d| d.is_zero()) {
                 self.claim_transactions.fetch_add(1, Ordering::Relaxed);
                 let batches = self.claim_once(lane, max, lease_ms).await?;
