@@ -329,6 +329,7 @@ async fn team_tokens_are_read_only_unless_minted_full() {
         max_batches: 1,
         lease_ms: 1_000,
         wait_ms: 0,
+        ..Default::default()
     };
 
     // A full token (explicitly asked for) calls everything, push tokens included.

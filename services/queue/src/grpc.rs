@@ -132,13 +132,15 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
         request: Request<pb::ClaimRequest>,
     ) -> Result<Response<pb::ClaimResponse>, Status> {
         let r = request.into_inner();
+        let skip = crate::store::Skip::of(r.skip_providers.iter().copied().map(provider_from_wire));
         let claimed = self
             .queue
-            .claim(
+            .claim_skipping(
                 &r.lane,
                 i64::from(r.max_batches),
                 i64::from(r.lease_ms),
                 u64::from(r.wait_ms),
+                skip,
             )
             .await?;
         let batches = claimed

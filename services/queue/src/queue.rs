@@ -14,6 +14,7 @@ use crate::group_commit::GroupCommit;
 use crate::model::{Admission, Kind, Provider};
 use crate::store::{
     ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry, RetryResult,
+    Skip,
 };
 
 /// Leases a lane may ask for, and claims per call.
@@ -92,6 +93,19 @@ impl<S: QueueStore> DeliveryQueue<S> {
         lease_ms: i64,
         wait_ms: u64,
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        self.claim_skipping(lane, max, lease_ms, wait_ms, Skip::default())
+            .await
+    }
+
+    /// `claim`, leaving alone (neither claiming nor waiting for) the work of `skip`'s providers.
+    pub async fn claim_skipping(
+        &self,
+        lane: &str,
+        max: i64,
+        lease_ms: i64,
+        wait_ms: u64,
+        skip: Skip,
+    ) -> Result<Vec<ClaimedBatch>, QueueError> {
         refuse_nul(&[lane])?;
         if !(1..=MAX_CLAIM).contains(&max) || !(1_000..=MAX_LEASE_MS).contains(&lease_ms) {
             return Err(QueueError::InvalidRequest(
@@ -108,12 +122,12 @@ impl<S: QueueStore> DeliveryQueue<S> {
             // waiting lane, mostly for a window that is due seconds later. Claiming on each wake
             // put four empty write transactions per admission group in the one SQLite writer's
             // way; the read runs beside it.
-            let until_due = self.store.next_available_at().await?.map(|at| {
+            let until_due = self.store.next_available_at(skip).await?.map(|at| {
                 Duration::from_millis(u64::try_from(at - now(&*self.clock)).unwrap_or(0))
             });
             if until_due.is_some_and(|d| d.is_zero()) {
                 self.claim_transactions.fetch_add(1, Ordering::Relaxed);
-                let batches = self.claim_once(lane, max, lease_ms).await?;
+                let batches = self.claim_once(lane, max, lease_ms, skip).await?;
                 if !batches.is_empty() {
                     for batch in batches.iter().filter(|b| b.recovered) {
                         tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
@@ -152,6 +166,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         lane: &str,
         max: i64,
         lease_ms: i64,
+        skip: Skip,
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
         let store = self.store.clone();
         let clock = self.clock.clone();
@@ -160,7 +175,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         tokio::spawn(
             async move {
                 let now = now(&*clock);
-                let claimed = store.claim(&lane, max, lease_ms, now).await;
+                let claimed = store.claim(&lane, max, lease_ms, now, skip).await;
                 if let Err(Ok(batches)) = answer.send(claimed) {
                     hand_back(&store, &batches, now).await;
                 }

@@ -163,6 +163,44 @@ pub struct Cleaned {
     pub past_retention_ms: i64,
 }
 
+/// Providers whose work a claim leaves alone: their sender's breaker is holding it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Skip {
+    pub apns: bool,
+    pub fcm: bool,
+}
+
+impl Skip {
+    /// Matches no provider (`Provider::Unknown` is stored as '').
+    const NONE: &'static str = "-";
+
+    pub fn of(providers: impl IntoIterator<Item = Provider>) -> Self {
+        providers
+            .into_iter()
+            .fold(Self::default(), |skip, provider| match provider {
+                Provider::Apns => Self { apns: true, ..skip },
+                Provider::Fcm => Self { fcm: true, ..skip },
+                Provider::Unknown => skip,
+            })
+    }
+
+    /// The two provider names `provider <> $a AND provider <> $b` excludes.
+    fn binds(self) -> (&'static str, &'static str) {
+        (
+            if self.apns {
+                Provider::Apns.as_str()
+            } else {
+                Self::NONE
+            },
+            if self.fcm {
+                Provider::Fcm.as_str()
+            } else {
+                Self::NONE
+            },
+        )
+    }
+}
+
 pub trait QueueStore: Clone + Send + Sync + 'static {
     /// Admits `group` in one transaction (one commit for all); one result per admission, in order.
     /// If any of them fails, that transaction is rolled back and each is admitted again in its
@@ -184,8 +222,12 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
         max: i64,
         lease_ms: i64,
         now: i64,
+        skip: Skip,
     ) -> impl Future<Output = Result<Vec<ClaimedBatch>, QueueError>> + Send;
-    fn next_available_at(&self) -> impl Future<Output = Result<Option<i64>, QueueError>> + Send;
+    fn next_available_at(
+        &self,
+        skip: Skip,
+    ) -> impl Future<Output = Result<Option<i64>, QueueError>> + Send;
     fn renew(
         &self,
         batch_id: &str,
@@ -878,12 +920,15 @@ macro_rules! queue_store {
                 Self::WRITER_THREAD
             }
 
-            async fn claim(&self, lane: &str, max: i64, lease_ms: i64, now: i64) -> Result<Vec<ClaimedBatch>, QueueError> {
+            async fn claim(&self, lane: &str, max: i64, lease_ms: i64, now: i64, skip: Skip) -> Result<Vec<ClaimedBatch>, QueueError> {
                 let mut tx = self.begin_claim().await?;
+                let (skip_a, skip_b) = skip.binds();
                 // The due batches with what a lane needs of them, in one statement.
                 let rows = sqlx::query(Self::CLAIM_SQL)
                     .bind(now)
                     .bind(max)
+                    .bind(skip_a)
+                    .bind(skip_b)
                     .fetch_all(&mut *tx)
                     .await?;
                 let mut due = Vec::with_capacity(rows.len());
@@ -991,11 +1036,14 @@ macro_rules! queue_store {
                 Ok(claimed)
             }
 
-            async fn next_available_at(&self) -> Result<Option<i64>, QueueError> {
+            async fn next_available_at(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
+                let (skip_a, skip_b) = skip.binds();
                 let next: Option<i64> = sqlx::query_scalar(
                     "SELECT MIN(available_at) FROM push_delivery_batches \
-                     WHERE state IN ('open', 'pending', 'leased')",
+                     WHERE state IN ('open', 'pending', 'leased') AND provider <> $1 AND provider <> $2",
                 )
+                .bind(skip_a)
+                .bind(skip_b)
                 .fetch_one(self.reader())
                 .await?;
                 Ok(next)
@@ -1325,7 +1373,7 @@ impl SqliteQueueStore {
     const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
          deadline, silent, attempts, retries, provider FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
-         ORDER BY available_at LIMIT $2";
+         AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2";
     /// One writer at a time: nothing to lock.
     const FOR_UPDATE: &'static str = "";
 
@@ -1390,7 +1438,7 @@ impl PgQueueStore {
     const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
          deadline, silent, attempts, retries, provider FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
-         ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
+         AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
     /// Row locks taken by a reading statement.
     const FOR_UPDATE: &'static str = " FOR UPDATE";
 
@@ -1545,11 +1593,12 @@ impl QueueStore for AnyQueueStore {
         max: i64,
         lease_ms: i64,
         now: i64,
+        skip: Skip,
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
-        delegate!(self, s => s.claim(lane, max, lease_ms, now))
+        delegate!(self, s => s.claim(lane, max, lease_ms, now, skip))
     }
-    async fn next_available_at(&self) -> Result<Option<i64>, QueueError> {
-        delegate!(self, s => s.next_available_at())
+    async fn next_available_at(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
+        delegate!(self, s => s.next_available_at(skip))
     }
     async fn renew(&self, batch_id: &str, token: &str, until: i64) -> Result<bool, QueueError> {
         delegate!(self, s => s.renew(batch_id, token, until))

@@ -157,6 +157,7 @@ on_both_backends!(
     concurrent_admissions_commit_in_groups_and_quota_stays_exact,
     a_hosts_admissions_answered_in_turn_keep_their_order,
     waking_lanes_claim_only_when_something_is_due,
+    a_claim_leaves_a_held_providers_work_alone,
 );
 
 /// Every admission group wakes the waiting lanes; a window due seconds later must not cost them a
@@ -180,4 +181,42 @@ async fn waking_lanes_claim_only_when_something_is_due(backend: Backend) {
     h.clock.advance(WINDOW);
     assert_eq!(h.claim_all().await.len(), 20);
     assert_eq!(h.queue.claim_transactions(), 1);
+}
+
+/// A lane whose breaker holds a provider neither claims nor waits for that provider's work, so an
+/// outage costs no claim and no hand-back per new send; the other provider's work flows on.
+async fn a_claim_leaves_a_held_providers_work_alone(backend: Backend) {
+    use orca_push_queue::model::Provider;
+    use orca_push_queue::store::Skip;
+    let h = harness_with(backend, 0).await;
+    let mut to_apns = alert(1, &["phone-apns"]);
+    to_apns.recipients[0].provider = Provider::Apns;
+    let mut to_fcm = alert(2, &["phone-fcm"]);
+    to_fcm.recipients[0].provider = Provider::Fcm;
+    h.admit(&to_apns).await;
+    let apns_held = Skip::of([Provider::Apns]);
+    let started = std::time::Instant::now();
+    let claimed = h
+        .queue
+        .claim_skipping("lane", 64, 30_000, 300, apns_held)
+        .await
+        .unwrap();
+    assert!(claimed.is_empty(), "only held work is due");
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(300),
+        "it waited"
+    );
+    assert_eq!(h.queue.claim_transactions(), 0, "no claim for held work");
+    h.admit(&to_fcm).await;
+    let claimed = h
+        .queue
+        .claim_skipping("lane", 64, 30_000, 0, apns_held)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].registration_id, "phone-fcm");
+    // The hold over, the held work is claimed as before.
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].registration_id, "phone-apns");
 }

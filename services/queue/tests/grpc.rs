@@ -73,6 +73,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
             max_batches: 4,
             lease_ms: 30_000,
             wait_ms: 1_000,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -169,6 +170,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
             max_batches: 0,
             lease_ms: 30_000,
             wait_ms: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -134,6 +134,11 @@ impl Breaker {
     pub fn is_open(&self) -> bool {
         self.state().open_until.is_some()
     }
+
+    /// Until when the provider's work is held, if it is now (not once the probe is due).
+    pub fn held_until(&self, now: Instant) -> Option<Instant> {
+        self.state().open_until.filter(|until| now < *until)
+    }
 }
 
 /// Held while a probe is out: dropped before its result was recorded (the attempt was cancelled,
@@ -180,6 +185,21 @@ mod tests {
         assert_eq!(b.gate(t), Gate::Pass);
         assert_eq!(b.failure(t), Change::Opened(t + FIRST_HOLD));
         assert_eq!(b.gate(t), Gate::Hold(t + FIRST_HOLD));
+    }
+
+    #[test]
+    fn work_is_held_until_the_probe_is_due_and_not_after() {
+        let b = Breaker::new("fcm");
+        let t = Instant::now();
+        assert_eq!(b.held_until(t), None);
+        for _ in 0..TRIP_AFTER {
+            b.failure(t);
+        }
+        assert_eq!(b.held_until(t), Some(t + FIRST_HOLD));
+        // At the probe's time the lanes claim the provider's work again.
+        assert_eq!(b.held_until(t + FIRST_HOLD), None);
+        b.success();
+        assert_eq!(b.held_until(t), None);
     }
 
     #[test]

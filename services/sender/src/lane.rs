@@ -93,6 +93,24 @@ impl Default for Breakers {
 }
 
 impl Breakers {
+    /// The providers whose work is held now, and the earliest end of those holds: a claim leaves
+    /// their work alone and waits no longer than that.
+    fn held(&self, now: std::time::Instant) -> (Vec<i32>, Option<Duration>) {
+        let mut providers = Vec::new();
+        let mut first_end: Option<Duration> = None;
+        for (breaker, provider) in [
+            (&self.apns, queue_pb::Provider::Apns),
+            (&self.fcm, queue_pb::Provider::Fcm),
+        ] {
+            if let Some(until) = breaker.held_until(now) {
+                providers.push(provider as i32);
+                let left = until.saturating_duration_since(now);
+                first_end = Some(first_end.map_or(left, |end| end.min(left)));
+            }
+        }
+        (providers, first_end)
+    }
+
     fn of(&self, target: &Target) -> (&Breaker, queue_pb::Provider) {
         if target.provider() == "apns" {
             (&self.apns, queue_pb::Provider::Apns)
@@ -191,6 +209,12 @@ impl Sender {
                 },
             };
             let want = (capacity.available_permits() + 1).min(CLAIM_BATCHES) as u32;
+            // A held provider's work stays in the queue until its probe is due: claiming it
+            // would only hand it back (a claim and a retry per new send during an outage).
+            let (skip_providers, hold_ends) = self.breakers.held(std::time::Instant::now());
+            let wait_ms = hold_ends.map_or(CLAIM_WAIT_MS, |left| {
+                u32::try_from(left.as_millis()).map_or(CLAIM_WAIT_MS, |ms| ms.min(CLAIM_WAIT_MS))
+            });
             let mut queue = self.queue.clone();
             let claimed = tokio::select! {
                 _ = stop.cancelled() => break,
@@ -198,7 +222,8 @@ impl Sender {
                     lane: name.clone(),
                     max_batches: want,
                     lease_ms: self.lease_ms,
-                    wait_ms: CLAIM_WAIT_MS,
+                    wait_ms,
+                    skip_providers,
                 }) => r,
             };
             let batches = match claimed {
