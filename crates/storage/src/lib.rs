@@ -108,6 +108,9 @@ pub struct ServiceStorage {
     /// Upper bound on pooled PostgreSQL connections per process. SQLite always has one writer
     /// and `SQLITE_READERS` readers.
     pub max_connections: u32,
+    /// `None`: the operator's `ORCA_PUSH_SQLITE_SYNCHRONOUS`. A service whose last commits may be
+    /// lost to a power loss at no cost to a promise made to a host fixes its own.
+    pub sqlite_durability: Option<SqliteDurability>,
 }
 
 /// Opens (creating if needed) the service's database.
@@ -116,9 +119,12 @@ pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<P
         DatabaseConfig::Sqlite {
             data_dir,
             durability,
-        } => open_sqlite(&data_dir.join(service.sqlite_file), *durability)
-            .await
-            .map(Pool::Sqlite),
+        } => open_sqlite(
+            &data_dir.join(service.sqlite_file),
+            service.sqlite_durability.unwrap_or(*durability),
+        )
+        .await
+        .map(Pool::Sqlite),
         DatabaseConfig::Postgres { url } => open_postgres(url, service).await.map(Pool::Postgres),
     }
 }
@@ -266,6 +272,35 @@ mod tests {
                     .unwrap();
                 assert_eq!(level, expected, "{durability:?}");
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_service_may_fix_its_own_durability() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DatabaseConfig::Sqlite {
+            data_dir: dir.path().to_owned(),
+            durability: SqliteDurability::Full,
+        };
+        let service = |file, sqlite_durability| ServiceStorage {
+            sqlite_file: file,
+            postgres_schema: "unused",
+            create_schema_sql: "unused",
+            max_connections: 1,
+            sqlite_durability,
+        };
+        for (file, own, expected) in [
+            ("configured.db", None, 2),
+            ("fixed.db", Some(SqliteDurability::Normal), 1),
+        ] {
+            let Pool::Sqlite(pool) = open(&config, &service(file, own)).await.unwrap() else {
+                unreachable!("a SQLite configuration opens SQLite");
+            };
+            let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert_eq!(level, expected, "{file}");
         }
     }
 

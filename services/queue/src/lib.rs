@@ -38,6 +38,7 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     postgres_schema: "push_queue",
     create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_queue",
     max_connections: 24,
+    sqlite_durability: None,
 };
 
 const CLEANUP_EVERY: Duration = Duration::from_secs(60);

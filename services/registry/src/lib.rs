@@ -33,6 +33,7 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     postgres_schema: "push_registry",
     create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_registry",
     max_connections: 16,
+    sqlite_durability: None,
 };
 
 pub async fn open_and_migrate(
