@@ -1,0 +1,482 @@
+//! Admission one statement at a time: the path every group can take, and the one the batched
+//! path of `crate::admission` must agree with.
+
+/// The active batches of a list of registrations: the list, then `) ORDER BY` and the row locks.
+pub(super) const LOCK_ACTIVE_BATCHES_HEAD: &str = "SELECT batch_id FROM push_delivery_batches \
+     WHERE state IN ('open', 'pending', 'leased') AND registration_id IN (";
+
+/// The event `($1, $2, $3, $4)` if stored, the host's quota use since `$5`, and the dismissal fence
+/// of notification `$6`.
+pub(super) const SEEN_SQL: &str = "SELECT e.event_id, e.content_hash, e.expires_at, \
+     (SELECT COUNT(*) FROM push_events q \
+       WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at > $5) AS used, \
+     (SELECT d.dismissed_seq FROM push_dismissed_events d \
+       WHERE d.host_fingerprint = $1 AND d.notification_epoch = $3 \
+       AND d.notification_id = $6) AS fence \
+     FROM (SELECT 1 AS one) o LEFT JOIN push_events e \
+       ON e.host_fingerprint = $1 AND e.kind = $2 \
+       AND e.notification_epoch = $3 AND e.notification_seq = $4";
+
+/// An event's payload, if it was cleared.
+pub(super) const RESTORE_PAYLOAD_SQL: &str =
+    "UPDATE push_events SET payload_json = COALESCE(payload_json, $2) WHERE event_id = $1";
+
+/// A new event.
+pub(super) const INSERT_EVENT_SQL: &str = "INSERT INTO push_events (event_id, host_fingerprint, \
+     kind, notification_epoch, notification_seq, notification_id, content_hash, payload_json, \
+     trace_parent, accepted_at, expires_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+
+/// Whether an event already has a recipient.
+pub(super) const RECIPIENT_SQL: &str =
+    "SELECT status FROM push_event_recipients WHERE event_id = $1 AND registration_id = $2";
+
+/// An event's recipient, in a batch (none when a dismissal fenced it).
+pub(super) const INSERT_RECIPIENT_SQL: &str = "INSERT INTO push_event_recipients (event_id, \
+     registration_id, batch_id, status, silent, created_at, updated_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $6)";
+
+/// A notification's dismissal fence, raised to `$4` (never lowered).
+pub(super) const RAISE_FENCE_SQL: &str = "INSERT INTO push_dismissed_events (host_fingerprint, \
+     notification_epoch, notification_id, dismissed_seq, created_at) VALUES ($1, $2, $3, $4, $5) \
+     ON CONFLICT (host_fingerprint, notification_epoch, notification_id) DO UPDATE SET \
+     dismissed_seq = CASE WHEN excluded.dismissed_seq > push_dismissed_events.dismissed_seq \
+       THEN excluded.dismissed_seq ELSE push_dismissed_events.dismissed_seq END, \
+     created_at = excluded.created_at";
+
+/// A batch of one member: open (`$5`) as a coalescing window, or pending.
+pub(super) const OPEN_BATCH_SQL: &str = "INSERT INTO push_delivery_batches (batch_id, \
+     registration_id, host_fingerprint, kind, state, coalescible, window_ends_at, available_at, \
+     member_count, members_bytes, routing_bytes, deadline, silent, attempts, created_at, provider) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $7, 1, $8, $9, $10, $11, 0, $12, $13)";
+
+/// The registration's newest window a member may join at `$3`.
+pub(super) const OPEN_WINDOW_SQL: &str = "SELECT batch_id, member_count, members_bytes, \
+     routing_bytes, window_ends_at FROM push_delivery_batches \
+     WHERE registration_id = $1 AND host_fingerprint = $2 AND kind = 'alert' \
+     AND state = 'open' AND coalescible = 1 AND window_ends_at > $3 AND member_count < $4 \
+     ORDER BY created_at DESC LIMIT 1";
+
+/// A member joins a window, if it is still open with the `$8` members it was read with.
+pub(super) const JOIN_WINDOW_SQL: &str = "UPDATE push_delivery_batches SET member_count = $2, \
+     members_bytes = $3, routing_bytes = $4, window_ends_at = $5, available_at = $5, silent = $6, \
+     deadline = CASE WHEN deadline < $7 THEN $7 ELSE deadline END \
+     WHERE batch_id = $1 AND state = 'open' AND member_count = $8";
+
+/// A window closed (due) at `$2`.
+pub(super) const CLOSE_WINDOW_SQL: &str = "UPDATE push_delivery_batches \
+     SET window_ends_at = $2, available_at = $2 WHERE batch_id = $1 AND state = 'open'";
+
+/// A registration's pending alerts that a dismissal of notification `$4` at seq `$5` covers.
+pub(super) const CANCEL_COVERED_SQL: &str = "UPDATE push_event_recipients \
+     SET status = 'cancelled', updated_at = $6 \
+     WHERE registration_id = $1 AND status = 'pending' \
+     AND event_id IN (SELECT event_id FROM push_events WHERE host_fingerprint = $2 \
+       AND kind = 'alert' AND notification_epoch = $3 AND notification_id = $4 \
+       AND notification_seq < $5) \
+     AND batch_id IN (SELECT batch_id FROM push_delivery_batches \
+       WHERE registration_id = $1 AND state IN ('open', 'pending', 'leased'))";
+
+/// A registration's active batches' member counts, counted again.
+pub(super) const RECOUNT_MEMBERS_SQL: &str = "UPDATE push_delivery_batches SET member_count = \
+     (SELECT COUNT(*) FROM push_event_recipients r \
+       WHERE r.batch_id = push_delivery_batches.batch_id AND r.status = 'pending') \
+     WHERE registration_id = $1 AND state IN ('open', 'pending', 'leased')";
+
+/// A registration's batches left with no member, cancelled.
+pub(super) const CANCEL_EMPTY_SQL: &str = "UPDATE push_delivery_batches SET state = 'cancelled', \
+     finished_at = $2, last_reason = 'dismissed' \
+     WHERE registration_id = $1 AND state IN ('open', 'pending') AND member_count = 0";
+
+/// The row-by-row admission's statements for one backend (`$store` implements `Backend`).
+macro_rules! row_by_row_admission {
+    ($store:ty) => {
+        impl $store {
+            /// `QueueStore::enqueue_group`.
+            async fn admit_group(
+                &self,
+                group: &[&Admission],
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Vec<Result<Enqueued, QueueError>> {
+                if group.len() > 1 {
+                    match self.admit_together(group, now, coalesce_ms).await {
+                        Ok(admitted) => return admitted.into_iter().map(Ok).collect(),
+                        Err(error) => tracing::debug!(
+                            %error,
+                            size = group.len(),
+                            "group admission failed; admitting one by one"
+                        ),
+                    }
+                }
+                let mut results = Vec::with_capacity(group.len());
+                for a in group {
+                    let one = self.admit_together(&[a], now, coalesce_ms).await;
+                    results.push(one.map(|mut admitted| admitted.remove(0)));
+                }
+                results
+            }
+
+            /// Admits a group in one transaction, or fails as a whole (nothing written).
+            async fn admit_together(
+                &self,
+                group: &[&Admission],
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<Vec<Enqueued>, QueueError> {
+                use $crate::admission::Batched;
+                let mut tx = self.begin_group_write(group).await?;
+                let batched = if self.row_by_row {
+                    Batched::RowByRow
+                } else {
+                    Self::admit_batched(&mut tx, group, now, coalesce_ms).await?
+                };
+                let admitted = match batched {
+                    Batched::Done(admitted) => {
+                        self.batched_groups
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        admitted
+                    }
+                    Batched::RowByRow => Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
+                    Batched::Raced => {
+                        tx.rollback().await?;
+                        tx = self.begin_group_write(group).await?;
+                        Self::admit_each(&mut tx, group, now, coalesce_ms).await?
+                    }
+                };
+                if admitted.iter().any(|e| e.next_due_at.is_some()) {
+                    Self::wake_replicas(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(admitted)
+            }
+
+            /// The group one admission at a time, each statement on its own.
+            async fn admit_each(
+                tx: &mut <$store as Backend>::Tx,
+                group: &[&Admission],
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<Vec<Enqueued>, QueueError> {
+                let mut admitted = Vec::with_capacity(group.len());
+                for a in group {
+                    admitted.push(Self::admit(tx, a, now, coalesce_ms).await?);
+                }
+                Ok(admitted)
+            }
+
+            /// One admission inside the group's transaction, after the group's host locks.
+            async fn admit(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<Enqueued, QueueError> {
+                let every = |status| Enqueued {
+                    statuses: a
+                        .recipients
+                        .iter()
+                        .map(|r| (r.registration_id.clone(), status))
+                        .collect(),
+                    next_due_at: None,
+                };
+                if a.kind == Kind::Dismiss && !Self::FOR_UPDATE.is_empty() {
+                    // A dismissal takes back pending alerts from batches a lane may be reporting. It
+                    // locks every named phone's active batches first, all in one id order, as a
+                    // report flush takes them, and before the event row: otherwise the two each
+                    // hold what the other waits for.
+                    let mut lock =
+                        sqlx::QueryBuilder::new($crate::store::admit::LOCK_ACTIVE_BATCHES_HEAD);
+                    let mut list = lock.separated(", ");
+                    for r in &a.recipients {
+                        list.push_bind(r.registration_id.as_str());
+                    }
+                    lock.push(") ORDER BY batch_id");
+                    lock.push(Self::FOR_UPDATE);
+                    lock.build().fetch_all(&mut **tx).await?;
+                }
+                let hash = a.content.hash();
+                // One read for what admission needs to know first: the event if it is a retry, the
+                // host's quota use, and the dismissal fence of the notification.
+                let seen = sqlx::query($crate::store::admit::SEEN_SQL)
+                    .bind(&a.host_fingerprint)
+                    .bind(a.kind.as_str())
+                    .bind(&a.notification_epoch)
+                    .bind(a.notification_seq)
+                    .bind(now - QUOTA_WINDOW_MS)
+                    .bind(a.content.notification_id.as_deref())
+                    .fetch_one(&mut **tx)
+                    .await?;
+                let existing: Option<String> = seen.try_get("event_id")?;
+                let is_new = existing.is_none();
+                let (event_id, deadline) = match existing {
+                    Some(event_id) => {
+                        let stored_hash: String = seen.try_get("content_hash")?;
+                        let deadline: i64 = seen.try_get("expires_at")?;
+                        if stored_hash != hash || now >= deadline {
+                            return Ok(every(AdmissionStatus::Error));
+                        }
+                        // Restores a payload cleared once earlier recipients were done (a later
+                        // request for more of the host's devices repeats the same content), and
+                        // holds the event's row lock until commit, so that a concurrent clean-up
+                        // cannot clear it under the recipient this admission adds.
+                        sqlx::query($crate::store::admit::RESTORE_PAYLOAD_SQL)
+                            .bind(&event_id)
+                            .bind(a.content.to_json())
+                            .execute(&mut **tx)
+                            .await?;
+                        (event_id, deadline)
+                    }
+                    None => {
+                        if a.expires_at_ms.is_some_and(|at| at <= now) {
+                            return Ok(every(AdmissionStatus::Error));
+                        }
+                        let used: i64 = seen.try_get("used")?;
+                        if used >= QUOTA_PER_KIND {
+                            return Ok(every(AdmissionStatus::RateLimited));
+                        }
+                        let cap = now + MAX_LIFETIME_MS;
+                        let deadline = a.expires_at_ms.map_or(cap, |at| at.min(cap));
+                        let event_id = random_id();
+                        sqlx::query($crate::store::admit::INSERT_EVENT_SQL)
+                            .bind(&event_id)
+                            .bind(&a.host_fingerprint)
+                            .bind(a.kind.as_str())
+                            .bind(&a.notification_epoch)
+                            .bind(a.notification_seq)
+                            .bind(a.content.notification_id.as_deref())
+                            .bind(&hash)
+                            .bind(a.content.to_json())
+                            .bind(a.trace_parent.as_deref())
+                            .bind(now)
+                            .bind(deadline)
+                            .execute(&mut **tx)
+                            .await?;
+                        (event_id, deadline)
+                    }
+                };
+
+                let fenced = match (a.kind, a.content.notification_id.as_deref()) {
+                    (Kind::Alert, Some(_)) => seen
+                        .try_get::<Option<i64>, _>("fence")?
+                        .is_some_and(|seq| a.notification_seq < seq),
+                    _ => false,
+                };
+
+                let mut statuses = Vec::with_capacity(a.recipients.len());
+                let mut next_due_at: Option<i64> = None;
+                let mut named = std::collections::HashSet::with_capacity(a.recipients.len());
+                for recipient in &a.recipients {
+                    // A fresh event has no recipients yet but those named earlier in this request; a
+                    // retry may name some it already has.
+                    let known = !named.insert(recipient.registration_id.as_str())
+                        || (!is_new
+                            && sqlx::query_scalar::<_, String>(
+                                $crate::store::admit::RECIPIENT_SQL,
+                            )
+                            .bind(&event_id)
+                            .bind(&recipient.registration_id)
+                            .fetch_optional(&mut **tx)
+                            .await?
+                            .is_some());
+                    if !known {
+                        let (batch_id, status) = if fenced {
+                            (None, "cancelled")
+                        } else {
+                            let (batch_id, due) = match a.kind {
+                                Kind::Dismiss => {
+                                    Self::cancel_covered_alerts(
+                                        tx,
+                                        a,
+                                        &recipient.registration_id,
+                                        now,
+                                    )
+                                    .await?;
+                                    let bytes = member_bytes(
+                                        a.content.notification_id.as_deref().unwrap_or_default(),
+                                        &a.notification_epoch,
+                                    );
+                                    let id = Self::open_batch(
+                                        tx, a, recipient, false, now, bytes, deadline, now,
+                                    )
+                                    .await?;
+                                    (id, now)
+                                }
+                                Kind::Alert
+                                    if coalesce_ms == 0 || a.content.notification_id.is_none() =>
+                                {
+                                    let id = Self::open_batch(
+                                        tx, a, recipient, false, now, 0, deadline, now,
+                                    )
+                                    .await?;
+                                    (id, now)
+                                }
+                                Kind::Alert => {
+                                    Self::coalesce(tx, a, recipient, deadline, now, coalesce_ms)
+                                        .await?
+                                }
+                            };
+                            next_due_at = Some(next_due_at.map_or(due, |d| d.min(due)));
+                            (Some(batch_id), "pending")
+                        };
+                        sqlx::query($crate::store::admit::INSERT_RECIPIENT_SQL)
+                            .bind(&event_id)
+                            .bind(&recipient.registration_id)
+                            .bind(batch_id)
+                            .bind(status)
+                            .bind(flag(recipient.silent))
+                            .bind(now)
+                            .execute(&mut **tx)
+                            .await?;
+                    }
+                    statuses.push((recipient.registration_id.clone(), AdmissionStatus::Queued));
+                }
+                if let (Kind::Dismiss, Some(id)) = (a.kind, a.content.notification_id.as_deref()) {
+                    sqlx::query($crate::store::admit::RAISE_FENCE_SQL)
+                        .bind(&a.host_fingerprint)
+                        .bind(&a.notification_epoch)
+                        .bind(id)
+                        .bind(a.notification_seq)
+                        .bind(now)
+                        .execute(&mut **tx)
+                        .await?;
+                }
+                Ok(Enqueued {
+                    statuses,
+                    next_due_at,
+                })
+            }
+
+            /// A new batch for one member.
+            #[allow(clippy::too_many_arguments)]
+            async fn open_batch(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                recipient: &AdmissionRecipient,
+                coalescible: bool,
+                window_ends_at: i64,
+                members_bytes: i64,
+                deadline: i64,
+                now: i64,
+            ) -> Result<String, sqlx::Error> {
+                let batch_id = random_id();
+                sqlx::query($crate::store::admit::OPEN_BATCH_SQL)
+                    .bind(&batch_id)
+                    .bind(&recipient.registration_id)
+                    .bind(&a.host_fingerprint)
+                    .bind(a.kind.as_str())
+                    .bind(if coalescible { "open" } else { "pending" })
+                    .bind(flag(coalescible))
+                    .bind(window_ends_at)
+                    .bind(members_bytes)
+                    .bind(a.content.routing_bytes())
+                    .bind(deadline)
+                    .bind(flag(recipient.silent))
+                    .bind(now)
+                    .bind(recipient.provider.as_str())
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(batch_id)
+            }
+
+            /// Joins the registration's open window if the member fits; otherwise closes that window
+            /// (due at once) and opens a new one. Returns the batch and when it becomes due.
+            async fn coalesce(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                recipient: &AdmissionRecipient,
+                deadline: i64,
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Result<(String, i64), sqlx::Error> {
+                let (registration_id, silent) =
+                    (recipient.registration_id.as_str(), recipient.silent);
+                let id = a.content.notification_id.as_deref().unwrap_or_default();
+                let bytes = member_bytes(id, &a.notification_epoch);
+                let routing = a.content.routing_bytes();
+                let open = sqlx::query($crate::store::admit::OPEN_WINDOW_SQL)
+                    .bind(registration_id)
+                    .bind(&a.host_fingerprint)
+                    .bind(now)
+                    .bind(MAX_BATCH_MEMBERS)
+                    .fetch_optional(&mut **tx)
+                    .await?;
+                if let Some(row) = open {
+                    let batch_id: String = row.try_get("batch_id")?;
+                    let count = i64::from(row.try_get::<i32, _>("member_count")?) + 1;
+                    let members = i64::from(row.try_get::<i32, _>("members_bytes")?) + bytes;
+                    let routing = i64::from(row.try_get::<i32, _>("routing_bytes")?).max(routing);
+                    let window_ends_at: i64 = row.try_get("window_ends_at")?;
+                    if summary_fits(members, routing) {
+                        // A batch that is full is due at once; the burst goes on in a new batch.
+                        let due = if count >= MAX_BATCH_MEMBERS {
+                            now
+                        } else {
+                            window_ends_at
+                        };
+                        // Guarded by its state: on PostgreSQL a lane may have claimed the window
+                        // since it was read (claims take no host lock); then the member opens a
+                        // new window instead of joining work already handed out.
+                        let joined = sqlx::query($crate::store::admit::JOIN_WINDOW_SQL)
+                            .bind(&batch_id)
+                            .bind(count)
+                            .bind(members)
+                            .bind(routing)
+                            .bind(due)
+                            .bind(flag(silent))
+                            .bind(deadline)
+                            .bind(count - 1)
+                            .execute(&mut **tx)
+                            .await?;
+                        if joined.rows_affected() == 1 {
+                            return Ok((batch_id, due));
+                        }
+                    } else {
+                        // Out of payload room: this window closes now and the member opens the next.
+                        sqlx::query($crate::store::admit::CLOSE_WINDOW_SQL)
+                            .bind(&batch_id)
+                            .bind(now)
+                            .execute(&mut **tx)
+                            .await?;
+                    }
+                }
+                let due = now + coalesce_ms;
+                let batch_id =
+                    Self::open_batch(tx, a, recipient, true, due, bytes, deadline, now).await?;
+                Ok((batch_id, due))
+            }
+
+            /// A dismissal takes back the pending alerts it covers for this registration.
+            async fn cancel_covered_alerts(
+                tx: &mut <$store as Backend>::Tx,
+                a: &Admission,
+                registration_id: &str,
+                now: i64,
+            ) -> Result<(), sqlx::Error> {
+                let cancelled = sqlx::query($crate::store::admit::CANCEL_COVERED_SQL)
+                    .bind(registration_id)
+                    .bind(&a.host_fingerprint)
+                    .bind(&a.notification_epoch)
+                    .bind(a.content.notification_id.as_deref())
+                    .bind(a.notification_seq)
+                    .bind(now)
+                    .execute(&mut **tx)
+                    .await?;
+                if cancelled.rows_affected() == 0 {
+                    return Ok(());
+                }
+                sqlx::query($crate::store::admit::RECOUNT_MEMBERS_SQL)
+                    .bind(registration_id)
+                    .execute(&mut **tx)
+                    .await?;
+                sqlx::query($crate::store::admit::CANCEL_EMPTY_SQL)
+                    .bind(registration_id)
+                    .bind(now)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
+}
+pub(crate) use row_by_row_admission;

@@ -1,0 +1,141 @@
+//! `AnyQueueStore`: the backend chosen at start-up, each call traced as a database span.
+
+use super::*;
+
+/// Either backend, chosen at start-up.
+#[derive(Debug, Clone)]
+pub enum AnyQueueStore {
+    Sqlite(SqliteQueueStore),
+    Postgres(PgQueueStore),
+}
+
+impl AnyQueueStore {
+    pub fn new(pool: Pool) -> Self {
+        match pool {
+            Pool::Sqlite(p) => Self::Sqlite(SqliteQueueStore::new(p)),
+            Pool::Postgres(p) => Self::Postgres(PgQueueStore::new(p)),
+        }
+    }
+
+    /// Groups admitted on the batched path of `crate::admission` so far.
+    pub fn batched_groups(&self) -> u64 {
+        let counter = match self {
+            Self::Sqlite(s) => &s.batched_groups,
+            Self::Postgres(s) => &s.batched_groups,
+        };
+        counter.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Admits every group one statement at a time, never on the batched path of
+    /// `crate::admission`: the path the batched one must agree with, kept for the tests that
+    /// compare the two and to measure against.
+    pub fn row_by_row(self) -> Self {
+        match self {
+            Self::Sqlite(mut s) => {
+                s.row_by_row = true;
+                Self::Sqlite(s)
+            }
+            Self::Postgres(mut s) => {
+                s.row_by_row = true;
+                Self::Postgres(s)
+            }
+        }
+    }
+}
+
+macro_rules! delegate {
+    ($self:ident, $s:ident => $target:ident . $method:ident ( $($arg:expr),* )) => {{
+        use tracing::Instrument as _;
+        match $self {
+            AnyQueueStore::Sqlite($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("sqlite", stringify!($method)))
+                .await,
+            AnyQueueStore::Postgres($s) => $target.$method($($arg),*)
+                .instrument(orca_push_storage::db_span("postgresql", stringify!($method)))
+                .await,
+        }
+    }};
+}
+
+impl QueueStore for AnyQueueStore {
+    async fn enqueue_group(
+        &self,
+        group: &[&Admission],
+        now: i64,
+        coalesce_ms: i64,
+    ) -> Vec<Result<Enqueued, QueueError>> {
+        delegate!(self, s => s.enqueue_group(group, now, coalesce_ms))
+    }
+    fn writer_thread(&self) -> bool {
+        match self {
+            Self::Sqlite(s) => s.writer_thread(),
+            Self::Postgres(s) => s.writer_thread(),
+        }
+    }
+    fn group_writers(&self) -> usize {
+        match self {
+            Self::Sqlite(s) => s.group_writers(),
+            Self::Postgres(s) => s.group_writers(),
+        }
+    }
+    async fn claim(
+        &self,
+        lane: &str,
+        max: i64,
+        lease_ms: i64,
+        now: i64,
+        skip: Skip,
+    ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        delegate!(self, s => s.claim(lane, max, lease_ms, now, skip))
+    }
+    async fn next_available_at(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
+        delegate!(self, s => s.next_available_at(skip))
+    }
+    async fn renew(&self, batch_id: &str, token: &str, until: i64) -> Result<bool, QueueError> {
+        delegate!(self, s => s.renew(batch_id, token, until))
+    }
+    async fn complete(
+        &self,
+        completions: &[Completion],
+        now: i64,
+    ) -> Result<Vec<bool>, QueueError> {
+        delegate!(self, s => s.complete(completions, now))
+    }
+    async fn retry(
+        &self,
+        batch_id: &str,
+        token: &str,
+        at: i64,
+        reason: &str,
+        how: Retry,
+        now: i64,
+    ) -> Result<RetryResult, QueueError> {
+        delegate!(self, s => s.retry(batch_id, token, at, reason, how, now))
+    }
+    async fn hold(
+        &self,
+        provider: Provider,
+        until: i64,
+        due_before: i64,
+    ) -> Result<u64, QueueError> {
+        delegate!(self, s => s.hold(provider, until, due_before))
+    }
+    async fn release(&self, provider: Provider, now: i64, limit: i64) -> Result<u64, QueueError> {
+        delegate!(self, s => s.release(provider, now, limit))
+    }
+    async fn event_record(
+        &self,
+        host: &str,
+        kind: Kind,
+        epoch: &str,
+        seq: i64,
+    ) -> Result<Option<EventRecord>, QueueError> {
+        delegate!(self, s => s.event_record(host, kind, epoch, seq))
+    }
+    async fn depth(&self, now: i64) -> Result<Depth, QueueError> {
+        delegate!(self, s => s.depth(now))
+    }
+    async fn cleanup(&self, now: i64) -> Result<Cleaned, QueueError> {
+        delegate!(self, s => s.cleanup(now))
+    }
+}

@@ -1,0 +1,168 @@
+//! What differs between the backends: how a transaction begins and locks, which statements read
+//! with row locks, and how other replicas are woken. Everything else is written once in the
+//! sibling modules' macros.
+
+use super::WAKE_CHANNEL;
+use crate::model::Admission;
+
+/// Wakes every replica's waiting lanes once the transaction it runs in commits (PostgreSQL).
+const NOTIFY_SQL: &str = "SELECT pg_notify($1, '')";
+
+/// What differs between the backends.
+pub trait Backend {
+    type Tx;
+}
+
+/// SQLite: one writer at a time. `BEGIN IMMEDIATE` takes the write lock before the first read, so
+/// the quota count and the insert that follows it cannot interleave with another admission.
+#[derive(Debug, Clone)]
+pub struct SqliteQueueStore {
+    pub(super) pool: sqlx::SqlitePool,
+    readers: sqlx::SqlitePool,
+    pub(super) row_by_row: bool,
+    /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
+    pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Backend for SqliteQueueStore {
+    type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
+}
+
+impl SqliteQueueStore {
+    pub(super) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
+         deadline, silent, attempts, retries, provider FROM push_delivery_batches \
+         WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
+         AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2";
+    /// One writer at a time: nothing to lock.
+    pub(super) const FOR_UPDATE: &'static str = "";
+
+    pub fn new(pool: sqlx::SqlitePool) -> Self {
+        let readers = orca_push_storage::ReadPool::readers(&pool);
+        Self {
+            pool,
+            readers,
+            row_by_row: false,
+            batched_groups: Default::default(),
+        }
+    }
+
+    /// Where reads outside a transaction go.
+    pub(super) fn reader(&self) -> &sqlx::SqlitePool {
+        &self.readers
+    }
+
+    /// One writer: a second group could only wait for it.
+    pub(super) const GROUP_WRITERS: usize = 1;
+    /// Its statements are round trips to a thread: the writer waits for each (`group_commit`).
+    pub(super) const WRITER_THREAD: bool = true;
+
+    pub(super) async fn begin_group_write(
+        &self,
+        _group: &[&Admission],
+    ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    /// One process owns a SQLite queue: the in-process waker is enough.
+    pub(super) async fn wake_replicas(_tx: &mut <Self as Backend>::Tx) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    pub(super) async fn wake_replicas_after_commit(
+        _pool: &sqlx::SqlitePool,
+    ) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+}
+
+/// PostgreSQL (READ COMMITTED), shared by every replica: admissions of one host serialise on a
+/// transaction advisory lock, claims skip rows another replica has locked, and a commit that makes
+/// work due notifies every replica's waiting lanes.
+#[derive(Debug, Clone)]
+pub struct PgQueueStore {
+    pub(super) pool: sqlx::PgPool,
+    readers: sqlx::PgPool,
+    pub(super) row_by_row: bool,
+    /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
+    pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Backend for PgQueueStore {
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+}
+
+impl PgQueueStore {
+    pub(super) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
+         deadline, silent, attempts, retries, provider FROM push_delivery_batches \
+         WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
+         AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
+    /// Row locks taken by a reading statement.
+    pub(super) const FOR_UPDATE: &'static str = " FOR UPDATE";
+
+    pub fn new(pool: sqlx::PgPool) -> Self {
+        let readers = orca_push_storage::ReadPool::readers(&pool);
+        Self {
+            pool,
+            readers,
+            row_by_row: false,
+            batched_groups: Default::default(),
+        }
+    }
+
+    /// Where reads outside a transaction go.
+    pub(super) fn reader(&self) -> &sqlx::PgPool {
+        &self.readers
+    }
+
+    pub fn pool(&self) -> &sqlx::PgPool {
+        &self.pool
+    }
+
+    /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
+    pub(super) const GROUP_WRITERS: usize = 4;
+    /// Its connections belong to the main runtime's I/O driver: the writers run there.
+    pub(super) const WRITER_THREAD: bool = false;
+    /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
+    /// hosts never each hold what the other waits for.
+    const LOCK_HOSTS_SQL: &'static str = "SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
+         (SELECT DISTINCT hashtextextended('push_events:' || h, 0) AS k FROM UNNEST($1::text[]) AS h \
+          ORDER BY k) AS keys";
+
+    pub(super) async fn begin_group_write(
+        &self,
+        group: &[&Admission],
+    ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let hosts: Vec<&str> = group.iter().map(|a| a.host_fingerprint.as_str()).collect();
+        sqlx::query(Self::LOCK_HOSTS_SQL)
+            .bind(hosts)
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    }
+
+    pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        self.pool.begin().await
+    }
+
+    pub(super) async fn wake_replicas(tx: &mut <Self as Backend>::Tx) -> Result<(), sqlx::Error> {
+        sqlx::query(NOTIFY_SQL)
+            .bind(WAKE_CHANNEL)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    /// `wake_replicas` for a write that committed on its own.
+    pub(super) async fn wake_replicas_after_commit(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+        sqlx::query(NOTIFY_SQL)
+            .bind(WAKE_CHANNEL)
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,201 @@
+//! Lanes claiming due batches under a lease, renewing it, and holding it for a report.
+
+/// The pending members of a list of batches: the list, then `)` and their order.
+pub(super) const CLAIM_MEMBERS_HEAD: &str = "SELECT r.batch_id, e.event_id, e.notification_epoch, \
+     e.notification_seq, e.payload_json, e.trace_parent, e.expires_at \
+     FROM push_event_recipients r JOIN push_events e ON e.event_id = r.event_id \
+     WHERE r.status = 'pending' AND r.batch_id IN (";
+
+/// A member past its own deadline, expired in the batch being claimed.
+pub(super) const EXPIRE_MEMBER_SQL: &str = "UPDATE push_event_recipients \
+     SET status = 'expired', updated_at = $3 \
+     WHERE event_id = $1 AND batch_id = $2 AND status = 'pending'";
+
+/// When the next batch of a provider not skipped becomes due.
+pub(super) const NEXT_DUE_SQL: &str = "SELECT MIN(available_at) FROM push_delivery_batches \
+     WHERE state IN ('open', 'pending', 'leased') AND provider <> $1 AND provider <> $2";
+
+/// A lease extended to `$3`, if `$2` still holds it.
+pub(super) const RENEW_SQL: &str = "UPDATE push_delivery_batches SET available_at = $3 \
+     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'";
+
+/// A no-op write that row-locks the batch while `$2` still holds its lease.
+pub(super) const HOLD_LEASE_SQL: &str = "UPDATE push_delivery_batches \
+     SET lease_token = lease_token \
+     WHERE batch_id = $1 AND lease_token = $2 AND state = 'leased'";
+
+/// The claims' statements for one backend (`$store` implements `Backend`).
+macro_rules! claim_statements {
+    ($store:ty) => {
+        impl $store {
+            /// `QueueStore::claim`.
+            async fn claim_due(
+                &self,
+                lane: &str,
+                max: i64,
+                lease_ms: i64,
+                now: i64,
+                skip: Skip,
+            ) -> Result<Vec<ClaimedBatch>, QueueError> {
+                let mut tx = self.begin_claim().await?;
+                let (skip_a, skip_b) = skip.binds();
+                // The due batches with what a lane needs of them, in one statement.
+                let rows = sqlx::query(Self::CLAIM_SQL)
+                    .bind(now)
+                    .bind(max)
+                    .bind(skip_a)
+                    .bind(skip_b)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let mut due = Vec::with_capacity(rows.len());
+                for row in rows {
+                    let batch_id: String = row.try_get("batch_id")?;
+                    if now >= row.try_get::<i64, _>("deadline")? {
+                        Self::expire_batch(&mut tx, &batch_id, now).await?;
+                        continue;
+                    }
+                    due.push((batch_id, row));
+                }
+                if due.is_empty() {
+                    tx.commit().await?;
+                    return Ok(Vec::new());
+                }
+                // The pending members of every due batch, in one statement, in delivery order.
+                let mut query = sqlx::QueryBuilder::new($crate::store::claims::CLAIM_MEMBERS_HEAD);
+                let mut ids = query.separated(", ");
+                for (batch_id, _) in &due {
+                    ids.push_bind(batch_id.as_str());
+                }
+                query.push(") ORDER BY e.accepted_at, e.notification_seq");
+                let member_rows = query.build().fetch_all(&mut *tx).await?;
+                let mut members: HashMap<String, Vec<Member>> = HashMap::with_capacity(due.len());
+                for m in &member_rows {
+                    let batch_id: String = m.try_get("batch_id")?;
+                    let member_deadline: i64 = m.try_get("expires_at")?;
+                    let content = m
+                        .try_get::<Option<String>, _>("payload_json")?
+                        .and_then(|json| serde_json::from_str::<Content>(&json).ok());
+                    let Some(content) = content.filter(|_| now < member_deadline) else {
+                        // Past its own deadline (its payload may already be cleared): it expired,
+                        // and must be neither sent nor reported as sent with the rest of the batch.
+                        sqlx::query($crate::store::claims::EXPIRE_MEMBER_SQL)
+                            .bind(m.try_get::<String, _>("event_id")?)
+                            .bind(&batch_id)
+                            .bind(now)
+                            .execute(&mut *tx)
+                            .await?;
+                        continue;
+                    };
+                    members.entry(batch_id).or_default().push(Member {
+                        notification_epoch: m.try_get("notification_epoch")?,
+                        notification_seq: m.try_get("notification_seq")?,
+                        content,
+                        trace_parent: m.try_get("trace_parent")?,
+                        deadline: member_deadline,
+                    });
+                }
+                // One lease token for the whole claim: a lease is still checked per batch (id and
+                // token), and every batch of the claim belongs to the same lane.
+                let token = random_id();
+                let lease_expires_at = now + lease_ms;
+                let mut claimed = Vec::with_capacity(due.len());
+                for (batch_id, row) in due {
+                    let Some(members) = members.remove(&batch_id) else {
+                        Self::finish_batch(
+                            &mut tx,
+                            &batch_id,
+                            "cancelled",
+                            "no pending members",
+                            now,
+                        )
+                        .await?;
+                        continue;
+                    };
+                    let kind: String = row.try_get("kind")?;
+                    claimed.push(ClaimedBatch {
+                        lease_token: token.clone(),
+                        lease_expires_at,
+                        registration_id: row.try_get("registration_id")?,
+                        host_fingerprint: row.try_get("host_fingerprint")?,
+                        kind: Kind::parse(&kind).unwrap_or(Kind::Alert),
+                        attempt: u32::try_from(row.try_get::<i32, _>("attempts")? + 1)
+                            .unwrap_or(u32::MAX),
+                        retries: u32::try_from(row.try_get::<i32, _>("retries")?).unwrap_or(0),
+                        deadline: members.iter().map(|m| m.deadline).min().unwrap_or(now),
+                        silent: row.try_get::<i32, _>("silent")? != 0,
+                        provider: Provider::parse(&row.try_get::<String, _>("provider")?),
+                        recovered: row.try_get::<String, _>("state")? == "leased",
+                        members,
+                        batch_id,
+                    });
+                }
+                if !claimed.is_empty() {
+                    let mut lease = sqlx::QueryBuilder::new(
+                        "UPDATE push_delivery_batches SET state = 'leased', lease_token = ",
+                    );
+                    lease.push_bind(&token);
+                    lease.push(", lease_owner = ").push_bind(lane);
+                    lease.push(", available_at = ").push_bind(lease_expires_at);
+                    lease
+                        .push(", window_ends_at = CASE WHEN window_ends_at > ")
+                        .push_bind(now);
+                    lease.push(" THEN ").push_bind(now);
+                    // Attempts are counted when a provider answers (see `retry` and `complete`): a
+                    // claim whose lane never reached the provider costs the batch nothing.
+                    lease.push(" ELSE window_ends_at END WHERE batch_id IN (");
+                    let mut ids = lease.separated(", ");
+                    for batch in &claimed {
+                        ids.push_bind(batch.batch_id.as_str());
+                    }
+                    lease.push(")");
+                    lease.build().execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+                Ok(claimed)
+            }
+
+            /// `QueueStore::next_available_at`.
+            async fn next_due(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
+                let (skip_a, skip_b) = skip.binds();
+                let next: Option<i64> = sqlx::query_scalar($crate::store::claims::NEXT_DUE_SQL)
+                    .bind(skip_a)
+                    .bind(skip_b)
+                    .fetch_one(self.reader())
+                    .await?;
+                Ok(next)
+            }
+
+            /// `QueueStore::renew`.
+            async fn renew_lease(
+                &self,
+                batch_id: &str,
+                token: &str,
+                until: i64,
+            ) -> Result<bool, QueueError> {
+                let renewed = sqlx::query($crate::store::claims::RENEW_SQL)
+                    .bind(batch_id)
+                    .bind(token)
+                    .bind(until)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(renewed.rows_affected() == 1)
+            }
+
+            /// True (and the row locked for the rest of the transaction) while this lease still holds
+            /// the batch: a no-op write, so a concurrent claim or answer waits rather than interleaves.
+            async fn hold_lease(
+                tx: &mut <$store as Backend>::Tx,
+                batch_id: &str,
+                token: &str,
+            ) -> Result<bool, sqlx::Error> {
+                let held = sqlx::query($crate::store::claims::HOLD_LEASE_SQL)
+                    .bind(batch_id)
+                    .bind(token)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(held.rows_affected() == 1)
+            }
+        }
+    };
+}
+pub(crate) use claim_statements;

@@ -1,0 +1,280 @@
+//! Cleanup (expiring overdue work, clearing payloads, deleting what is past retention) and the
+//! reads that watch the queue: its depth and one event's record.
+
+/// Recipients of the oldest events past retention (before the events themselves).
+pub(super) const DELETE_OLD_RECIPIENTS: &str = "DELETE FROM push_event_recipients \
+     WHERE event_id IN \
+     (SELECT event_id FROM push_events WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)";
+pub(super) const DELETE_OLD_EVENTS: &str = "DELETE FROM push_events WHERE event_id IN \
+     (SELECT event_id FROM push_events WHERE accepted_at < $1 ORDER BY accepted_at LIMIT $2)";
+pub(super) const DELETE_OLD_BATCHES: &str = "DELETE FROM push_delivery_batches WHERE batch_id IN \
+     (SELECT batch_id FROM push_delivery_batches WHERE created_at < $1 \
+      AND state NOT IN ('open', 'pending', 'leased') ORDER BY created_at LIMIT $2)";
+pub(super) const DELETE_OLD_FENCES: &str = "DELETE FROM push_dismissed_events \
+     WHERE (host_fingerprint, notification_epoch, notification_id) IN \
+     (SELECT host_fingerprint, notification_epoch, notification_id FROM push_dismissed_events \
+      WHERE created_at < $1 ORDER BY created_at LIMIT $2)";
+/// The oldest row any retention applies to (each read walks an index from its low end).
+pub(super) const OLDEST_RETAINED: &str = "SELECT MIN(t) FROM (\
+     SELECT MIN(accepted_at) AS t FROM push_events \
+     UNION ALL SELECT MIN(created_at) FROM push_delivery_batches \
+       WHERE state NOT IN ('open', 'pending', 'leased') \
+     UNION ALL SELECT MIN(created_at) FROM push_dismissed_events) oldest";
+
+/// At most `$2` batches past their deadline at `$1` that no live lease holds.
+pub(super) const OVERDUE_SQL: &str = "SELECT batch_id FROM push_delivery_batches \
+     WHERE deadline <= $1 AND \
+     (state IN ('open', 'pending') OR (state = 'leased' AND available_at <= $1)) LIMIT $2";
+
+/// Marks a batch for expiry if it is still overdue at `$2` and no live lease holds it.
+pub(super) const STILL_OVERDUE_SQL: &str = "UPDATE push_delivery_batches \
+     SET last_reason = 'deadline' WHERE batch_id = $1 \
+     AND deadline <= $2 AND (state IN ('open', 'pending') \
+       OR (state = 'leased' AND available_at <= $2))";
+
+/// At most `$2` events whose payload is expired at `$1` or waited for by no recipient, in id
+/// order (then the backend's row locks).
+pub(super) const PAYLOAD_CANDIDATES_SQL: &str = "SELECT e.event_id FROM push_events e \
+     WHERE e.payload_json IS NOT NULL \
+     AND (e.expires_at <= $1 OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+       WHERE p.event_id = e.event_id AND p.status = 'pending')) \
+     ORDER BY e.event_id LIMIT $2";
+
+/// Clears the candidates' payloads that expired by the bound pushed next, or that no recipient
+/// waits for; then `CLEAR_PAYLOADS_MIDDLE`, the candidates and `)`.
+pub(super) const CLEAR_PAYLOADS_HEAD: &str =
+    "UPDATE push_events SET payload_json = NULL WHERE (expires_at <= ";
+
+/// After `CLEAR_PAYLOADS_HEAD`'s bound.
+pub(super) const CLEAR_PAYLOADS_MIDDLE: &str = " OR NOT EXISTS \
+     (SELECT 1 FROM push_event_recipients p \
+     WHERE p.event_id = push_events.event_id AND p.status = 'pending')) \
+     AND event_id IN (";
+
+/// How many batches wait, are due or are leased at `$1`, and the oldest due time.
+pub(super) const DEPTH_SQL: &str = "SELECT \
+       COALESCE(SUM(CASE WHEN state IN ('open', 'pending') AND available_at > $1 \
+         THEN 1 ELSE 0 END), 0) AS waiting, \
+       COALESCE(SUM(CASE WHEN available_at <= $1 THEN 1 ELSE 0 END), 0) AS due, \
+       COALESCE(SUM(CASE WHEN state = 'leased' AND available_at > $1 \
+         THEN 1 ELSE 0 END), 0) AS leased, \
+       MIN(CASE WHEN available_at <= $1 THEN available_at END) AS oldest_due \
+     FROM push_delivery_batches WHERE state IN ('open', 'pending', 'leased')";
+
+/// An event by its identity.
+pub(super) const EVENT_SQL: &str = "SELECT event_id, accepted_at, expires_at FROM push_events \
+     WHERE host_fingerprint = $1 \
+     AND kind = $2 AND notification_epoch = $3 AND notification_seq = $4";
+
+/// An event's recipients, each with its batch's attempts.
+pub(super) const EVENT_RECIPIENTS_SQL: &str = "SELECT r.registration_id, r.status, \
+     r.updated_at, COALESCE(b.attempts, 0) AS attempts \
+     FROM push_event_recipients r LEFT JOIN push_delivery_batches b ON b.batch_id = r.batch_id \
+     WHERE r.event_id = $1 ORDER BY r.created_at, r.registration_id";
+
+/// Cleanup's statements for one backend (`$store` implements `Backend`).
+macro_rules! cleanup_statements {
+    ($store:ty) => {
+        impl $store {
+            /// `QueueStore::cleanup`.
+            async fn cleanup_pass(&self, now: i64) -> Result<Cleaned, QueueError> {
+                let mut cleaned = Cleaned::default();
+                // Each step works in rounds of at most CLEANUP_BATCH rows (no statement holds its
+                // locks long, admissions interleave) and goes on while a round is full and the
+                // pass's budget lasts, so cleanup keeps up with any admission rate it can.
+                let started = std::time::Instant::now();
+                let more = |round: u64| {
+                    round >= CLEANUP_BATCH as u64 && started.elapsed() < CLEANUP_BUDGET
+                };
+                loop {
+                    let (seen, expired) = self.expire_overdue(now).await?;
+                    cleaned.expired_batches += expired;
+                    if !more(seen) {
+                        break;
+                    }
+                }
+                self.clear_payloads(now, &mut cleaned).await?;
+                let horizon = now - RETENTION_MS;
+                loop {
+                    sqlx::query($crate::store::cleanup::DELETE_OLD_RECIPIENTS)
+                        .bind(horizon)
+                        .bind(CLEANUP_BATCH)
+                        .execute(&self.pool)
+                        .await?;
+                    let events = sqlx::query($crate::store::cleanup::DELETE_OLD_EVENTS)
+                        .bind(horizon)
+                        .bind(CLEANUP_BATCH)
+                        .execute(&self.pool)
+                        .await?
+                        .rows_affected();
+                    cleaned.deleted_events += events;
+                    if !more(events) {
+                        break;
+                    }
+                }
+                for (statement, count) in [
+                    (
+                        $crate::store::cleanup::DELETE_OLD_BATCHES,
+                        &mut cleaned.deleted_batches,
+                    ),
+                    (
+                        $crate::store::cleanup::DELETE_OLD_FENCES,
+                        &mut cleaned.deleted_fences,
+                    ),
+                ] {
+                    loop {
+                        let deleted = sqlx::query(statement)
+                            .bind(horizon)
+                            .bind(CLEANUP_BATCH)
+                            .execute(&self.pool)
+                            .await?
+                            .rows_affected();
+                        *count += deleted;
+                        if !more(deleted) {
+                            break;
+                        }
+                    }
+                }
+                let oldest: Option<i64> =
+                    sqlx::query_scalar($crate::store::cleanup::OLDEST_RETAINED)
+                        .fetch_one(self.reader())
+                        .await?;
+                cleaned.past_retention_ms = oldest.map_or(0, |at| (horizon - at).max(0));
+                Ok(cleaned)
+            }
+
+            /// One round of expiring work past its deadline (a leased batch only once its lease
+            /// lapsed): how many it looked at, and how many it expired.
+            async fn expire_overdue(&self, now: i64) -> Result<(u64, u64), QueueError> {
+                let overdue: Vec<String> = sqlx::query_scalar($crate::store::cleanup::OVERDUE_SQL)
+                    .bind(now)
+                    .bind(CLEANUP_BATCH)
+                    .fetch_all(self.reader())
+                    .await?;
+                let seen = overdue.len() as u64;
+                let mut expired = 0;
+                for batch_id in overdue {
+                    let mut tx = self.begin_claim().await?;
+                    // Still overdue and not being worked on: an admission or a lane may have moved
+                    // it since the list was read.
+                    let still = sqlx::query($crate::store::cleanup::STILL_OVERDUE_SQL)
+                        .bind(&batch_id)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                    if still.rows_affected() == 1 {
+                        Self::expire_batch(&mut tx, &batch_id, now).await?;
+                        expired += 1;
+                    }
+                    tx.commit().await?;
+                }
+                Ok((seen, expired))
+            }
+
+            async fn clear_payloads(
+                &self,
+                now: i64,
+                cleaned: &mut Cleaned,
+            ) -> Result<(), QueueError> {
+                let started = std::time::Instant::now();
+                // Expired payloads, and completed ones that completion missed: when the last two
+                // recipients of an event finish in concurrent transactions, each still sees the
+                // other pending.
+                // In rounds of at most CLEANUP_BATCH rows, so no statement holds its locks long. Each
+                // round locks its candidates first (PostgreSQL) and then clears them in a second
+                // statement, whose fresh snapshot sees a recipient an admission added meanwhile.
+                for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
+                    let mut tx = self.begin_claim().await?;
+                    let candidates: Vec<String> = sqlx::query_scalar(&format!(
+                        "{}{}",
+                        $crate::store::cleanup::PAYLOAD_CANDIDATES_SQL,
+                        Self::FOR_UPDATE
+                    ))
+                    .bind(now)
+                    .bind(CLEANUP_BATCH)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    if !candidates.is_empty() {
+                        let mut clear =
+                            sqlx::QueryBuilder::new($crate::store::cleanup::CLEAR_PAYLOADS_HEAD);
+                        clear.push_bind(now);
+                        clear.push($crate::store::cleanup::CLEAR_PAYLOADS_MIDDLE);
+                        let mut list = clear.separated(", ");
+                        for id in &candidates {
+                            list.push_bind(id.as_str());
+                        }
+                        clear.push(")");
+                        cleaned.cleared_payloads +=
+                            clear.build().execute(&mut *tx).await?.rows_affected();
+                    }
+                    tx.commit().await?;
+                    if candidates.len() < CLEANUP_BATCH as usize
+                        || started.elapsed() >= CLEANUP_BUDGET
+                    {
+                        break;
+                    }
+                }
+                Ok(())
+            }
+
+            /// `QueueStore::depth`.
+            async fn count_depth(&self, now: i64) -> Result<Depth, QueueError> {
+                let row = sqlx::query($crate::store::cleanup::DEPTH_SQL)
+                    .bind(now)
+                    .fetch_one(self.reader())
+                    .await?;
+                let count = |name: &str| -> Result<u64, sqlx::Error> {
+                    Ok(u64::try_from(row.try_get::<i64, _>(name)?).unwrap_or(0))
+                };
+                Ok(Depth {
+                    waiting: count("waiting")?,
+                    due: count("due")?,
+                    leased: count("leased")?,
+                    oldest_due_age_ms: row
+                        .try_get::<Option<i64>, _>("oldest_due")?
+                        .map_or(0, |oldest| (now - oldest).max(0)),
+                })
+            }
+
+            /// `QueueStore::event_record`.
+            async fn find_event_record(
+                &self,
+                host: &str,
+                kind: Kind,
+                epoch: &str,
+                seq: i64,
+            ) -> Result<Option<EventRecord>, QueueError> {
+                let event = sqlx::query($crate::store::cleanup::EVENT_SQL)
+                    .bind(host)
+                    .bind(kind.as_str())
+                    .bind(epoch)
+                    .bind(seq)
+                    .fetch_optional(self.reader())
+                    .await?;
+                let Some(event) = event else { return Ok(None) };
+                let event_id: String = event.try_get("event_id")?;
+                let rows = sqlx::query($crate::store::cleanup::EVENT_RECIPIENTS_SQL)
+                    .bind(&event_id)
+                    .fetch_all(self.reader())
+                    .await?;
+                let recipients = rows
+                    .iter()
+                    .map(|r| {
+                        Ok(RecipientRecord {
+                            registration_id: r.try_get("registration_id")?,
+                            status: r.try_get("status")?,
+                            updated_at: r.try_get("updated_at")?,
+                            attempts: u32::try_from(r.try_get::<i32, _>("attempts")?).unwrap_or(0),
+                        })
+                    })
+                    .collect::<Result<_, sqlx::Error>>()?;
+                Ok(Some(EventRecord {
+                    accepted_at: event.try_get("accepted_at")?,
+                    deadline: event.try_get("expires_at")?,
+                    recipients,
+                }))
+            }
+        }
+    };
+}
+pub(crate) use cleanup_statements;

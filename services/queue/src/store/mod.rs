@@ -1,0 +1,412 @@
+//! The queue's four tables behind one trait. The SQL is written once (`$N` parameters bind the same
+//! way on SQLite and PostgreSQL) and expanded for each backend; what differs is how a transaction
+//! locks (`BEGIN IMMEDIATE` on SQLite; a per-host advisory lock and `FOR UPDATE SKIP LOCKED` on
+//! PostgreSQL) and how other replicas are woken (`pg_notify` on PostgreSQL).
+//!
+//! Each concern's statements are a `macro_rules!` generating `impl $store { ... }` helpers, all
+//! expanded at the end of this file for both backends: `admit` (admission one row at a time; the
+//! batched path is `crate::admission`), `claims` (claims and leases), `reports` (what lanes report
+//! back) and `cleanup` (cleanup and the reads that watch the queue). `backends` holds what differs;
+//! `any` the backend chosen at start-up.
+
+mod admit;
+mod any;
+mod backends;
+mod claims;
+mod cleanup;
+mod reports;
+
+pub use any::AnyQueueStore;
+pub use backends::{Backend, PgQueueStore, SqliteQueueStore};
+
+// The macros expanded below name most of these: their bodies resolve names here, where expanded.
+use std::collections::HashMap;
+use std::future::Future;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use orca_push_storage::Pool;
+use rand::RngCore as _;
+use sqlx::Row as _;
+
+use crate::error::QueueError;
+use crate::model::{
+    Admission, AdmissionRecipient, AdmissionStatus, CLEANUP_BATCH, CLEANUP_BUDGET,
+    CLEANUP_PAYLOAD_ROUNDS, Content, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, Provider,
+    QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
+};
+
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/queue/sqlite");
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator =
+    sqlx::migrate!("../../migrations/queue/postgres");
+
+pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {
+    match pool {
+        Pool::Sqlite(p) => SQLITE_MIGRATIONS.run(p).await,
+        Pool::Postgres(p) => POSTGRES_MIGRATIONS.run(p).await,
+    }
+}
+
+/// The channel replicas listen on for newly due work (PostgreSQL).
+pub const WAKE_CHANNEL: &str = "orca_push_queue";
+
+pub fn random_id() -> String {
+    let mut bytes = [0u8; 18];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// What an admission did.
+#[derive(Debug, Clone)]
+pub struct Enqueued {
+    /// One status per requested recipient, in request order.
+    pub statuses: Vec<(String, AdmissionStatus)>,
+    /// The earliest time a batch this admission touched becomes claimable.
+    pub next_due_at: Option<i64>,
+}
+
+/// A batch handed to a lane under a lease.
+#[derive(Debug, Clone)]
+pub struct ClaimedBatch {
+    pub batch_id: String,
+    pub lease_token: String,
+    pub lease_expires_at: i64,
+    pub registration_id: String,
+    pub host_fingerprint: String,
+    pub kind: Kind,
+    /// Provider answers so far, plus one.
+    pub attempt: u32,
+    /// Retries scheduled so far: the backoff grows with it.
+    pub retries: u32,
+    /// The earliest deadline of the members being sent: none is sent past its own.
+    pub deadline: i64,
+    pub silent: bool,
+    pub provider: Provider,
+    /// The lease of a lane that stopped answering had lapsed: this is a recovery.
+    pub recovered: bool,
+    pub members: Vec<Member>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Sent,
+    Dead,
+    Failed,
+    Expired,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sent => "sent",
+            Self::Dead => "dead",
+            Self::Failed => "failed",
+            Self::Expired => "expired",
+        }
+    }
+}
+
+/// A lane's final answer for one batch it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub batch_id: String,
+    pub lease_token: String,
+    pub outcome: Outcome,
+    pub reason: String,
+    /// The provider answered this attempt: it counts as one.
+    pub answered: bool,
+}
+
+/// How a lane gives a batch back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// The provider answered: an attempt, and a retry.
+    Answered,
+    /// The provider was not reached (connection, registry, token endpoint): a retry only.
+    Unanswered,
+    /// Untried (a stopping lane, a provider on hold): neither.
+    HandBack,
+}
+
+impl Retry {
+    fn counts(self) -> (i32, i32) {
+        match self {
+            Self::Answered => (1, 1),
+            Self::Unanswered => (0, 1),
+            Self::HandBack => (0, 0),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryResult {
+    Scheduled,
+    /// The retry would land past the deadline: the batch expired instead.
+    Expired,
+    LeaseLost,
+}
+
+#[derive(Debug, Clone)]
+pub struct RecipientRecord {
+    pub registration_id: String,
+    pub status: String,
+    pub updated_at: i64,
+    pub attempts: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct EventRecord {
+    pub accepted_at: i64,
+    pub deadline: i64,
+    pub recipients: Vec<RecipientRecord>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Depth {
+    pub waiting: u64,
+    pub due: u64,
+    pub leased: u64,
+    pub oldest_due_age_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cleaned {
+    pub expired_batches: u64,
+    pub cleared_payloads: u64,
+    pub deleted_events: u64,
+    pub deleted_batches: u64,
+    pub deleted_fences: u64,
+    /// How far past retention the oldest row still kept is (0 when cleanup is keeping up).
+    pub past_retention_ms: i64,
+}
+
+/// Providers whose work a claim leaves alone: their sender's breaker is holding it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Skip {
+    pub apns: bool,
+    pub fcm: bool,
+}
+
+impl Skip {
+    /// Matches no provider (`Provider::Unknown` is stored as '').
+    const NONE: &'static str = "-";
+
+    pub fn of(providers: impl IntoIterator<Item = Provider>) -> Self {
+        providers
+            .into_iter()
+            .fold(Self::default(), |skip, provider| match provider {
+                Provider::Apns => Self { apns: true, ..skip },
+                Provider::Fcm => Self { fcm: true, ..skip },
+                Provider::Unknown => skip,
+            })
+    }
+
+    /// The two provider names `provider <> $a AND provider <> $b` excludes.
+    fn binds(self) -> (&'static str, &'static str) {
+        (
+            if self.apns {
+                Provider::Apns.as_str()
+            } else {
+                Self::NONE
+            },
+            if self.fcm {
+                Provider::Fcm.as_str()
+            } else {
+                Self::NONE
+            },
+        )
+    }
+}
+
+pub trait QueueStore: Clone + Send + Sync + 'static {
+    /// Admits `group` in one transaction (one commit for all); one result per admission, in order.
+    /// If any of them fails, that transaction is rolled back and each is admitted again in its
+    /// own, so one bad admission never fails its neighbours.
+    fn enqueue_group(
+        &self,
+        group: &[&Admission],
+        now: i64,
+        coalesce_ms: i64,
+    ) -> impl Future<Output = Vec<Result<Enqueued, QueueError>>> + Send;
+    /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
+    /// whose per-host locks let groups of different hosts commit side by side.
+    fn group_writers(&self) -> usize;
+    /// Whether each writer gets a thread of its own (see `group_commit`).
+    fn writer_thread(&self) -> bool;
+    fn claim(
+        &self,
+        lane: &str,
+        max: i64,
+        lease_ms: i64,
+        now: i64,
+        skip: Skip,
+    ) -> impl Future<Output = Result<Vec<ClaimedBatch>, QueueError>> + Send;
+    fn next_available_at(
+        &self,
+        skip: Skip,
+    ) -> impl Future<Output = Result<Option<i64>, QueueError>> + Send;
+    fn renew(
+        &self,
+        batch_id: &str,
+        token: &str,
+        until: i64,
+    ) -> impl Future<Output = Result<bool, QueueError>> + Send;
+    /// Finishes every batch whose lease still holds, in one transaction; one flag per completion,
+    /// in order (false where the lease was lost, and nothing written for it).
+    fn complete(
+        &self,
+        completions: &[Completion],
+        now: i64,
+    ) -> impl Future<Output = Result<Vec<bool>, QueueError>> + Send;
+    #[allow(clippy::too_many_arguments)]
+    fn retry(
+        &self,
+        batch_id: &str,
+        token: &str,
+        at: i64,
+        reason: &str,
+        how: Retry,
+        now: i64,
+    ) -> impl Future<Output = Result<RetryResult, QueueError>> + Send;
+    /// Moves the pending batches of `provider` due before `due_before` to `until`; how many it
+    /// moved. Batches already held further out are not written again.
+    fn hold(
+        &self,
+        provider: Provider,
+        until: i64,
+        due_before: i64,
+    ) -> impl Future<Output = Result<u64, QueueError>> + Send;
+    /// Makes at most `limit` held batches of `provider` due again, earliest deadline first (not
+    /// before their own retry time).
+    fn release(
+        &self,
+        provider: Provider,
+        now: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, QueueError>> + Send;
+    fn event_record(
+        &self,
+        host: &str,
+        kind: Kind,
+        epoch: &str,
+        seq: i64,
+    ) -> impl Future<Output = Result<Option<EventRecord>, QueueError>> + Send;
+    fn depth(&self, now: i64) -> impl Future<Output = Result<Depth, QueueError>> + Send;
+    fn cleanup(&self, now: i64) -> impl Future<Output = Result<Cleaned, QueueError>> + Send;
+}
+
+fn flag(value: bool) -> i32 {
+    i32::from(value)
+}
+
+/// The SQL of every operation, expanded once per backend. `$store` provides `begin_group_write`,
+/// `begin_claim`, `wake_replicas` and `CLAIM_SQL`.
+///
+/// This is the trait's side: each operation is a helper that `admit`, `claims`, `reports` or
+/// `cleanup` generates for `$store`; `backends` defines what `$store` provides.
+macro_rules! queue_store {
+    ($store:ident) => {
+        impl QueueStore for $store {
+            async fn enqueue_group(
+                &self,
+                group: &[&Admission],
+                now: i64,
+                coalesce_ms: i64,
+            ) -> Vec<Result<Enqueued, QueueError>> {
+                self.admit_group(group, now, coalesce_ms).await
+            }
+            fn group_writers(&self) -> usize {
+                Self::GROUP_WRITERS
+            }
+            fn writer_thread(&self) -> bool {
+                Self::WRITER_THREAD
+            }
+            async fn claim(
+                &self,
+                lane: &str,
+                max: i64,
+                lease_ms: i64,
+                now: i64,
+                skip: Skip,
+            ) -> Result<Vec<ClaimedBatch>, QueueError> {
+                self.claim_due(lane, max, lease_ms, now, skip).await
+            }
+            async fn next_available_at(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
+                self.next_due(skip).await
+            }
+            async fn renew(
+                &self,
+                batch_id: &str,
+                token: &str,
+                until: i64,
+            ) -> Result<bool, QueueError> {
+                self.renew_lease(batch_id, token, until).await
+            }
+            async fn complete(
+                &self,
+                completions: &[Completion],
+                now: i64,
+            ) -> Result<Vec<bool>, QueueError> {
+                self.complete_leased(completions, now).await
+            }
+            async fn retry(
+                &self,
+                batch_id: &str,
+                token: &str,
+                at: i64,
+                reason: &str,
+                how: Retry,
+                now: i64,
+            ) -> Result<RetryResult, QueueError> {
+                self.retry_leased(batch_id, token, at, reason, how, now)
+                    .await
+            }
+            async fn hold(
+                &self,
+                provider: Provider,
+                until: i64,
+                due_before: i64,
+            ) -> Result<u64, QueueError> {
+                self.hold_provider(provider, until, due_before).await
+            }
+            async fn release(
+                &self,
+                provider: Provider,
+                now: i64,
+                limit: i64,
+            ) -> Result<u64, QueueError> {
+                self.release_provider(provider, now, limit).await
+            }
+            async fn event_record(
+                &self,
+                host: &str,
+                kind: Kind,
+                epoch: &str,
+                seq: i64,
+            ) -> Result<Option<EventRecord>, QueueError> {
+                self.find_event_record(host, kind, epoch, seq).await
+            }
+            async fn depth(&self, now: i64) -> Result<Depth, QueueError> {
+                self.count_depth(now).await
+            }
+            async fn cleanup(&self, now: i64) -> Result<Cleaned, QueueError> {
+                self.cleanup_pass(now).await
+            }
+        }
+    };
+}
+
+// Every macro is expanded here, so the helpers each generates (private inherent methods of the
+// two stores) can call one another, and the names their bodies use resolve in this module.
+queue_store!(SqliteQueueStore);
+queue_store!(PgQueueStore);
+admit::row_by_row_admission!(SqliteQueueStore);
+admit::row_by_row_admission!(PgQueueStore);
+crate::admission::batched_admission!(SqliteQueueStore);
+crate::admission::batched_admission!(PgQueueStore);
+claims::claim_statements!(SqliteQueueStore);
+claims::claim_statements!(PgQueueStore);
+reports::report_statements!(SqliteQueueStore);
+reports::report_statements!(PgQueueStore);
+cleanup::cleanup_statements!(SqliteQueueStore);
+cleanup::cleanup_statements!(PgQueueStore);

@@ -1,0 +1,299 @@
+//! What lanes report back: a batch finished (sent, dead, failed, expired), given back for a
+//! retry, or held and released with its provider's breaker.
+
+/// A batch ended in `$2` for `$4`, if it has no lease (`$5` NULL) or `$5` still holds it; `$6`
+/// attempts more (the provider answered).
+pub(super) const FINISH_BATCH_SQL: &str = "UPDATE push_delivery_batches SET state = $2, \
+     finished_at = $3, lease_token = NULL, last_reason = $4, attempts = attempts + $6 \
+     WHERE batch_id = $1 AND ($5 IS NULL OR (lease_token = $5 AND state = 'leased'))";
+
+/// The events with a payload of a list of batches: the list, then `)) ORDER BY` and the row locks.
+pub(super) const LOCK_FINISHED_EVENTS_HEAD: &str = "SELECT e.event_id FROM push_events e \
+     WHERE e.payload_json IS NOT NULL \
+     AND e.event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (";
+
+/// Clears the payloads of a list of batches' events that no recipient waits for: the list, then
+/// `))`.
+pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = "UPDATE push_events SET payload_json = NULL \
+     WHERE payload_json IS NOT NULL \
+     AND NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+       WHERE p.event_id = push_events.event_id AND p.status = 'pending') \
+     AND event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (";
+
+/// A leased batch back to pending at `$2`, if `$6` still holds its lease and `$2` is before its
+/// deadline.
+pub(super) const RETRY_SCHEDULE_SQL: &str = "UPDATE push_delivery_batches SET state = 'pending', \
+     available_at = $2, not_before = $2, lease_token = NULL, last_reason = $3, \
+     attempts = attempts + $4, retries = retries + $5 \
+     WHERE batch_id = $1 AND lease_token = $6 AND state = 'leased' AND deadline > $2";
+
+/// A batch's deadline.
+pub(super) const DEADLINE_SQL: &str =
+    "SELECT deadline FROM push_delivery_batches WHERE batch_id = $1";
+
+/// The attempt and retry a retry past the deadline still counts.
+pub(super) const COUNT_RETRY_SQL: &str = "UPDATE push_delivery_batches \
+     SET attempts = attempts + $2, retries = retries + $3 WHERE batch_id = $1";
+
+/// Moves a provider's pending batches due before `$3` to `$2`.
+pub(super) const HOLD_SQL: &str = "UPDATE push_delivery_batches \
+     SET available_at = $2, last_reason = 'held' \
+     WHERE provider = $1 AND state = 'pending' AND available_at < $3";
+
+/// Makes at most `$3` held batches of a provider due again, not before `$2` nor their retry's
+/// time.
+pub(super) const RELEASE_SQL: &str = "UPDATE push_delivery_batches SET last_reason = 'released', \
+     available_at = CASE WHEN not_before > $2 THEN not_before ELSE $2 END \
+     WHERE state = 'pending' AND last_reason = 'held' \
+     AND batch_id IN (SELECT batch_id FROM push_delivery_batches \
+       WHERE provider = $1 AND state = 'pending' AND last_reason = 'held' \
+       AND deadline > $2 ORDER BY deadline LIMIT $3)";
+
+/// The reports' statements for one backend (`$store` implements `Backend`).
+macro_rules! report_statements {
+    ($store:ty) => {
+        impl $store {
+            /// Marks a batch expired with its pending recipients, then clears what no one needs.
+            async fn expire_batch(
+                tx: &mut <$store as Backend>::Tx,
+                batch_id: &str,
+                now: i64,
+            ) -> Result<(), sqlx::Error> {
+                Self::finish_batch(tx, batch_id, "expired", "deadline", now)
+                    .await
+                    .map(drop)
+            }
+
+            /// Ends a batch nobody holds, and its pending recipients, in `state`.
+            async fn finish_batch(
+                tx: &mut <$store as Backend>::Tx,
+                batch_id: &str,
+                state: &str,
+                reason: &str,
+                now: i64,
+            ) -> Result<bool, sqlx::Error> {
+                let finished =
+                    Self::finish_batches(tx, &[(batch_id, None, state, reason, false)], now)
+                        .await?;
+                Ok(finished.first().copied().unwrap_or(false))
+            }
+
+            /// Ends each batch (id, lease, state, reason, provider answered) and its pending
+            /// recipients, then clears
+            /// the payloads no recipient waits for any more. A batch with a lease is ended only
+            /// while that lease still holds it: the check and the write are one statement, which
+            /// also row-locks the batch on PostgreSQL. One flag per batch, in order.
+            async fn finish_batches(
+                tx: &mut <$store as Backend>::Tx,
+                batches: &[(&str, Option<&str>, &str, &str, bool)],
+                now: i64,
+            ) -> Result<Vec<bool>, sqlx::Error> {
+                let mut finished = vec![false; batches.len()];
+                let mut by_state: Vec<(&str, Vec<&str>)> = Vec::new();
+                // Batches before their recipients, in batch id order: the order a dismissal takes
+                // them in too (see `enqueue`), so the two cannot deadlock.
+                let mut order: Vec<usize> = (0..batches.len()).collect();
+                order.sort_unstable_by_key(|&i| batches[i].0);
+                for i in order {
+                    let (batch_id, lease, state, reason, answered) = batches[i];
+                    let ended = sqlx::query($crate::store::reports::FINISH_BATCH_SQL)
+                        .bind(batch_id)
+                        .bind(state)
+                        .bind(now)
+                        .bind(reason)
+                        .bind(lease)
+                        .bind(i32::from(answered))
+                        .execute(&mut **tx)
+                        .await?
+                        .rows_affected()
+                        == 1;
+                    finished[i] = ended;
+                    if ended {
+                        match by_state.iter_mut().find(|(s, _)| *s == state) {
+                            Some((_, ids)) => ids.push(batch_id),
+                            None => by_state.push((state, vec![batch_id])),
+                        }
+                    }
+                }
+                for (state, ids) in &by_state {
+                    let mut recipients =
+                        sqlx::QueryBuilder::new("UPDATE push_event_recipients SET status = ");
+                    recipients.push_bind(*state);
+                    recipients.push(", updated_at = ").push_bind(now);
+                    recipients.push(" WHERE status = 'pending' AND batch_id IN (");
+                    let mut list = recipients.separated(", ");
+                    for id in ids {
+                        list.push_bind(*id);
+                    }
+                    recipients.push(")");
+                    recipients.build().execute(&mut **tx).await?;
+                }
+                if by_state.is_empty() {
+                    return Ok(finished);
+                }
+                let ended = || by_state.iter().flat_map(|(_, ids)| ids.iter().copied());
+                if !Self::FOR_UPDATE.is_empty() {
+                    // Lock the events first (in id order): the clearing statement below then reads
+                    // the recipients after any admission that is adding one to these events (it
+                    // holds the event's row lock) has committed.
+                    let mut lock =
+                        sqlx::QueryBuilder::new($crate::store::reports::LOCK_FINISHED_EVENTS_HEAD);
+                    let mut list = lock.separated(", ");
+                    for id in ended() {
+                        list.push_bind(id);
+                    }
+                    lock.push(")) ORDER BY e.event_id");
+                    lock.push(Self::FOR_UPDATE);
+                    lock.build().fetch_all(&mut **tx).await?;
+                }
+                // A payload is kept while any recipient still waits for it.
+                let mut clear =
+                    sqlx::QueryBuilder::new($crate::store::reports::CLEAR_FINISHED_PAYLOADS_HEAD);
+                let mut list = clear.separated(", ");
+                for id in ended() {
+                    list.push_bind(id);
+                }
+                clear.push("))");
+                clear.build().execute(&mut **tx).await?;
+                Ok(finished)
+            }
+
+            /// `QueueStore::complete`.
+            async fn complete_leased(
+                &self,
+                completions: &[Completion],
+                now: i64,
+            ) -> Result<Vec<bool>, QueueError> {
+                if completions.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let mut tx = self.begin_claim().await?;
+                let batches: Vec<_> = completions
+                    .iter()
+                    .map(|c| {
+                        (
+                            c.batch_id.as_str(),
+                            Some(c.lease_token.as_str()),
+                            c.outcome.as_str(),
+                            c.reason.as_str(),
+                            c.answered,
+                        )
+                    })
+                    .collect();
+                // A lost lease writes nothing, so the others can still commit.
+                let recorded = Self::finish_batches(&mut tx, &batches, now).await?;
+                tx.commit().await?;
+                Ok(recorded)
+            }
+
+            /// `QueueStore::retry`.
+            async fn retry_leased(
+                &self,
+                batch_id: &str,
+                token: &str,
+                at: i64,
+                reason: &str,
+                how: Retry,
+                now: i64,
+            ) -> Result<RetryResult, QueueError> {
+                let (attempts, retries) = how.counts();
+                // The common case is one statement: the lease still held and the retry before the
+                // deadline (a retry is the only write of a failed attempt, so it sets the price
+                // of an outage).
+                let scheduled = sqlx::query($crate::store::reports::RETRY_SCHEDULE_SQL)
+                    .bind(batch_id)
+                    .bind(at)
+                    .bind(reason)
+                    .bind(attempts)
+                    .bind(retries)
+                    .bind(token)
+                    .execute(&self.pool)
+                    .await?;
+                if scheduled.rows_affected() == 1 {
+                    Self::wake_replicas_after_commit(&self.pool).await?;
+                    return Ok(RetryResult::Scheduled);
+                }
+                let mut tx = self.begin_claim().await?;
+                if !Self::hold_lease(&mut tx, batch_id, token).await? {
+                    return Ok(RetryResult::LeaseLost);
+                }
+                let deadline: i64 = sqlx::query_scalar($crate::store::reports::DEADLINE_SQL)
+                    .bind(batch_id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                // A retry is never moved earlier to fit the deadline: it expires instead.
+                if at >= deadline {
+                    sqlx::query($crate::store::reports::COUNT_RETRY_SQL)
+                        .bind(batch_id)
+                        .bind(attempts)
+                        .bind(retries)
+                        .execute(&mut *tx)
+                        .await?;
+                    Self::expire_batch(&mut tx, batch_id, now).await?;
+                    tx.commit().await?;
+                    return Ok(RetryResult::Expired);
+                }
+                // Only if the batch changed between the first statement and this transaction.
+                sqlx::query($crate::store::reports::RETRY_SCHEDULE_SQL)
+                    .bind(batch_id)
+                    .bind(at)
+                    .bind(reason)
+                    .bind(attempts)
+                    .bind(retries)
+                    .bind(token)
+                    .execute(&mut *tx)
+                    .await?;
+                Self::wake_replicas(&mut tx).await?;
+                tx.commit().await?;
+                Ok(RetryResult::Scheduled)
+            }
+
+            /// `QueueStore::hold`.
+            async fn hold_provider(
+                &self,
+                provider: Provider,
+                until: i64,
+                due_before: i64,
+            ) -> Result<u64, QueueError> {
+                if provider == Provider::Unknown {
+                    return Ok(0);
+                }
+                let held = sqlx::query($crate::store::reports::HOLD_SQL)
+                    .bind(provider.as_str())
+                    .bind(until)
+                    .bind(due_before)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(held.rows_affected())
+            }
+
+            /// `QueueStore::release`.
+            async fn release_provider(
+                &self,
+                provider: Provider,
+                now: i64,
+                limit: i64,
+            ) -> Result<u64, QueueError> {
+                let mut tx = self.begin_claim().await?;
+                // Never before a retry's own time (backoff, Retry-After); the earliest deadlines
+                // first when only some go (a probe), and never one already past its deadline (the
+                // claim would expire it and no probe would go out). Those are left to cleanup. The
+                // outer conditions are checked again on a row another transaction changed meanwhile
+                // (PostgreSQL re-reads it), so a release racing a claim never cuts a live lease.
+                let released = sqlx::query($crate::store::reports::RELEASE_SQL)
+                    .bind(provider.as_str())
+                    .bind(now)
+                    .bind(limit)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if released > 0 {
+                    Self::wake_replicas(&mut tx).await?;
+                }
+                tx.commit().await?;
+                Ok(released)
+            }
+        }
+    };
+}
+pub(crate) use report_statements;
