@@ -158,6 +158,7 @@ on_both_backends!(
     a_hosts_admissions_answered_in_turn_keep_their_order,
     waking_lanes_claim_only_when_something_is_due,
     a_claim_leaves_a_held_providers_work_alone,
+    lanes_woken_together_share_one_read,
 );
 
 /// Every admission group wakes the waiting lanes; a window due seconds later must not cost them a
@@ -219,4 +220,31 @@ async fn a_claim_leaves_a_held_providers_work_alone(backend: Backend) {
     let claimed = h.claim_all().await;
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].registration_id, "phone-apns");
+}
+
+/// Every admission wakes every waiting lane; the lanes woken by one commit share reads of the
+/// earliest due time instead of one each.
+async fn lanes_woken_together_share_one_read(backend: Backend) {
+    let h = harness(backend).await;
+    let lanes: Vec<_> = (0..8)
+        .map(|i| {
+            let queue = h.queue.clone();
+            tokio::spawn(async move { queue.claim(&format!("lane-{i}"), 64, 30_000, 1_500).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let before = h.queue.due_reads();
+    for seq in 1..=10 {
+        let phone = format!("phone-{seq}");
+        h.admit(&alert(seq, &[phone.as_str()])).await;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    for lane in lanes {
+        assert!(lane.await.unwrap().unwrap().is_empty());
+    }
+    let reads = h.queue.due_reads() - before;
+    // Eight lanes woken ten times would read eighty times on their own; a lane scheduled after
+    // another's read began must read again, so a wake costs one to three reads.
+    assert!(reads <= 40, "{reads} reads for 10 wakes of 8 lanes");
+    assert!(reads >= 10, "each wake still reads: {reads}");
 }

@@ -10,7 +10,7 @@
 //!
 //! Only the common case takes this path: every admission a new alert (not a retry of a stored
 //! event) and no two with the same identity. Dismissals and retries still go one statement at a
-//! time (`queue_store!`'s `admit`), inside the same transaction. `plan` is that path's decisions,
+//! time (`crate::store`'s `admit`), inside the same transaction. `plan` is that path's decisions,
 //! for alerts, written as a plain function: the quota, the deadline, the dismissal fence and the
 //! coalescing windows, with the group's own earlier admissions counted as the per-row path would
 //! have seen them once written.

@@ -1,5 +1,5 @@
 //! The batched admission's statements: what `plan` needs read, and its writes, one multi-row
-//! statement per table. The SQL is written once for both backends, as `queue_store!`'s is.
+//! statement per table. The SQL is written once for both backends, as the store's is.
 
 /// Rows per multi-row statement: far below SQLite's 32,766 bound parameters at 13 per row.
 pub const ROWS_PER_STATEMENT: usize = 1000;
