@@ -18,7 +18,41 @@ on_both_backends!(
     a_held_backlog_is_written_once_and_probed_one_batch_at_a_time,
     a_probe_is_never_a_batch_past_its_deadline,
     a_retry_under_a_lapsed_lease_writes_nothing,
+    a_batch_reported_twice_in_one_call_is_finished_once,
 );
+
+/// Reports are finished in one statement: a batch named twice in one call is finished by the first
+/// report only, as one statement per report did (the second found the lease gone).
+async fn a_batch_reported_twice_in_one_call_is_finished_once(backend: Backend) {
+    use orca_push_queue::store::Completion;
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    let report = |outcome, answered| Completion {
+        batch_id: b.batch_id.clone(),
+        lease_token: b.lease_token.clone(),
+        outcome,
+        reason: "x".into(),
+        answered,
+    };
+    let recorded = h
+        .queue
+        .complete_many(vec![
+            report(Outcome::Sent, true),
+            report(Outcome::Dead, true),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(recorded, [true, false]);
+    let record = h
+        .queue
+        .event_record(HOST, Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients[0].status, "sent");
+    assert_eq!(record.recipients[0].attempts, 1, "one answer counted");
+}
 
 /// The retry's one-statement path checks the lease: a lane whose lease lapsed and was claimed again
 /// by another cannot move the batch from under it.

@@ -3,9 +3,22 @@
 
 /// A batch ended in `$2` for `$4`, if it has no lease (`$5` NULL) or `$5` still holds it; `$6`
 /// attempts more (the provider answered).
-pub(super) const FINISH_BATCH_SQL: &str = "UPDATE push_delivery_batches SET state = $2, \
-     finished_at = $3, lease_token = NULL, last_reason = $4, attempts = attempts + $6 \
-     WHERE batch_id = $1 AND ($5 IS NULL OR (lease_token = $5 AND state = 'leased'))";
+/// Row locks on a list of batches (PostgreSQL): the list, then `) ORDER BY batch_id` and the lock.
+pub(super) const LOCK_BATCHES_HEAD: &str =
+    "SELECT batch_id FROM push_delivery_batches WHERE batch_id IN (";
+
+/// Before the rows of final answers: batch, state, reason, lease (NULL: no lease to check, as for
+/// an expiry) and whether the provider answered.
+pub(super) const FINISH_BATCHES_HEAD: &str = "WITH v (id, state, reason, lease, answered) AS (";
+/// After them, then the time, then `FINISH_BATCHES_TAIL`.
+pub(super) const FINISH_BATCHES_MIDDLE: &str = ") UPDATE push_delivery_batches SET state = v.state, \
+     lease_token = NULL, last_reason = v.reason, \
+     attempts = push_delivery_batches.attempts + v.answered, finished_at = ";
+/// Each batch only under its own lease; the ones finished come back.
+pub(super) const FINISH_BATCHES_TAIL: &str = " FROM v WHERE push_delivery_batches.batch_id = v.id \
+     AND (v.lease IS NULL OR (push_delivery_batches.lease_token = v.lease \
+       AND push_delivery_batches.state = 'leased')) \
+     RETURNING push_delivery_batches.batch_id";
 
 /// The events with a payload of a list of batches: the list, then `)) ORDER BY` and the row locks.
 pub(super) const LOCK_FINISHED_EVENTS_HEAD: &str = "SELECT e.event_id FROM push_events e \
@@ -90,25 +103,54 @@ macro_rules! report_statements {
             ) -> Result<Vec<bool>, sqlx::Error> {
                 let mut finished = vec![false; batches.len()];
                 let mut by_state: Vec<(&str, Vec<&str>)> = Vec::new();
+                // Each batch once (a second report of the same batch finds its lease gone).
+                let mut seen = std::collections::HashSet::with_capacity(batches.len());
+                let mut rows: Vec<usize> = (0..batches.len())
+                    .filter(|&i| seen.insert(batches[i].0))
+                    .collect();
                 // Batches before their recipients, in batch id order: the order a dismissal takes
                 // them in too (see `enqueue`), so the two cannot deadlock.
-                let mut order: Vec<usize> = (0..batches.len()).collect();
-                order.sort_unstable_by_key(|&i| batches[i].0);
-                for i in order {
+                rows.sort_unstable_by_key(|&i| batches[i].0);
+                if rows.is_empty() {
+                    return Ok(finished);
+                }
+                if !Self::FOR_UPDATE.is_empty() {
+                    let mut lock =
+                        sqlx::QueryBuilder::new($crate::store::reports::LOCK_BATCHES_HEAD);
+                    let mut list = lock.separated(", ");
+                    for &i in &rows {
+                        list.push_bind(batches[i].0);
+                    }
+                    lock.push(") ORDER BY batch_id");
+                    lock.push(Self::FOR_UPDATE);
+                    lock.build().persistent(false).fetch_all(&mut **tx).await?;
+                }
+                // Every batch in one statement; each is finished only under its own lease.
+                let mut update =
+                    sqlx::QueryBuilder::new($crate::store::reports::FINISH_BATCHES_HEAD);
+                update.push_values(&rows, |mut row, &i| {
                     let (batch_id, lease, state, reason, answered) = batches[i];
-                    let ended = sqlx::query($crate::store::reports::FINISH_BATCH_SQL)
-                        .bind(batch_id)
-                        .bind(state)
-                        .bind(now)
-                        .bind(reason)
-                        .bind(lease)
-                        .bind(i32::from(answered))
-                        .execute(&mut **tx)
-                        .await?
-                        .rows_affected()
-                        == 1;
-                    finished[i] = ended;
-                    if ended {
+                    row.push_bind(batch_id)
+                        .push_bind(state)
+                        .push_bind(reason)
+                        .push_bind(lease)
+                        .push_bind(i32::from(answered));
+                });
+                update.push($crate::store::reports::FINISH_BATCHES_MIDDLE);
+                update.push_bind(now);
+                update.push($crate::store::reports::FINISH_BATCHES_TAIL);
+                let ended: std::collections::HashSet<String> = update
+                    .build()
+                    .persistent(false)
+                    .fetch_all(&mut **tx)
+                    .await?
+                    .iter()
+                    .map(|row| row.try_get::<String, _>("batch_id"))
+                    .collect::<Result<_, _>>()?;
+                for &i in &rows {
+                    let (batch_id, _, state, _, _) = batches[i];
+                    if ended.contains(batch_id) {
+                        finished[i] = true;
                         match by_state.iter_mut().find(|(s, _)| *s == state) {
                             Some((_, ids)) => ids.push(batch_id),
                             None => by_state.push((state, vec![batch_id])),
