@@ -1,0 +1,118 @@
+//! The operator artifacts under deploy/compose (Grafana dashboard, Prometheus alert rules) name only
+//! metrics the gateway emits, and combine the queue's gauges, which every replica reports for the
+//! same shared tables, with `max` rather than `sum`.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ sits in the repository")
+        .to_owned()
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(repo().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Every `orca_push_*` name in `text`, histogram series suffixes removed.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("orca_push_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .unwrap_or(name);
+        names.insert(base.to_owned());
+        rest = &tail[end..];
+    }
+    names
+}
+
+/// The text of every Rust source file of the gateway.
+fn gateway_sources() -> String {
+    let mut text = String::new();
+    let mut dirs: Vec<PathBuf> = ["services", "gateway-facade", "crates"]
+        .iter()
+        .map(|d| repo().join(d))
+        .collect();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                text.push_str(&std::fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    text
+}
+
+/// Every `expr` of the dashboard's panels.
+fn dashboard_exprs() -> Vec<String> {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&read("deploy/compose/grafana/dashboards/orca-push.json")).unwrap();
+    dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+        .filter_map(|t| t["expr"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn every_metric_the_dashboard_and_alerts_query_is_emitted() {
+    let sources = gateway_sources();
+    let queried = metric_names(&dashboard_exprs().join("\n"))
+        .into_iter()
+        .chain(metric_names(&read("deploy/compose/alerts.yml")));
+    for name in queried {
+        assert!(
+            sources.contains(&format!("\"{name}\"")),
+            "{name} is queried but no gateway source emits it"
+        );
+    }
+}
+
+#[test]
+fn the_queues_gauges_are_combined_across_replicas_with_max() {
+    for expr in dashboard_exprs()
+        .iter()
+        .filter(|e| e.contains("orca_push_queue_batches") || e.contains("oldest_due_age"))
+    {
+        assert!(expr.starts_with("max"), "summed across replicas: {expr}");
+    }
+}
+
+#[test]
+fn dead_tokens_are_on_the_dashboard_and_alerted() {
+    assert!(
+        dashboard_exprs()
+            .iter()
+            .any(|e| e.contains("orca_push_dead_tokens_total"))
+    );
+    let alerts = read("deploy/compose/alerts.yml");
+    for alert in [
+        "OrcaPushQueueFallingBehind",
+        "OrcaPushDeadTokenSurge",
+        "OrcaPushProviderNotConfigured",
+        "OrcaPushRetryRateHigh",
+    ] {
+        assert!(alerts.contains(&format!("alert: {alert}")), "{alert}");
+    }
+    // Prometheus loads the rules from where compose mounts them.
+    assert!(read("deploy/compose/prometheus.yml").contains("/etc/prometheus/alerts.yml"));
+    assert!(
+        read("deploy/compose/docker-compose.yml")
+            .contains("./alerts.yml:/etc/prometheus/alerts.yml:ro")
+    );
+}
