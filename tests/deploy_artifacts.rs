@@ -1,6 +1,7 @@
-//! The operator artifacts under deploy/compose (Grafana dashboard, Prometheus alert rules) name only
-//! metrics the gateway emits, and combine the queue's gauges, which every replica reports for the
-//! same shared tables, with `max` rather than `sum`.
+//! What operators read stays true of the code: the artifacts under deploy/compose (Grafana
+//! dashboard, Prometheus alert rules) name only metrics the gateway emits and combine the queue's
+//! gauges, which every replica reports for the same shared tables, with `max` rather than `sum`;
+//! the README's environment table lists exactly the variables the gateway reads.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -114,5 +115,70 @@ fn dead_tokens_are_on_the_dashboard_and_alerted() {
     assert!(
         read("deploy/compose/docker-compose.yml")
             .contains("./alerts.yml:/etc/prometheus/alerts.yml:ro")
+    );
+}
+
+/// The environment variables named in `text`: `ORCA_PUSH_*`, `OTEL_*` and the few others.
+fn variables(text: &str, quoted: bool) -> BTreeSet<String> {
+    const OTHERS: [&str; 4] = [
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "GCE_METADATA_HOST",
+        "RUST_LOG",
+        "PORT",
+    ];
+    let quote = if quoted { "\"" } else { "`" };
+    let mut names = BTreeSet::new();
+    for piece in text.split(quote).skip(1).step_by(2) {
+        // In the README a name may lead a longer piece (`OTEL_TRACES_EXPORTER=none`); in the
+        // source it is the whole string literal.
+        let end = piece
+            .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(piece.len());
+        let name = &piece[..end];
+        let whole = end == piece.len();
+        let is_name =
+            name.starts_with("ORCA_PUSH_") || name.starts_with("OTEL_") || OTHERS.contains(&name);
+        if is_name && (whole || !quoted) {
+            names.insert(name.to_owned());
+        }
+    }
+    names
+}
+
+#[test]
+fn the_readme_environment_table_lists_every_variable_the_gateway_reads() {
+    // Named in the source but not read from the environment: the tests' PostgreSQL, and the
+    // facade's URL, which only an impossible split-mode error would name.
+    const NOT_SETTINGS: [&str; 2] = ["ORCA_PUSH_TEST_POSTGRES_URL", "ORCA_PUSH_FACADE_URL"];
+    let readme = read("README.md");
+    let section = readme
+        .split("## Environment")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("the README has an Environment section");
+    let rows: String = section
+        .lines()
+        .filter(|l| l.starts_with('|'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let documented = variables(&rows, false);
+    let read_by_code: BTreeSet<String> = variables(&gateway_sources(), true)
+        .into_iter()
+        .filter(|v| !NOT_SETTINGS.contains(&v.as_str()))
+        .collect();
+    let undocumented: Vec<_> = read_by_code.difference(&documented).collect();
+    assert!(
+        undocumented.is_empty(),
+        "read but not in the README's table: {undocumented:?}"
+    );
+    // The table may also name standard variables libraries read by themselves: the OTLP
+    // exporter's, and tracing-subscriber's `RUST_LOG`.
+    let unknown: Vec<_> = documented
+        .difference(&read_by_code)
+        .filter(|v| !v.starts_with("OTEL_EXPORTER_OTLP_") && *v != "RUST_LOG")
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "in the README's table but read nowhere: {unknown:?}"
     );
 }

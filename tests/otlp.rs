@@ -14,7 +14,11 @@ use orca_push_host::HostKey;
 use orca_push_tests::{Backend, Gateway, Raw};
 
 #[derive(Clone, Default)]
-struct Receiver(Arc<Mutex<Vec<(String, String)>>>);
+struct Receiver {
+    spans: Arc<Mutex<Vec<(String, String)>>>,
+    /// The `grpc-encoding` of each export request.
+    encodings: Arc<Mutex<Vec<String>>>,
+}
 
 #[tonic::async_trait]
 impl TraceService for Receiver {
@@ -22,7 +26,14 @@ impl TraceService for Receiver {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut got = self.0.lock().unwrap();
+        let encoding = request
+            .metadata()
+            .get("grpc-encoding")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("identity")
+            .to_owned();
+        self.encodings.lock().unwrap().push(encoding);
+        let mut got = self.spans.lock().unwrap();
         for resource_spans in request.into_inner().resource_spans {
             let service = resource_spans
                 .resource
@@ -42,28 +53,28 @@ impl TraceService for Receiver {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spans_are_exported_by_otlp_when_the_environment_asks() {
+/// Starts a receiver (accepting gzip) and a gateway exporting to it with `env`, logs a host in,
+/// and waits for the handshake's spans.
+async fn export_a_login(env: &[(&str, &str)]) -> Receiver {
     let receiver = Receiver::default();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(receiver.clone()))
+            .add_service(
+                TraceServiceServer::new(receiver.clone())
+                    .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+            )
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    let gateway = Gateway::start_with(
-        Backend::Sqlite,
-        &[
-            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
-            ("OTEL_SERVICE_NAME", "orca-push-under-test"),
-        ],
-    )
-    .await;
+    let mut env: Vec<(&str, &str)> = env.to_vec();
+    env.push(("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint));
+    env.push(("OTEL_SERVICE_NAME", "orca-push-under-test"));
+    let gateway = Gateway::start_with(Backend::Sqlite, &env).await;
     Raw::new(&gateway).login(&HostKey::generate(), &[]).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let got = receiver.0.lock().unwrap().clone();
+        let got = receiver.spans.lock().unwrap().clone();
         if got.iter().any(|(_, name)| name == "POST /v1/host/session")
             && got
                 .iter()
@@ -74,7 +85,7 @@ async fn spans_are_exported_by_otlp_when_the_environment_asks() {
                     .all(|(service, _)| service.contains("orca-push-under-test")),
                 "{got:?}"
             );
-            break;
+            return receiver;
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -82,4 +93,26 @@ async fn spans_are_exported_by_otlp_when_the_environment_asks() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_by_otlp_when_the_environment_asks() {
+    let receiver = export_a_login(&[]).await;
+    assert!(
+        receiver
+            .encodings
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|e| e == "identity")
+    );
+}
+
+/// `OTEL_EXPORTER_OTLP_COMPRESSION=gzip` used to stop start-up (gzip was not compiled in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_gzipped_when_the_environment_asks() {
+    let receiver = export_a_login(&[("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")]).await;
+    let encodings = receiver.encodings.lock().unwrap().clone();
+    assert!(!encodings.is_empty());
+    assert!(encodings.iter().all(|e| e == "gzip"), "{encodings:?}");
 }
