@@ -2,6 +2,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use orca_push_api::ErrorCode;
 
 /// Every error the public API can answer. The code strings are the contract's; never add detail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -54,42 +55,32 @@ impl ApiError {
         Self::Internal,
     ];
 
-    pub fn code(self) -> &'static str {
+    /// The API crate's code for this error: its spelling and its status are defined there, once.
+    pub fn wire(self) -> ErrorCode {
         match self {
-            Self::InvalidRequest => "invalid_request",
-            Self::InvalidToken => "invalid_token",
-            Self::SessionExpired => "session_expired",
-            Self::InvalidChallenge => "invalid_challenge",
-            Self::InvalidProof => "invalid_proof",
-            Self::NotFound => "not_found",
-            Self::TooManyDevices => "too_many_devices",
-            Self::RequestTooLarge => "request_too_large",
-            Self::RateLimited => "rate_limited",
-            Self::Busy => "busy",
-            Self::ShuttingDown => "shutting_down",
-            Self::DependencyUnavailable => "dependency_unavailable",
-            Self::ValidationOnly => "validation_only",
-            Self::Internal => "internal",
+            Self::InvalidRequest => ErrorCode::InvalidRequest,
+            Self::InvalidToken => ErrorCode::InvalidToken,
+            Self::SessionExpired => ErrorCode::SessionExpired,
+            Self::InvalidChallenge => ErrorCode::InvalidChallenge,
+            Self::InvalidProof => ErrorCode::InvalidProof,
+            Self::NotFound => ErrorCode::NotFound,
+            Self::TooManyDevices => ErrorCode::TooManyDevices,
+            Self::RequestTooLarge => ErrorCode::RequestTooLarge,
+            Self::RateLimited => ErrorCode::RateLimited,
+            Self::Busy => ErrorCode::Busy,
+            Self::ShuttingDown => ErrorCode::ShuttingDown,
+            Self::DependencyUnavailable => ErrorCode::DependencyUnavailable,
+            Self::ValidationOnly => ErrorCode::ValidationOnly,
+            Self::Internal => ErrorCode::Internal,
         }
     }
 
+    pub fn code(self) -> &'static str {
+        self.wire().as_str()
+    }
+
     pub fn status(self) -> StatusCode {
-        match self {
-            Self::InvalidRequest => StatusCode::BAD_REQUEST,
-            Self::InvalidToken
-            | Self::SessionExpired
-            | Self::InvalidChallenge
-            | Self::InvalidProof => StatusCode::UNAUTHORIZED,
-            Self::NotFound => StatusCode::NOT_FOUND,
-            Self::TooManyDevices => StatusCode::CONFLICT,
-            Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::RateLimited => StatusCode::TOO_MANY_REQUESTS,
-            Self::Busy
-            | Self::ShuttingDown
-            | Self::DependencyUnavailable
-            | Self::ValidationOnly => StatusCode::SERVICE_UNAVAILABLE,
-            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        StatusCode::from_u16(self.wire().status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
     }
 
     fn from_code(code: &str) -> Option<Self> {
@@ -161,6 +152,12 @@ mod tests {
     use super::*;
     use orca_push_proto::status_with_code;
     use tonic::Code;
+
+    #[test]
+    fn every_api_code_is_answered_by_exactly_one_error() {
+        let wire: Vec<ErrorCode> = ApiError::ALL.iter().map(|e| e.wire()).collect();
+        assert_eq!(wire, ErrorCode::ALL, "one ApiError per API code, in the same order");
+    }
 
     #[test]
     fn a_refused_internal_token_is_a_dependency_fault_not_the_hosts() {

@@ -4,7 +4,6 @@ use axum::extract::{FromRequest, Request};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Deserializer};
 
 use crate::error::ApiError;
 
@@ -74,17 +73,7 @@ pub fn refuse_nul(value: &str) -> Result<(), ApiError> {
 }
 
 /// The protocol version field `v`, which must be exactly 1.
-#[derive(Debug, Clone, Copy)]
-pub struct V1;
-
-impl<'de> Deserialize<'de> for V1 {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        match u64::deserialize(deserializer)? {
-            1 => Ok(V1),
-            _ => Err(serde::de::Error::custom("v must be 1")),
-        }
-    }
-}
+pub use orca_push_api::V1;
 
 /// Decodes standard, padded, canonical base64 of exactly `len` bytes.
 pub fn decode_base64_exact<const N: usize>(text: &str) -> Result<[u8; N], ApiError> {

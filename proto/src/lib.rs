@@ -1,6 +1,8 @@
 //! Wire types of every orca-push service: the generated prost messages and tonic clients and servers,
 //! one module per proto package. Services use these types at their gRPC edge only.
 
+pub mod convert;
+
 pub mod auth {
     pub mod v1 {
         tonic::include_proto!("orca.push.auth.v1");

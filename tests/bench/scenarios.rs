@@ -262,7 +262,7 @@ pub async fn idle(target: &Target, seconds: f64) -> Phase {
 
 pub fn error_kind(error: &GatewayError) -> String {
     match error {
-        GatewayError::Api { status, code } => format!("{status} {code}"),
+        GatewayError::Api { status, code, .. } => format!("{status} {code}"),
         GatewayError::Http(e) if e.is_timeout() => "timeout".into(),
         GatewayError::Http(_) => "transport".into(),
         other => format!("{other}"),

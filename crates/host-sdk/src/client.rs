@@ -5,64 +5,22 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
+use orca_push_api::{
+    DeviceList, ErrorBody, ErrorCode, Health, RegisterReply, RegisterRequest, SendReply,
+    SendRequest,
+};
 use reqwest::{Method, StatusCode};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use crate::key::{HostKey, KeyError};
-use crate::proof::{ChallengeEnvelope, ChallengeRefusal, answer_challenge};
+use crate::error::{GatewayError, parse_retry_after};
+use crate::key::HostKey;
+use crate::proof::{ChallengeEnvelope, answer_challenge};
+use crate::session::{SessionFile, SessionInfo};
 
 /// A session is renewed this long before it expires, so a request never races the expiry.
 const RENEW_MARGIN_MS: u64 = 60_000;
-
-#[derive(Debug, thiserror::Error)]
-pub enum GatewayError {
-    #[error("the gateway URL must be an http(s) URL")]
-    BadUrl,
-    #[error("cannot reach the gateway: {0}")]
-    Http(#[from] reqwest::Error),
-    #[error("the gateway answered {status}: {code}")]
-    Api { status: u16, code: String },
-    #[error("refused the gateway's challenge: {0}")]
-    Refused(#[from] ChallengeRefusal),
-    #[error("the gateway's answer is malformed: {0}")]
-    Malformed(&'static str),
-    #[error(transparent)]
-    Key(#[from] KeyError),
-    #[error("cannot write the session cache {path}: {source}")]
-    SessionCache {
-        path: String,
-        source: std::io::Error,
-    },
-}
-
-impl GatewayError {
-    /// The contract's error code, when the gateway answered with one.
-    pub fn code(&self) -> Option<&str> {
-        match self {
-            Self::Api { code, .. } => Some(code),
-            _ => None,
-        }
-    }
-}
-
-/// A session as the gateway minted it. Debug never shows the token.
-#[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct SessionInfo {
-    pub session_token: String,
-    pub expires_at: u64,
-    pub host_fingerprint: String,
-}
-
-impl std::fmt::Debug for SessionInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SessionInfo")
-            .field("expires_at", &self.expires_at)
-            .field("host_fingerprint", &self.host_fingerprint)
-            .finish_non_exhaustive()
-    }
-}
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -74,13 +32,15 @@ struct ChallengeReply {
     expires_at: u64,
 }
 
+/// A host's client of one gateway: one session (cached per gateway origin, in memory and, with
+/// [`GatewayClient::with_session_file`], on disk), typed calls for every route, a re-proof on 401.
 pub struct GatewayClient {
     http: reqwest::Client,
     base: String,
     origin: String,
     key: HostKey,
     session: tokio::sync::Mutex<Option<SessionInfo>>,
-    session_file: Option<PathBuf>,
+    session_file: Option<SessionFile>,
     headers: reqwest::header::HeaderMap,
 }
 
@@ -89,6 +49,10 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+fn fresh(session: &SessionInfo) -> bool {
+    session.expires_at > now_ms() + RENEW_MARGIN_MS
 }
 
 fn decode_fixed<const N: usize>(text: &str) -> Result<[u8; N], GatewayError> {
@@ -118,9 +82,24 @@ impl ChallengeEnvelope {
     }
 }
 
+/// Percent-encodes one path segment (everything but RFC 3986's unreserved characters).
+fn path_segment(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for byte in value.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
 impl GatewayClient {
     pub fn new(base_url: &str, key: HostKey) -> Result<Self, GatewayError> {
         let origin = crate::origin_of(base_url)?;
+        // reqwest's rustls trusts the bundled roots and, with `rustls-tls-native-roots`, the
+        // operating system's store: a desktop behind TLS inspection trusts the inspecting CA.
         let http = reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(20))
             .user_agent(concat!("orca-push-host/", env!("CARGO_PKG_VERSION")))
@@ -149,14 +128,13 @@ impl GatewayClient {
         self
     }
 
-    /// Keeps the session in `path` (mode 0600) across runs, as the CLI does.
+    /// Keeps sessions in `path` (mode 0600), one per gateway origin, shared by every process of
+    /// this host: the CLI and a running desktop use one session instead of revoking each other's.
     pub fn with_session_file(mut self, path: PathBuf) -> Self {
-        let cached = std::fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<SessionInfo>(&b).ok())
-            .filter(|s| s.host_fingerprint == self.key.fingerprint());
+        let file = SessionFile::new(path);
+        let cached = file.load(&self.origin, &self.key.fingerprint());
         self.session = tokio::sync::Mutex::new(cached);
-        self.session_file = Some(path);
+        self.session_file = Some(file);
         self
     }
 
@@ -168,7 +146,8 @@ impl GatewayClient {
         &self.origin
     }
 
-    /// Runs challenge -> proof -> session now, replacing any cached session.
+    /// Runs challenge -> proof -> session now, replacing any cached session (and revoking the
+    /// gateway's earlier session of this host). [`GatewayClient::session`] is what callers want.
     pub async fn login(&self) -> Result<SessionInfo, GatewayError> {
         let mut guard = self.session.lock().await;
         let session = self.handshake().await?;
@@ -177,13 +156,16 @@ impl GatewayClient {
         Ok(session)
     }
 
-    /// The cached session, or a new one when there is none or it is about to expire.
+    /// The cached session (from memory, then from the session file), or a new one when there is
+    /// none or it is about to expire.
     pub async fn session(&self) -> Result<SessionInfo, GatewayError> {
         let mut guard = self.session.lock().await;
-        if let Some(session) = guard.as_ref()
-            && session.expires_at > now_ms() + RENEW_MARGIN_MS
-        {
+        if let Some(session) = guard.as_ref().filter(|s| fresh(s)) {
             return Ok(session.clone());
+        }
+        if let Some(session) = self.file_session().filter(fresh) {
+            *guard = Some(session.clone());
+            return Ok(session);
         }
         let session = self.handshake().await?;
         self.store_session(&session)?;
@@ -191,7 +173,34 @@ impl GatewayClient {
         Ok(session)
     }
 
-    /// An authenticated call. On 401 the session is re-proved once and the call repeated.
+    /// A session other than `refused`, which the gateway just answered 401 for. Proves the key
+    /// again only if `refused` is still the newest session this host knows: when another task (or
+    /// another process, through the session file) already replaced it, that replacement is used,
+    /// so two concurrent 401s cost one login, and neither revokes the other's new session.
+    async fn renew_after_refusal(&self, refused: &str) -> Result<SessionInfo, GatewayError> {
+        let mut guard = self.session.lock().await;
+        let other = |s: &SessionInfo| s.session_token != refused && fresh(s);
+        if let Some(session) = guard.as_ref().filter(|s| other(s)) {
+            return Ok(session.clone());
+        }
+        if let Some(session) = self.file_session().filter(other) {
+            *guard = Some(session.clone());
+            return Ok(session);
+        }
+        let session = self.handshake().await?;
+        self.store_session(&session)?;
+        *guard = Some(session.clone());
+        Ok(session)
+    }
+
+    fn file_session(&self) -> Option<SessionInfo> {
+        self.session_file
+            .as_ref()?
+            .load(&self.origin, &self.key.fingerprint())
+    }
+
+    /// An authenticated call with a raw JSON body. On 401 the session is renewed once (see
+    /// [`GatewayClient::session`]) and the call repeated. The typed methods are built on this.
     pub async fn call(
         &self,
         method: Method,
@@ -200,21 +209,67 @@ impl GatewayClient {
     ) -> Result<Value, GatewayError> {
         let session = self.session().await?;
         match self
-            .send(method.clone(), path, body, Some(&session.session_token))
+            .request(method.clone(), path, body, Some(&session.session_token))
             .await
         {
-            Err(GatewayError::Api { status: 401, .. }) => {
-                let session = self.login().await?;
-                self.send(method, path, body, Some(&session.session_token))
+            Err(GatewayError::Api { code, .. }) if code.needs_login() => {
+                let session = self.renew_after_refusal(&session.session_token).await?;
+                self.request(method, path, body, Some(&session.session_token))
                     .await
             }
             other => other,
         }
     }
 
+    async fn call_typed<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<T, GatewayError> {
+        let reply = self.call(method, path, body).await?;
+        serde_json::from_value(reply).map_err(|_| GatewayError::Malformed("reply shape"))
+    }
+
+    /// `POST /v1/devices`: registers a phone, or replaces its token (an upsert keyed by deviceId).
+    pub async fn register(&self, request: &RegisterRequest) -> Result<RegisterReply, GatewayError> {
+        request.validate()?;
+        let body = serde_json::to_value(request).map_err(|_| GatewayError::Malformed("body"))?;
+        self.call_typed(Method::POST, "/v1/devices", Some(&body))
+            .await
+    }
+
+    /// `GET /v1/devices`: this host's registrations (never their tokens).
+    pub async fn devices(&self) -> Result<DeviceList, GatewayError> {
+        self.call_typed(Method::GET, "/v1/devices", None).await
+    }
+
+    /// `DELETE /v1/devices/{registrationId}`. A registration that is already gone answers
+    /// `not_found`: callers draining deletes treat that as done.
+    pub async fn unregister(&self, registration_id: &str) -> Result<(), GatewayError> {
+        if !orca_push_api::limits::is_opaque_id(registration_id) {
+            return Err(orca_push_api::Invalid("registrationId: 1 to 128 characters").into());
+        }
+        let path = format!("/v1/devices/{}", path_segment(registration_id));
+        self.call(Method::DELETE, &path, None).await.map(drop)
+    }
+
+    /// `POST /v1/send`: one notification to at most 20 registrations, one result per distinct id.
+    pub async fn send(&self, request: &SendRequest) -> Result<SendReply, GatewayError> {
+        request.validate()?;
+        let body = serde_json::to_value(request).map_err(|_| GatewayError::Malformed("body"))?;
+        self.call_typed(Method::POST, "/v1/send", Some(&body)).await
+    }
+
+    /// `GET /health`: the gateway's protocol versions. Unauthenticated.
+    pub async fn health(&self) -> Result<Health, GatewayError> {
+        let reply = self.request(Method::GET, "/health", None, None).await?;
+        serde_json::from_value(reply).map_err(|_| GatewayError::Malformed("health reply"))
+    }
+
     async fn handshake(&self) -> Result<SessionInfo, GatewayError> {
         let reply = self
-            .send(
+            .request(
                 Method::POST,
                 "/v1/host/challenge",
                 Some(
@@ -226,7 +281,7 @@ impl GatewayClient {
         let envelope = ChallengeEnvelope::from_reply(reply)?;
         let proof = answer_challenge(&self.key, &self.origin, &envelope, now_ms())?;
         let reply = self
-            .send(
+            .request(
                 Method::POST,
                 "/v1/host/session",
                 Some(&json!({
@@ -245,7 +300,7 @@ impl GatewayClient {
         Ok(session)
     }
 
-    async fn send(
+    async fn request(
         &self,
         method: Method,
         path: &str,
@@ -264,6 +319,11 @@ impl GatewayClient {
         }
         let response = request.send().await?;
         let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_retry_after);
         let bytes = response.bytes().await?;
         if status.is_success() {
             if status == StatusCode::NO_CONTENT || bytes.is_empty() {
@@ -272,33 +332,36 @@ impl GatewayClient {
             return serde_json::from_slice(&bytes)
                 .map_err(|_| GatewayError::Malformed("response is not JSON"));
         }
-        let code = serde_json::from_slice::<Value>(&bytes)
-            .ok()
-            .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
-            .unwrap_or_else(|| "unknown".to_owned());
+        let code = serde_json::from_slice::<ErrorBody>(&bytes)
+            .map(|b| b.error)
+            .unwrap_or(ErrorCode::Unknown);
         Err(GatewayError::Api {
             status: status.as_u16(),
             code,
+            retry_after,
         })
     }
 
     fn store_session(&self, session: &SessionInfo) -> Result<(), GatewayError> {
-        let Some(path) = &self.session_file else {
+        let Some(file) = &self.session_file else {
             return Ok(());
         };
-        let io = |source| GatewayError::SessionCache {
-            path: path.display().to_string(),
-            source,
-        };
-        let body = serde_json::to_vec(session).map_err(|e| io(std::io::Error::other(e)))?;
-        let tmp = path.with_extension("tmp");
-        let mut options = std::fs::OpenOptions::new();
-        options.write(true).create(true).truncate(true);
-        #[cfg(unix)]
-        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-        use std::io::Write as _;
-        let mut file = options.open(&tmp).map_err(io)?;
-        file.write_all(&body).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        file.store(&self.origin, session)
+            .map_err(|source| GatewayError::SessionCache {
+                path: file.path().display().to_string(),
+                source,
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_are_percent_encoded() {
+        assert_eq!(path_segment("abc-_.~9"), "abc-_.~9");
+        assert_eq!(path_segment("a/b?c"), "a%2Fb%3Fc");
+        assert_eq!(path_segment("é"), "%C3%A9");
     }
 }

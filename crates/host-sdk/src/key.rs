@@ -1,13 +1,13 @@
 //! The host's X25519 keypair, kept in a file only its owner can read.
 
-use std::io::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use orca_push_host_proof as hp;
 use rand::RngCore as _;
 use serde::{Deserialize, Serialize};
+use zeroize::{Zeroize as _, Zeroizing};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
@@ -22,7 +22,7 @@ pub enum KeyError {
     Malformed(String),
 }
 
-/// A host's X25519 keypair. Debug shows only the fingerprint.
+/// A host's X25519 keypair. Debug shows only the fingerprint; the secret is wiped on drop.
 #[derive(Clone)]
 pub struct HostKey {
     secret: [u8; 32],
@@ -37,18 +37,36 @@ impl std::fmt::Debug for HostKey {
     }
 }
 
+impl Drop for HostKey {
+    fn drop(&mut self) {
+        self.secret.zeroize();
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct KeyFile {
-    secret_key_b64: String,
+    secret_key_b64: Zeroizing<String>,
     public_key_b64: String,
+}
+
+/// Where the CLI and the example keep the host key when no path is given: the platform's config
+/// directory (`~/.config` on Linux, `~/Library/Application Support` on macOS, `%APPDATA%` on
+/// Windows), under `orca-push/`. Falls back to the working directory where there is none.
+pub fn default_key_path() -> PathBuf {
+    dirs::config_dir()
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("orca-push")
+        .join("host.key")
 }
 
 impl HostKey {
     pub fn generate() -> Self {
         let mut secret = [0u8; 32];
         rand::rngs::OsRng.fill_bytes(&mut secret);
-        Self::from_secret(secret)
+        let key = Self::from_secret(secret);
+        secret.zeroize();
+        key
     }
 
     pub fn from_secret(secret: [u8; 32]) -> Self {
@@ -71,45 +89,44 @@ impl HostKey {
         hp::host_fingerprint(&self.public)
     }
 
-    /// Writes a new key file with mode 0600. Never overwrites an existing one.
+    /// Writes a new key file with mode 0600, atomically (a crash leaves no half key), creating its
+    /// directory. Never overwrites an existing one.
     pub fn save_new(&self, path: &Path) -> Result<(), KeyError> {
         let io = |source| KeyError::Io {
             path: path.display().to_string(),
             source,
         };
-        let mut options = std::fs::OpenOptions::new();
-        options.write(true).create_new(true);
-        #[cfg(unix)]
-        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-        let mut file = options.open(path).map_err(|e| {
+        let body = Zeroizing::new(
+            serde_json::to_vec_pretty(&KeyFile {
+                secret_key_b64: Zeroizing::new(STANDARD.encode(self.secret)),
+                public_key_b64: STANDARD.encode(self.public),
+            })
+            .map_err(|e| io(std::io::Error::other(e)))?,
+        );
+        crate::files::create_new(path, &body).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 KeyError::Exists(path.display().to_string())
             } else {
                 io(e)
             }
-        })?;
-        let body = serde_json::to_vec_pretty(&KeyFile {
-            secret_key_b64: STANDARD.encode(self.secret),
-            public_key_b64: STANDARD.encode(self.public),
         })
-        .map_err(|e| io(std::io::Error::other(e)))?;
-        file.write_all(&body).map_err(io)?;
-        file.sync_all().map_err(io)
     }
 
     pub fn load(path: &Path) -> Result<Self, KeyError> {
-        let text = std::fs::read(path).map_err(|source| KeyError::Io {
+        let text = Zeroizing::new(std::fs::read(path).map_err(|source| KeyError::Io {
             path: path.display().to_string(),
             source,
-        })?;
+        })?);
         let malformed = || KeyError::Malformed(path.display().to_string());
         let file: KeyFile = serde_json::from_slice(&text).map_err(|_| malformed())?;
-        let secret: [u8; 32] = STANDARD
-            .decode(&file.secret_key_b64)
-            .ok()
-            .and_then(|b| b.try_into().ok())
-            .ok_or_else(malformed)?;
+        let decoded = Zeroizing::new(
+            STANDARD
+                .decode(file.secret_key_b64.as_bytes())
+                .map_err(|_| malformed())?,
+        );
+        let mut secret: [u8; 32] = decoded.as_slice().try_into().map_err(|_| malformed())?;
         let key = Self::from_secret(secret);
+        secret.zeroize();
         if STANDARD.encode(key.public) != file.public_key_b64 {
             return Err(malformed());
         }

@@ -1,16 +1,28 @@
 //! The desktop host's side of orca-push: its X25519 keypair on disk, answering the gateway's
-//! challenge (after checking every transcript field), and an API client that keeps one session and
-//! re-proves on 401.
+//! challenge (after checking every transcript field), a typed API client that keeps one session
+//! per gateway, and the desktop's duties from the contract (see README.md in this crate).
 //!
-//! It never prints or logs the secret key or the session token.
+//! It never prints or logs the secret key, the session token, push tokens or notification text.
 
 mod client;
+mod error;
+mod files;
+mod gateway;
 mod key;
 mod proof;
+mod registration;
+mod session;
 
-pub use client::{GatewayClient, GatewayError, SessionInfo};
-pub use key::{HostKey, KeyError};
+pub use client::GatewayClient;
+pub use error::GatewayError;
+pub use gateway::Gateway;
+pub use key::{HostKey, KeyError, default_key_path};
+pub use orca_push_api as api;
 pub use proof::{ChallengeEnvelope, ChallengeRefusal, answer_challenge};
+pub use registration::{
+    HostFilter, REGISTRATION_LIFETIME_MS, Registration, RegistrationSource,
+};
+pub use session::{SessionFile, SessionInfo};
 
 /// The origin (scheme://host[:port]) of a gateway base URL, as the gateway writes it into the
 /// transcript: no path, no trailing slash, default ports dropped, host lower-cased.

@@ -3,85 +3,32 @@
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
+use orca_push_api::{Device, DeviceList, RegisterReply};
+use orca_push_proto::convert;
 use orca_push_proto::registry::v1 as pb;
-use serde::{Deserialize, Serialize};
 
 use crate::app::AppState;
 use crate::auth::AuthenticatedHost;
 use crate::error::ApiError;
-use crate::json::{StrictJson, V1, refuse_nul};
+use crate::json::{StrictJson, refuse_nul};
 
-#[derive(Deserialize, Clone, Copy)]
-#[serde(rename_all = "lowercase")]
-enum PlatformJson {
-    Ios,
-    Android,
-}
+/// The body as the public API defines it.
+pub type RegisterBody = orca_push_api::RegisterRequest;
 
-#[derive(Deserialize, Clone, Copy)]
-#[serde(rename_all = "lowercase")]
-enum EnvironmentJson {
-    Sandbox,
-    Production,
-}
-
-#[derive(Deserialize, Serialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct FilterJson {
-    sources: Vec<String>,
-    agent_states: Vec<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct RegisterBody {
-    #[allow(dead_code)]
-    v: V1,
-    device_id: String,
-    platform: PlatformJson,
-    token: String,
-    #[serde(default)]
-    apns_environment: Option<EnvironmentJson>,
-    #[serde(default)]
-    filter: Option<FilterJson>,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Registered {
-    registration_id: String,
-}
-
-/// The registry request for a register body; the registry judges every field's bounds.
+/// The registry request for a register body; the registry judges every field's bounds (with the
+/// same API crate rules), so internal callers get the same answers.
 pub fn registration_request(
     body: RegisterBody,
     host_fingerprint: String,
 ) -> pb::RegisterDeviceRequest {
-    pb::RegisterDeviceRequest {
-        host_fingerprint,
-        device_id: body.device_id,
-        platform: match body.platform {
-            PlatformJson::Ios => pb::Platform::Ios,
-            PlatformJson::Android => pb::Platform::Android,
-        } as i32,
-        token: body.token,
-        apns_environment: match body.apns_environment {
-            None => pb::ApnsEnvironment::Unspecified,
-            Some(EnvironmentJson::Sandbox) => pb::ApnsEnvironment::Sandbox,
-            Some(EnvironmentJson::Production) => pb::ApnsEnvironment::Production,
-        } as i32,
-        filter: body.filter.map(|f| pb::DeviceFilter {
-            sources: f.sources,
-            agent_states: f.agent_states,
-        }),
-    }
+    convert::register_request(body, host_fingerprint)
 }
 
 pub async fn register(
     State(state): State<AppState>,
     host: AuthenticatedHost,
     StrictJson(body): StrictJson<RegisterBody>,
-) -> Result<Json<Registered>, ApiError> {
+) -> Result<Json<RegisterReply>, ApiError> {
     let request = registration_request(body, host.fingerprint);
     let registered = state
         .backends()?
@@ -90,26 +37,9 @@ pub async fn register(
         .register_device(request)
         .await?
         .into_inner();
-    Ok(Json(Registered {
+    Ok(Json(RegisterReply {
         registration_id: registered.registration_id,
     }))
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DeviceJson {
-    registration_id: String,
-    device_id: String,
-    platform: &'static str,
-    dead: bool,
-    /// Only for registrations stored with a filter, so older hosts see the contract's exact shape.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    filter: Option<FilterJson>,
-}
-
-#[derive(Serialize)]
-pub struct DeviceList {
-    devices: Vec<DeviceJson>,
 }
 
 pub async fn list(
@@ -128,21 +58,18 @@ pub async fn list(
     let devices = listed
         .devices
         .into_iter()
-        .map(|d| DeviceJson {
-            platform: if d.platform == pb::Platform::Android as i32 {
-                "android"
-            } else {
-                "ios"
-            },
-            registration_id: d.registration_id,
-            device_id: d.device_id,
-            dead: d.dead,
-            filter: d.filter.map(|f| FilterJson {
-                sources: f.sources,
-                agent_states: f.agent_states,
-            }),
+        .map(|d| {
+            Ok(Device {
+                platform: convert::platform_from_wire(d.platform)
+                    .map_err(|_| ApiError::Internal)?,
+                registration_id: d.registration_id,
+                device_id: d.device_id,
+                dead: d.dead,
+                // A stored filter the API cannot express is left out rather than failing the list.
+                filter: d.filter.and_then(|f| f.try_into().ok()),
+            })
         })
-        .collect();
+        .collect::<Result<_, ApiError>>()?;
     Ok(Json(DeviceList { devices }))
 }
 

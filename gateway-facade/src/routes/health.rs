@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::State;
+use orca_push_api::Health;
 use serde_json::{Value, json};
 
 use crate::app::AppState;
@@ -12,13 +13,13 @@ use crate::error::ApiError;
 /// Readiness is cached this long: probes poll it, and each check is a round trip to every service.
 const READY_CACHE: Duration = Duration::from_secs(1);
 
-pub async fn health(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "ok": true,
-        "pushProtocol": 1,
-        "deliveryProtocol": 2,
-        "mode": state.mode.as_str(),
-    }))
+pub async fn health(State(state): State<AppState>) -> Json<Health> {
+    Json(Health {
+        ok: true,
+        push_protocol: 1,
+        delivery_protocol: orca_push_api::DELIVERY_PROTOCOL_WITH_KIND,
+        mode: Some(state.mode.as_str().to_owned()),
+    })
 }
 
 pub async fn ready(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {

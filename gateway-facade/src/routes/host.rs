@@ -2,30 +2,15 @@
 
 use axum::Json;
 use axum::extract::State;
+use orca_push_api::{ChallengeReply, SessionReply};
 use orca_push_proto::auth::v1 as pb;
-use serde::{Deserialize, Serialize};
 
 use crate::app::AppState;
 use crate::error::ApiError;
-use crate::json::{StrictJson, V1, decode_base64_exact, encode_base64};
+use crate::json::{StrictJson, decode_base64_exact, encode_base64};
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct ChallengeBody {
-    #[allow(dead_code)]
-    v: V1,
-    pub host_public_key_b64: String,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ChallengeReply {
-    challenge_id: String,
-    gateway_ephemeral_public_key_b64: String,
-    nonce_b64: String,
-    ciphertext_b64: String,
-    expires_at: i64,
-}
+pub type ChallengeBody = orca_push_api::ChallengeRequest;
+pub type SessionBody = orca_push_api::SessionRequest;
 
 pub async fn challenge(
     State(state): State<AppState>,
@@ -48,23 +33,6 @@ pub async fn challenge(
         ciphertext_b64: encode_base64(&issued.ciphertext),
         expires_at: issued.expires_at_ms,
     }))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct SessionBody {
-    #[allow(dead_code)]
-    v: V1,
-    challenge_id: String,
-    pub proof_b64: String,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SessionReply {
-    session_token: String,
-    expires_at: i64,
-    host_fingerprint: String,
 }
 
 pub async fn session(

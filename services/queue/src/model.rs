@@ -4,6 +4,8 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
+use orca_push_api::limits;
+
 use crate::error::QueueError;
 
 /// Alerts and, independently, dismissals a host may have accepted per rolling window.
@@ -182,7 +184,7 @@ impl Admission {
         if self.host_fingerprint.is_empty() || self.host_fingerprint.len() > 64 {
             return Err(bad("host fingerprint"));
         }
-        if !(1..=128).contains(&utf16_len(&self.notification_epoch)) {
+        if !limits::is_opaque_id(&self.notification_epoch) {
             return Err(bad("notificationEpoch"));
         }
         if !(0..=MAX_SAFE_INTEGER).contains(&self.notification_seq) {
@@ -190,28 +192,31 @@ impl Admission {
         }
         let c = &self.content;
         if let Some(id) = &c.notification_id
-            && !(1..=2048).contains(&id.len())
+            && !limits::is_notification_id(id)
         {
             return Err(bad("notificationId"));
         }
         if self.kind == Kind::Dismiss && c.notification_id.is_none() {
             return Err(bad("a dismissal needs a notificationId"));
         }
-        if !["agent-task-complete", "terminal-bell", "plugin"].contains(&c.source.as_str()) {
+        if orca_push_api::Source::parse(&c.source).is_none() {
             return Err(bad("source"));
         }
         if let Some(state) = &c.agent_state
-            && !["needs-input", "finished"].contains(&state.as_str())
+            && orca_push_api::AgentState::parse(state).is_none()
         {
             return Err(bad("agentState"));
         }
-        if !(1..=80).contains(&utf16_len(&c.title)) || utf16_len(&c.body) > 180 {
+        if !limits::is_title(&c.title) || !limits::is_body(&c.body) {
             return Err(bad("title or body length"));
         }
-        if c.worktree_id.as_ref().is_some_and(|w| utf16_len(w) > 2048) {
+        if c.worktree_id
+            .as_ref()
+            .is_some_and(|w| !limits::is_worktree_id(w))
+        {
             return Err(bad("worktreeId"));
         }
-        if self.recipients.is_empty() || self.recipients.len() > 20 {
+        if self.recipients.is_empty() || self.recipients.len() > limits::MAX_REGISTRATION_IDS {
             return Err(bad("1 to 20 recipients"));
         }
         // PostgreSQL refuses U+0000 in text (SQLite would store it): refused here, before any SQL,
@@ -240,11 +245,9 @@ impl Admission {
 }
 
 /// JavaScript's `Number.MAX_SAFE_INTEGER`: sequences are JSON numbers on the wire.
-pub const MAX_SAFE_INTEGER: i64 = (1 << 53) - 1;
+pub const MAX_SAFE_INTEGER: i64 = limits::MAX_SAFE_INTEGER as i64;
 
-pub fn utf16_len(value: &str) -> usize {
-    value.encode_utf16().count()
-}
+pub use limits::utf16_len;
 
 /// One member event of a claimed batch.
 #[derive(Debug, Clone)]

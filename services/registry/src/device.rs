@@ -3,60 +3,17 @@
 use crate::error::RegistryError;
 
 /// A host may hold at most this many registrations (distinct device ids).
-pub const MAX_DEVICES_PER_HOST: i64 = 64;
+pub const MAX_DEVICES_PER_HOST: i64 = orca_push_api::limits::MAX_DEVICES_PER_HOST as i64;
 /// `GET /v1/devices` answers at most this many rows.
-pub const LIST_LIMIT: i64 = 1024;
+pub const LIST_LIMIT: i64 = orca_push_api::limits::LIST_LIMIT as i64;
 /// Internal calls may ask about at most this many ids at once.
 pub const MAX_IDS_PER_CALL: usize = 1024;
 
 pub const SOURCES: [&str; 3] = ["agent-task-complete", "terminal-bell", "plugin"];
 pub const AGENT_STATES: [&str; 2] = ["needs-input", "finished"];
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Platform {
-    Ios,
-    Android,
-}
-
-impl Platform {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ios => "ios",
-            Self::Android => "android",
-        }
-    }
-
-    pub fn parse(value: &str) -> Option<Self> {
-        match value {
-            "ios" => Some(Self::Ios),
-            "android" => Some(Self::Android),
-            _ => None,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ApnsEnvironment {
-    Sandbox,
-    Production,
-}
-
-impl ApnsEnvironment {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Sandbox => "sandbox",
-            Self::Production => "production",
-        }
-    }
-
-    pub fn parse(value: &str) -> Option<Self> {
-        match value {
-            "sandbox" => Some(Self::Sandbox),
-            "production" => Some(Self::Production),
-            _ => None,
-        }
-    }
-}
+/// The contract's enums, from the API crate that every layer shares.
+pub use orca_push_api::{ApnsEnvironment, Platform};
 
 /// The host's delivery filter: stored so a restarted host can re-read it, enforced by the host.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -68,8 +25,10 @@ pub struct DeviceFilter {
 
 impl DeviceFilter {
     fn validate(&self) -> Result<(), RegistryError> {
-        is_set_of(&self.sources, &SOURCES)?;
-        is_set_of(&self.agent_states, &AGENT_STATES)
+        is_set_of(&self.sources, |s| orca_push_api::Source::parse(s).is_some())?;
+        is_set_of(&self.agent_states, |s| {
+            orca_push_api::AgentState::parse(s).is_some()
+        })
     }
 
     pub fn to_json(&self) -> String {
@@ -81,9 +40,12 @@ impl DeviceFilter {
     }
 }
 
-fn is_set_of(values: &[String], allowed: &[&str]) -> Result<(), RegistryError> {
+fn is_set_of(
+    values: &[String],
+    known: impl Fn(&str) -> bool,
+) -> Result<(), RegistryError> {
     for (i, value) in values.iter().enumerate() {
-        if !allowed.contains(&value.as_str()) {
+        if !known(value) {
             return Err(RegistryError::InvalidRequest(
                 "filter value outside the contract's enums",
             ));
@@ -108,21 +70,7 @@ pub struct Registration {
     pub filter: Option<DeviceFilter>,
 }
 
-/// Length as JavaScript counts it (UTF-16 code units), which is how the contract's bounds are meant.
-pub fn js_len(value: &str) -> usize {
-    value.encode_utf16().count()
-}
-
-/// An opaque id (deviceId, registrationId): 1 to 128 characters, none of them NUL.
-pub fn is_opaque_id(value: &str) -> bool {
-    (1..=128).contains(&js_len(value)) && !has_nul(value)
-}
-
-/// PostgreSQL refuses U+0000 in text (SQLite would store it): refused before any SQL, so both
-/// backends answer `invalid_request` alike.
-pub fn has_nul(value: &str) -> bool {
-    value.contains('\0')
-}
+pub use orca_push_api::limits::{has_nul, is_opaque_id, utf16_len as js_len};
 
 /// A host fingerprint as the auth service derives it: 1 to 64 bytes, no NUL.
 pub fn is_host_fingerprint(value: &str) -> bool {
@@ -139,36 +87,12 @@ impl Registration {
                 "deviceId must be 1 to 128 characters, no NUL",
             ));
         }
-        match self.platform {
-            Platform::Ios => {
-                if self.apns_environment.is_none() {
-                    return Err(RegistryError::InvalidRequest("ios needs apnsEnvironment"));
-                }
-                let t = self.token.as_bytes();
-                if t.is_empty()
-                    || t.len() > 4096
-                    || !t.len().is_multiple_of(2)
-                    || !t.iter().all(u8::is_ascii_hexdigit)
-                {
-                    return Err(RegistryError::InvalidRequest("ios token must be hex pairs"));
-                }
-            }
-            Platform::Android => {
-                if self.apns_environment.is_some() {
-                    return Err(RegistryError::InvalidRequest(
-                        "android refuses apnsEnvironment",
-                    ));
-                }
-                let t = self.token.as_bytes();
-                let allowed =
-                    |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b':' | b'.' | b'-');
-                if !(32..=4096).contains(&t.len()) || !t.iter().all(allowed) {
-                    return Err(RegistryError::InvalidRequest(
-                        "android token must be an FCM registration string",
-                    ));
-                }
-            }
-        }
+        orca_push_api::devices::validate_token(
+            self.platform,
+            self.apns_environment,
+            &self.token,
+        )
+        .map_err(|invalid| RegistryError::InvalidRequest(invalid.0))?;
         if let Some(filter) = &self.filter {
             filter.validate()?;
         }

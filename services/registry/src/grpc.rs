@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use orca_push_proto::convert;
 use orca_push_proto::registry::v1 as pb;
 use tonic::{Request, Response, Status};
 
@@ -21,36 +22,18 @@ impl RegistryGrpc {
 }
 
 fn platform_from_wire(value: i32) -> Result<Platform, RegistryError> {
-    match pb::Platform::try_from(value) {
-        Ok(pb::Platform::Ios) => Ok(Platform::Ios),
-        Ok(pb::Platform::Android) => Ok(Platform::Android),
-        _ => Err(RegistryError::InvalidRequest("platform")),
-    }
+    convert::platform_from_wire(value).map_err(|e| RegistryError::InvalidRequest(e.0))
 }
 
 fn platform_to_wire(platform: Platform) -> i32 {
-    match platform {
-        Platform::Ios => pb::Platform::Ios as i32,
-        Platform::Android => pb::Platform::Android as i32,
-    }
+    pb::Platform::from(platform) as i32
 }
 
 fn environment_from_wire(value: i32) -> Result<Option<ApnsEnvironment>, RegistryError> {
-    match pb::ApnsEnvironment::try_from(value) {
-        Ok(pb::ApnsEnvironment::Unspecified) => Ok(None),
-        Ok(pb::ApnsEnvironment::Sandbox) => Ok(Some(ApnsEnvironment::Sandbox)),
-        Ok(pb::ApnsEnvironment::Production) => Ok(Some(ApnsEnvironment::Production)),
-        Err(_) => Err(RegistryError::InvalidRequest("apns environment")),
-    }
+    convert::environment_from_wire(value).map_err(|e| RegistryError::InvalidRequest(e.0))
 }
 
-fn environment_to_wire(environment: Option<ApnsEnvironment>) -> i32 {
-    match environment {
-        None => pb::ApnsEnvironment::Unspecified as i32,
-        Some(ApnsEnvironment::Sandbox) => pb::ApnsEnvironment::Sandbox as i32,
-        Some(ApnsEnvironment::Production) => pb::ApnsEnvironment::Production as i32,
-    }
-}
+use convert::environment_to_wire;
 
 fn filter_to_wire(filter: DeviceFilter) -> pb::DeviceFilter {
     pb::DeviceFilter {
