@@ -287,8 +287,9 @@ async fn cli_keygen_and_login(backend: Backend) {
     assert!(stdout.contains(&fingerprint), "{stdout}");
     // The token goes to the owner-only cache, never to the terminal.
     let cache = std::fs::read_to_string(key_path.with_extension("session")).unwrap();
-    let token: serde_json::Value = serde_json::from_str(&cache).unwrap();
-    assert!(!stdout.contains(token["sessionToken"].as_str().unwrap()));
+    let cache: serde_json::Value = serde_json::from_str(&cache).unwrap();
+    let token = &cache["sessions"][origin(&gateway.base)]["sessionToken"];
+    assert!(!stdout.contains(token.as_str().unwrap()));
 }
 
 on_both_backends!(split_topology_serves_the_same_api);

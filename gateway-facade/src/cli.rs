@@ -1,15 +1,14 @@
 //! The `orca-push` command line: the gateway (all in one, or one service), its migrations, and the
 //! host CLI. `main.rs` only calls [`main`]; the end-to-end tests build the same entry point.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use crate::config::{Config, ServiceName};
+use crate::host_cli::HostCommand;
 use crate::topology;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use orca_push_host::{GatewayClient, HostKey};
 use tokio_util::sync::CancellationToken;
 
 /// SIGTERM to exit, at most (the platform kills at 10 s).
@@ -66,30 +65,10 @@ enum Command {
         #[arg(long)]
         token: String,
     },
-    /// The desktop host's side: keys, login, and (as they land) devices and sends.
+    /// The desktop host's side: keys, login, phones, notifications (built on the host SDK).
     Host {
         #[command(subcommand)]
         command: HostCommand,
-    },
-}
-
-#[derive(Subcommand)]
-enum HostCommand {
-    /// Create a new host keypair file (mode 0600). Never overwrites one.
-    Keygen {
-        #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = default_key_path())]
-        key: PathBuf,
-    },
-    /// Prove the key to the gateway and cache a session beside the key file.
-    Login {
-        #[arg(
-            long,
-            env = "ORCA_PUSH_GATEWAY_URL",
-            default_value = "https://push.onorca.dev"
-        )]
-        gateway: String,
-        #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = default_key_path())]
-        key: PathBuf,
     },
 }
 
@@ -116,14 +95,6 @@ fn subject(value: &str) -> Result<String, String> {
     } else {
         Err("1 to 64 ASCII letters, digits, `.`, `_`, `-` or `@`".to_owned())
     }
-}
-
-fn default_key_path() -> PathBuf {
-    std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."))
-        .join(".orca-push")
-        .join("host.key")
 }
 
 /// Parses the command line and runs it; errors print as one line.
@@ -274,7 +245,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Host { command } => host(command).await,
+        Command::Host { command } => crate::host_cli::run(command).await,
     }
 }
 
@@ -323,32 +294,4 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     tokio::time::sleep(HARD_DEADLINE).await;
     eprintln!("orca-push: shutdown did not finish within {HARD_DEADLINE:?}; exiting");
     std::process::exit(1);
-}
-
-async fn host(command: HostCommand) -> anyhow::Result<()> {
-    match command {
-        HostCommand::Keygen { key } => {
-            if let Some(dir) = key.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("cannot create {}", dir.display()))?;
-            }
-            let host_key = HostKey::generate();
-            host_key.save_new(&key)?;
-            println!("hostFingerprint {}", host_key.fingerprint());
-            println!("key written to {}", key.display());
-            Ok(())
-        }
-        HostCommand::Login { gateway, key } => {
-            let client = client(&gateway, &key)?;
-            let session = client.login().await?;
-            println!("hostFingerprint {}", session.host_fingerprint);
-            println!("session expires at {} (Unix ms)", session.expires_at);
-            Ok(())
-        }
-    }
-}
-
-fn client(gateway: &str, key: &std::path::Path) -> anyhow::Result<GatewayClient> {
-    let host_key = HostKey::load(key)?;
-    Ok(GatewayClient::new(gateway, host_key)?.with_session_file(key.with_extension("session")))
 }

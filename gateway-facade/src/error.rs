@@ -156,7 +156,11 @@ mod tests {
     #[test]
     fn every_api_code_is_answered_by_exactly_one_error() {
         let wire: Vec<ErrorCode> = ApiError::ALL.iter().map(|e| e.wire()).collect();
-        assert_eq!(wire, ErrorCode::ALL, "one ApiError per API code, in the same order");
+        assert_eq!(
+            wire,
+            ErrorCode::ALL,
+            "one ApiError per API code, in the same order"
+        );
     }
 
     #[test]

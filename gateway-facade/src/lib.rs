@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod connections;
 pub mod error;
+pub mod host_cli;
 pub mod json;
 pub mod limits;
 pub mod metrics;

@@ -5,23 +5,31 @@
 //! It never prints or logs the secret key, the session token, push tokens or notification text.
 
 mod client;
+mod dispatch;
 mod error;
 mod files;
 mod gateway;
 mod key;
 mod proof;
+mod registrar;
 mod registration;
 mod session;
 
 pub use client::GatewayClient;
+pub use dispatch::{
+    DispatchConfig, DispatchEvent, DispatchReport, Dispatcher, Outcome, RequestReport, Skip,
+    gateway_agent_state,
+};
 pub use error::GatewayError;
 pub use gateway::Gateway;
 pub use key::{HostKey, KeyError, default_key_path};
 pub use orca_push_api as api;
 pub use proof::{ChallengeEnvelope, ChallengeRefusal, answer_challenge};
-pub use registration::{
-    HostFilter, REGISTRATION_LIFETIME_MS, Registration, RegistrationSource,
+pub use registrar::{
+    Clock, DrainReport, NotRegistered, OUTBOX_FILE, PendingDelete, REGISTRATIONS_FILE,
+    RegisterOutcome, Registrar, RegistrarConfig, RegistrationStore, UnregisterOutbox,
 };
+pub use registration::{HostFilter, REGISTRATION_LIFETIME_MS, Registration, RegistrationSource};
 pub use session::{SessionFile, SessionInfo};
 
 /// The origin (scheme://host[:port]) of a gateway base URL, as the gateway writes it into the

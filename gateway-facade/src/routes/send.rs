@@ -158,7 +158,10 @@ mod tests {
         assert!(request.silent);
         assert_eq!(request.notification.kind, queue_pb::Kind::Dismiss as i32);
         assert_eq!(request.notification.source, "terminal-bell");
-        assert_eq!(request.notification.agent_state.as_deref(), Some("finished"));
+        assert_eq!(
+            request.notification.agent_state.as_deref(),
+            Some("finished")
+        );
         let mut long = notification;
         long["title"] = json!("t".repeat(81));
         assert_eq!(body(long), Err(ApiError::InvalidRequest));

@@ -1,0 +1,465 @@
+//! `orca-push host ...`: the desktop host's whole flow from a terminal, built on the host SDK: a
+//! key, a session, phones registered (kept in the data directory beside the key, with the
+//! unregister outbox), and notifications dispatched through each phone's filter.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand, ValueEnum};
+use orca_push_host::api::{ApnsEnvironment, Kind, Notification, Platform, SendRequest, Source};
+use orca_push_host::{
+    DispatchConfig, DispatchEvent, Dispatcher, GatewayClient, HostFilter, HostKey, RegisterOutcome,
+    Registrar, RegistrarConfig, RegistrationStore, UnregisterOutbox,
+};
+use serde_json::json;
+
+#[derive(Subcommand)]
+pub enum HostCommand {
+    /// Create a new host keypair file (mode 0600). Never overwrites one.
+    Keygen {
+        /// The key file to create.
+        #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = orca_push_host::default_key_path())]
+        key: PathBuf,
+    },
+    /// Get a session for the key, reusing the cached one while it is valid (so a running desktop
+    /// keeps its session), and print it (never the token).
+    Login {
+        #[command(flatten)]
+        host: HostArgs,
+        /// Prove the key again even when a cached session is still valid. Other processes of this
+        /// host pick up the new session from the session file on their next 401.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Register a phone's native push token (an upsert: a new token for the same device id
+    /// replaces the old one), and keep the registration in the data directory.
+    Register {
+        #[command(flatten)]
+        host: HostArgs,
+        /// The desktop's id for the paired phone (1 to 128 characters).
+        #[arg(long)]
+        device_id: String,
+        #[arg(long, value_enum)]
+        platform: PlatformArg,
+        /// The phone's native token: APNs hex, or an FCM registration string.
+        #[arg(long)]
+        token: String,
+        /// APNs endpoint of an iOS token (required for ios, refused for android).
+        #[arg(long, value_enum)]
+        apns_environment: Option<EnvironmentArg>,
+        /// Sources this phone wants (default: all). Repeat or separate with commas.
+        #[arg(long, value_enum, value_delimiter = ',')]
+        sources: Vec<SourceArg>,
+        /// Agent states this phone wants (default: all). Repeat or separate with commas.
+        #[arg(long, value_enum, value_delimiter = ',')]
+        agent_states: Vec<AgentStateArg>,
+        /// Send this phone's alerts without sound.
+        #[arg(long)]
+        silent: bool,
+        /// Ignore the desktop's own notification switches for this phone (followDesktop: false).
+        #[arg(long)]
+        independent: bool,
+    },
+    /// List this host's registrations as the gateway holds them (never their tokens).
+    Devices {
+        #[command(flatten)]
+        host: HostArgs,
+    },
+    /// Unregister a phone: drop its local registration and delete it at the gateway, through the
+    /// durable outbox (a delete that fails now is retried by the next `host` command).
+    Unregister {
+        #[command(flatten)]
+        host: HostArgs,
+        /// The device id given to `host register`.
+        #[arg(long)]
+        device_id: String,
+    },
+    /// Send a notification. Without --registration-id it is dispatched to every registered phone
+    /// whose filter takes it, in batches of at most 20, with one retry.
+    Send {
+        #[command(flatten)]
+        host: HostArgs,
+        /// Title, 1 to 80 characters.
+        #[arg(long)]
+        title: String,
+        /// Body, at most 180 characters.
+        #[arg(long, default_value = "")]
+        body: String,
+        #[arg(long, value_enum, default_value = "agent-task-complete")]
+        source: SourceArg,
+        /// The agent's state as the desktop knows it: blocked and waiting become needs-input;
+        /// working, running and busy send nothing; anything else becomes finished.
+        #[arg(long)]
+        agent_state: Option<String>,
+        /// The event's id (default: a new UUID). A dismissal names the alert it dismisses.
+        #[arg(long)]
+        notification_id: Option<String>,
+        /// The event's sequence number (default: the current Unix ms).
+        #[arg(long)]
+        seq: Option<u64>,
+        /// The sequence's epoch (default: a new UUID).
+        #[arg(long)]
+        epoch: Option<String>,
+        #[arg(long)]
+        worktree_id: Option<String>,
+        /// Send a dismissal of `--notification-id` instead of an alert.
+        #[arg(long)]
+        dismiss: bool,
+        /// Send to these registration ids directly, bypassing filters (repeatable, at most 20).
+        #[arg(long = "registration-id")]
+        registration_ids: Vec<String>,
+    },
+}
+
+/// Where the gateway is and which host this is.
+#[derive(Args)]
+pub struct HostArgs {
+    /// The gateway's base URL.
+    #[arg(
+        long,
+        env = "ORCA_PUSH_GATEWAY_URL",
+        default_value = "https://push.onorca.dev"
+    )]
+    gateway: String,
+    /// The host key file; its directory also holds the session cache, the phones' registrations
+    /// and the unregister outbox.
+    #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = orca_push_host::default_key_path())]
+    key: PathBuf,
+    /// Print JSON for scripts instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum PlatformArg {
+    Ios,
+    Android,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum EnvironmentArg {
+    Sandbox,
+    Production,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum SourceArg {
+    AgentTaskComplete,
+    TerminalBell,
+    Plugin,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum AgentStateArg {
+    NeedsInput,
+    Finished,
+}
+
+impl From<SourceArg> for Source {
+    fn from(source: SourceArg) -> Self {
+        match source {
+            SourceArg::AgentTaskComplete => Self::AgentTaskComplete,
+            SourceArg::TerminalBell => Self::TerminalBell,
+            SourceArg::Plugin => Self::Plugin,
+        }
+    }
+}
+
+/// The session file beside the key: `host.key` -> `host.session`.
+pub fn session_path(key: &Path) -> PathBuf {
+    key.with_extension("session")
+}
+
+/// The data directory: the key's own directory.
+fn data_dir(key: &Path) -> PathBuf {
+    match key.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn client(host: &HostArgs) -> anyhow::Result<Arc<GatewayClient>> {
+    let key = HostKey::load(&host.key)?;
+    Ok(Arc::new(
+        GatewayClient::new(&host.gateway, key)?.with_session_file(session_path(&host.key)),
+    ))
+}
+
+/// The registrar over the data directory, after one pass of the outbox: a delete that failed on
+/// an earlier run is retried by the next command.
+async fn registrar(
+    host: &HostArgs,
+    client: Arc<GatewayClient>,
+) -> anyhow::Result<Registrar<GatewayClient>> {
+    let dir = data_dir(&host.key);
+    let store = RegistrationStore::open(&dir)
+        .with_context(|| format!("cannot read the registrations in {}", dir.display()))?;
+    let outbox = UnregisterOutbox::open(&dir)
+        .with_context(|| format!("cannot read the unregister outbox in {}", dir.display()))?;
+    let registrar = Registrar::new(
+        client,
+        Arc::new(store),
+        Arc::new(outbox),
+        RegistrarConfig::default(),
+    );
+    let drained = registrar.drain().await;
+    if drained.remaining > 0 {
+        eprintln!(
+            "{} gateway delete(s) still queued; the next host command retries them",
+            drained.remaining
+        );
+    }
+    Ok(registrar)
+}
+
+fn print(json_output: bool, value: serde_json::Value, text: impl FnOnce() -> String) {
+    if json_output {
+        println!("{value}");
+    } else {
+        println!("{}", text());
+    }
+}
+
+pub async fn run(command: HostCommand) -> anyhow::Result<()> {
+    match command {
+        HostCommand::Keygen { key } => {
+            let host_key = HostKey::generate();
+            host_key.save_new(&key)?;
+            println!("hostFingerprint {}", host_key.fingerprint());
+            println!("key written to {}", key.display());
+            Ok(())
+        }
+        HostCommand::Login { host, force } => {
+            let client = client(&host)?;
+            let session = if force {
+                client.login().await?
+            } else {
+                client.session().await?
+            };
+            print(
+                host.json,
+                json!({ "hostFingerprint": session.host_fingerprint, "expiresAt": session.expires_at }),
+                || {
+                    format!(
+                        "hostFingerprint {}\nsession expires at {} (Unix ms)",
+                        session.host_fingerprint, session.expires_at
+                    )
+                },
+            );
+            Ok(())
+        }
+        HostCommand::Register {
+            host,
+            device_id,
+            platform,
+            token,
+            apns_environment,
+            sources,
+            agent_states,
+            silent,
+            independent,
+        } => {
+            let mut filter = HostFilter::everything();
+            if !sources.is_empty() {
+                filter.sources = sources.into_iter().map(Source::from).collect();
+            }
+            if !agent_states.is_empty() {
+                filter.agent_states = agent_states
+                    .into_iter()
+                    .map(|s| match s {
+                        AgentStateArg::NeedsInput => orca_push_host::api::AgentState::NeedsInput,
+                        AgentStateArg::Finished => orca_push_host::api::AgentState::Finished,
+                    })
+                    .collect();
+            }
+            filter.sound = silent.then_some(false);
+            filter.follow_desktop = independent.then_some(false);
+            let platform = match platform {
+                PlatformArg::Ios => Platform::Ios,
+                PlatformArg::Android => Platform::Android,
+            };
+            let environment = apns_environment.map(|e| match e {
+                EnvironmentArg::Sandbox => ApnsEnvironment::Sandbox,
+                EnvironmentArg::Production => ApnsEnvironment::Production,
+            });
+            let registrar = registrar(&host, client(&host)?).await?;
+            match registrar
+                .register(&device_id, platform, &token, environment, filter)
+                .await
+            {
+                RegisterOutcome::Registered { registration_id } => {
+                    print(
+                        host.json,
+                        json!({ "registered": true, "registrationId": registration_id }),
+                        || format!("registrationId {registration_id}"),
+                    );
+                    Ok(())
+                }
+                RegisterOutcome::NotRegistered(reason) => {
+                    print(
+                        host.json,
+                        json!({ "registered": false, "reason": reason.as_str() }),
+                        || format!("not registered: {}", reason.as_str()),
+                    );
+                    anyhow::bail!("registration failed: {}", reason.as_str())
+                }
+            }
+        }
+        HostCommand::Devices { host } => {
+            let list = client(&host)?.devices().await?;
+            if host.json {
+                println!("{}", serde_json::to_string(&list)?);
+            } else if list.devices.is_empty() {
+                println!("no devices registered");
+            } else {
+                for d in &list.devices {
+                    let state = if d.dead { "dead" } else { "live" };
+                    println!(
+                        "{}  device {}  {}  {state}",
+                        d.registration_id, d.device_id, d.platform
+                    );
+                }
+            }
+            Ok(())
+        }
+        HostCommand::Unregister { host, device_id } => {
+            let registrar = registrar(&host, client(&host)?).await?;
+            let unregistered = registrar.unregister(&device_id).await;
+            let drained = registrar.drain().await;
+            print(
+                host.json,
+                json!({ "unregistered": unregistered, "pendingDeletes": drained.remaining }),
+                || match (unregistered, drained.remaining) {
+                    (false, _) => format!("no registration stored for device {device_id}"),
+                    (true, 0) => format!("device {device_id} unregistered"),
+                    (true, n) => format!(
+                        "device {device_id} unregistered here; {n} gateway delete(s) queued for retry"
+                    ),
+                },
+            );
+            Ok(())
+        }
+        HostCommand::Send {
+            host,
+            title,
+            body,
+            source,
+            agent_state,
+            notification_id,
+            seq,
+            epoch,
+            worktree_id,
+            dismiss,
+            registration_ids,
+        } => {
+            let client = client(&host)?;
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let notification_id =
+                notification_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            let epoch = epoch.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            let kind = if dismiss { Kind::Dismiss } else { Kind::Alert };
+            if !registration_ids.is_empty() {
+                let Some(agent_state) = orca_push_host::gateway_agent_state(agent_state.as_deref())
+                else {
+                    anyhow::bail!("the agent is still working: no push sent");
+                };
+                let request = SendRequest::new(
+                    registration_ids,
+                    Notification {
+                        notification_id: Some(notification_id),
+                        notification_seq: seq.unwrap_or(now),
+                        notification_epoch: epoch,
+                        source: source.into(),
+                        agent_state,
+                        title,
+                        body,
+                        worktree_id,
+                        kind: dismiss.then_some(kind),
+                        expires_at: None,
+                        sound: None,
+                    },
+                );
+                let reply = client.send(&request).await?;
+                if host.json {
+                    println!("{}", serde_json::to_string(&reply)?);
+                } else {
+                    for r in &reply.results {
+                        println!("{}  {}", r.registration_id, r.status.as_str());
+                    }
+                }
+                return Ok(());
+            }
+            let dir = data_dir(&host.key);
+            let store =
+                Arc::new(RegistrationStore::open(&dir).with_context(|| {
+                    format!("cannot read the registrations in {}", dir.display())
+                })?);
+            let dispatcher = Dispatcher::new(client, store, DispatchConfig::default());
+            let report = dispatcher
+                .dispatch(DispatchEvent {
+                    notification_id: Some(notification_id),
+                    notification_seq: seq.unwrap_or(now),
+                    notification_epoch: epoch,
+                    source: source.into(),
+                    agent_state,
+                    title,
+                    body,
+                    worktree_id,
+                    kind,
+                    expires_at: None,
+                    emitted_at: Some(now),
+                    desktop_allowed: true,
+                })
+                .await;
+            dispatcher.shutdown().await;
+            let outcomes: serde_json::Map<String, serde_json::Value> = report
+                .outcomes
+                .iter()
+                .map(|(id, outcome)| (id.clone(), json!(outcome_text(outcome))))
+                .collect();
+            let skipped: serde_json::Map<String, serde_json::Value> = report
+                .skipped
+                .iter()
+                .map(|(id, skip)| (id.clone(), json!(format!("{skip:?}"))))
+                .collect();
+            print(
+                host.json,
+                json!({
+                    "notFinal": report.not_final,
+                    "requests": report.requests.len(),
+                    "results": outcomes,
+                    "skipped": skipped,
+                    "droppedDead": report.dropped_dead,
+                }),
+                || {
+                    let mut lines = Vec::new();
+                    if report.not_final {
+                        lines.push("the agent is still working: no push sent".to_owned());
+                    }
+                    if report.outcomes.is_empty() && report.skipped.is_empty() {
+                        lines.push("no registered phone: run `orca-push host register`".into());
+                    }
+                    for (id, outcome) in &report.outcomes {
+                        lines.push(format!("{id}  {}", outcome_text(outcome)));
+                    }
+                    for (id, skip) in &report.skipped {
+                        lines.push(format!("{id}  skipped ({skip:?})"));
+                    }
+                    lines.join("\n")
+                },
+            );
+            Ok(())
+        }
+    }
+}
+
+fn outcome_text(outcome: &orca_push_host::Outcome) -> String {
+    match outcome {
+        orca_push_host::Outcome::Status(status) => status.as_str().to_owned(),
+        orca_push_host::Outcome::Failed(category) => format!("failed: {category}"),
+        orca_push_host::Outcome::NoResult => "no result".to_owned(),
+    }
+}
