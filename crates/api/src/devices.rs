@@ -69,9 +69,9 @@ pub fn validate_token(
         Platform::Android if environment.is_some() => {
             Err(Invalid("android refuses apnsEnvironment"))
         }
-        Platform::Android if !limits::is_fcm_token(token) => Err(Invalid(
-            "android token must be an FCM registration string",
-        )),
+        Platform::Android if !limits::is_fcm_token(token) => {
+            Err(Invalid("android token must be an FCM registration string"))
+        }
         _ => Ok(()),
     }
 }

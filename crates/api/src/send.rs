@@ -123,11 +123,14 @@ impl SendRequest {
 
     /// Every bound of the contract on a send.
     pub fn validate(&self) -> Result<(), Invalid> {
-        if self.registration_ids.is_empty() || self.registration_ids.len() > MAX_REGISTRATION_IDS
-        {
+        if self.registration_ids.is_empty() || self.registration_ids.len() > MAX_REGISTRATION_IDS {
             return Err(Invalid("1 to 20 registrationIds"));
         }
-        if !self.registration_ids.iter().all(|id| limits::is_opaque_id(id)) {
+        if !self
+            .registration_ids
+            .iter()
+            .all(|id| limits::is_opaque_id(id))
+        {
             return Err(Invalid("registrationId: 1 to 128 characters"));
         }
         self.notification.validate()?;
@@ -276,7 +279,10 @@ mod tests {
         assert!(SendRequest::new(ids(20), n.clone()).validate().is_ok());
         assert!(SendRequest::new(ids(21), n.clone()).validate().is_err());
         assert!(SendRequest::new(vec![], n.clone()).validate().is_err());
-        assert_eq!(SendRequest::new(ids(5), n).distinct_ids(), ["r0", "r1", "r2"]);
+        assert_eq!(
+            SendRequest::new(ids(5), n).distinct_ids(),
+            ["r0", "r1", "r2"]
+        );
     }
 
     #[test]
