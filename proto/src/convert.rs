@@ -48,7 +48,11 @@ pub fn environment_from_wire(value: i32) -> Result<Option<api::ApnsEnvironment>,
 impl From<api::DeviceFilter> for registry::DeviceFilter {
     fn from(filter: api::DeviceFilter) -> Self {
         Self {
-            sources: filter.sources.iter().map(|s| s.as_str().to_owned()).collect(),
+            sources: filter
+                .sources
+                .iter()
+                .map(|s| s.as_str().to_owned())
+                .collect(),
             agent_states: filter
                 .agent_states
                 .iter()

@@ -40,10 +40,7 @@ impl DeviceFilter {
     }
 }
 
-fn is_set_of(
-    values: &[String],
-    known: impl Fn(&str) -> bool,
-) -> Result<(), RegistryError> {
+fn is_set_of(values: &[String], known: impl Fn(&str) -> bool) -> Result<(), RegistryError> {
     for (i, value) in values.iter().enumerate() {
         if !known(value) {
             return Err(RegistryError::InvalidRequest(
@@ -87,12 +84,8 @@ impl Registration {
                 "deviceId must be 1 to 128 characters, no NUL",
             ));
         }
-        orca_push_api::devices::validate_token(
-            self.platform,
-            self.apns_environment,
-            &self.token,
-        )
-        .map_err(|invalid| RegistryError::InvalidRequest(invalid.0))?;
+        orca_push_api::devices::validate_token(self.platform, self.apns_environment, &self.token)
+            .map_err(|invalid| RegistryError::InvalidRequest(invalid.0))?;
         if let Some(filter) = &self.filter {
             filter.validate()?;
         }
