@@ -478,3 +478,64 @@ async fn the_outbox_worker_retries_with_backoff_until_the_gateway_is_back() {
     stop.send(true).unwrap();
     worker.await.unwrap();
 }
+
+/// The README's five-minute walk-through, run as written: only the build line is replaced by the
+/// test build's binaries, and port 8080 by a free one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_walkthrough_works_as_written() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let block = readme
+        .split("<!-- walkthrough:start -->")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- walkthrough:end -->").next())
+        .expect("the README has the walk-through");
+    let script = block
+        .trim()
+        .trim_start_matches("```sh")
+        .trim_end_matches("```");
+    let (build, rest) = script.trim().split_once('\n').unwrap();
+    assert!(build.starts_with("cargo build --release"), "{build}");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let bin = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(orca_push_tests::binary(), bin.path().join("orca-push")).unwrap();
+    std::os::unix::fs::symlink(
+        env!("CARGO_BIN_EXE_orca-push-mock-providers"),
+        bin.path().join("orca-push-mock-providers"),
+    )
+    .unwrap();
+    let rest = rest
+        .replace(
+            r#"export PATH="$PWD/target/release:$PATH""#,
+            &format!(r#"export PATH="{}:$PATH""#, bin.path().display()),
+        )
+        .replace("8080", &port.to_string());
+    let run = tokio::process::Command::new("bash")
+        .arg("-euc")
+        .arg(&rest)
+        .env_remove("ORCA_PUSH_GATEWAY_URL")
+        .env_remove("ORCA_PUSH_HOST_KEY")
+        .env_remove("ORCA_PUSH_DATABASE_URL")
+        // Other tests' gateways may hold the default metrics port on this machine.
+        .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the walk-through finishes")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("hostFingerprint"), "{stdout}");
+    assert!(stdout.contains("registrationId"), "{stdout}");
+    assert!(stdout.contains("device pixel-1"), "{stdout}");
+    assert!(
+        stdout.contains("push arrived: provider=fcm token=demo-fcm"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("device pixel-1 unregistered"), "{stdout}");
+}
