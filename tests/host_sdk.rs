@@ -539,3 +539,38 @@ async fn the_readme_walkthrough_works_as_written() {
     );
     assert!(stdout.contains("device pixel-1 unregistered"), "{stdout}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_the_host_cannot_store_is_deleted_at_the_gateway() {
+    let gateway = Gateway::start(Backend::Sqlite).await;
+    let dir = tempfile::tempdir().unwrap();
+    let client = Arc::new(GatewayClient::new(&gateway.base, HostKey::generate()).unwrap());
+    let registrar = registrar(&client, dir.path(), RegistrarConfig::default());
+    // The store's file becomes a non-empty directory: every write fails, even for root.
+    let file = dir.path().join(orca_push_host::REGISTRATIONS_FILE);
+    std::fs::create_dir_all(file.join("blocker")).unwrap();
+    let outcome = registrar
+        .register(
+            "phone",
+            Platform::Android,
+            &fcm_token("s"),
+            None,
+            HostFilter::everything(),
+        )
+        .await;
+    assert_eq!(
+        outcome,
+        RegisterOutcome::NotRegistered(NotRegistered::StorageFailed)
+    );
+    assert_eq!(
+        registrar.outbox().pending().len(),
+        1,
+        "its delete is queued"
+    );
+    let pass = registrar.drain().await;
+    assert_eq!((pass.deleted, pass.remaining), (1, 0), "{pass:?}");
+    assert!(
+        client.devices().await.unwrap().devices.is_empty(),
+        "nothing is left registered that the host does not know of"
+    );
+}

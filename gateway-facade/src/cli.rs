@@ -20,7 +20,7 @@ const HARD_DEADLINE: std::time::Duration = std::time::Duration::from_secs(9);
     version,
     about = "The orca-push gateway: desktop hosts to their phones through APNs and FCM"
 )]
-struct Cli {
+pub struct Cli {
     #[command(subcommand)]
     command: Command,
 }

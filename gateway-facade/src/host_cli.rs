@@ -40,6 +40,7 @@ pub enum HostCommand {
         /// The desktop's id for the paired phone (1 to 128 characters).
         #[arg(long)]
         device_id: String,
+        /// The phone's platform.
         #[arg(long, value_enum)]
         platform: PlatformArg,
         /// The phone's native token: APNs hex, or an FCM registration string.
@@ -86,6 +87,7 @@ pub enum HostCommand {
         /// Body, at most 180 characters.
         #[arg(long, default_value = "")]
         body: String,
+        /// What raised the notification.
         #[arg(long, value_enum, default_value = "agent-task-complete")]
         source: SourceArg,
         /// The agent's state as the desktop knows it: blocked and waiting become needs-input;
@@ -101,6 +103,7 @@ pub enum HostCommand {
         /// The sequence's epoch (default: a new UUID).
         #[arg(long)]
         epoch: Option<String>,
+        /// The worktree the event belongs to (at most 2048 characters).
         #[arg(long)]
         worktree_id: Option<String>,
         /// Send a dismissal of `--notification-id` instead of an alert.
@@ -461,5 +464,32 @@ fn outcome_text(outcome: &orca_push_host::Outcome) -> String {
         orca_push_host::Outcome::Status(status) => status.as_str().to_owned(),
         orca_push_host::Outcome::Failed(category) => format!("failed: {category}"),
         orca_push_host::Outcome::NoResult => "no result".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    /// `orca-push host <command> --help` explains every argument.
+    #[test]
+    fn every_host_argument_has_help_text() {
+        let mut cli = crate::cli::Cli::command();
+        cli.build();
+        let host = cli.find_subcommand("host").expect("host command");
+        for command in host.get_subcommands() {
+            assert!(command.get_about().is_some(), "{}", command.get_name());
+            for arg in command.get_arguments() {
+                if matches!(arg.get_id().as_str(), "help" | "version") {
+                    continue;
+                }
+                assert!(
+                    arg.get_help().is_some(),
+                    "host {} --{} has no help",
+                    command.get_name(),
+                    arg.get_id()
+                );
+            }
+        }
     }
 }
