@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::get;
 use orca_push_telemetry::set_parent_from_headers;
 use tracing::Instrument as _;
 
@@ -66,39 +66,52 @@ impl AppState {
     }
 }
 
-/// The public HTTP API.
+/// The serve-mode routes and their OpenAPI document, from one source: each handler's
+/// `#[utoipa::path]` gives both its route and its documentation. The rate-limit and draining
+/// layers are the router's, and do not change the document.
+pub fn documented_routes() -> (Router<AppState>, utoipa::openapi::OpenApi) {
+    use utoipa::OpenApi as _;
+    use utoipa_axum::router::OpenApiRouter;
+    use utoipa_axum::routes;
+    let health = OpenApiRouter::<AppState>::with_openapi(crate::openapi::ApiDoc::openapi())
+        .routes(routes!(routes::health::health))
+        .routes(routes!(routes::health::healthz))
+        .routes(routes!(routes::health::ready));
+    let unauthenticated = OpenApiRouter::new()
+        .routes(routes!(routes::host::challenge))
+        .routes(routes!(routes::host::session));
+    let authenticated = OpenApiRouter::new()
+        .routes(routes!(routes::devices::register, routes::devices::list))
+        .routes(routes!(routes::devices::delete))
+        .routes(routes!(routes::send::send));
+    health
+        .merge(unauthenticated)
+        .merge(authenticated)
+        .split_for_parts()
+}
+
+/// The public HTTP API: the documented routes, `/openapi.json`, and the layers.
 pub fn router(state: AppState) -> Router {
-    let common = Router::new()
-        .route("/health", get(routes::health::health))
-        .route("/healthz", get(routes::health::health))
-        .route("/ready", get(routes::health::ready));
-    let api = match state.mode {
-        Mode::Serve => Router::new()
-            .route("/v1/host/challenge", post(routes::host::challenge))
-            .route("/v1/host/session", post(routes::host::session))
-            // Runs before the body is read: a refused client costs no parsing.
-            .route_layer(middleware::from_fn_with_state(
+    let (documented, _) = documented_routes();
+    let routes = documented.route("/openapi.json", get(openapi_json));
+    let routes = match state.mode {
+        Mode::Serve => routes
+            // Before the body is read: a refused client costs no parsing.
+            .layer(middleware::from_fn_with_state(
                 state.clone(),
                 unauthenticated_bucket,
             ))
-            .route(
-                "/v1/devices",
-                post(routes::devices::register).get(routes::devices::list),
-            )
-            .route(
-                "/v1/devices/{registration_id}",
-                delete(routes::devices::delete),
-            )
-            .route("/v1/send", post(routes::send::send))
             // Outermost on /v1: a draining instance takes no new work at all.
             .layer(middleware::from_fn_with_state(
                 state.clone(),
                 refuse_when_draining,
             )),
-        Mode::Validation => Router::new().route("/v1/{*rest}", axum::routing::any(validation_only)),
+        // Every /v1 route, known or not, answers `validation_only`.
+        Mode::Validation => routes
+            .route("/v1/{*rest}", axum::routing::any(validation_only))
+            .layer(middleware::from_fn(validation_only_on_v1)),
     };
-    common
-        .merge(api)
+    routes
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
         .with_state(state)
@@ -112,12 +125,43 @@ pub fn router(state: AppState) -> Router {
         )
 }
 
+fn is_v1(request: &Request) -> bool {
+    request.uri().path().starts_with("/v1/")
+}
+
+/// The two routes a host calls before it has a session.
+fn is_host_proof(request: &Request) -> bool {
+    matches!(
+        request.uri().path(),
+        "/v1/host/challenge" | "/v1/host/session"
+    )
+}
+
+async fn validation_only_on_v1(request: Request, next: Next) -> Response {
+    if is_v1(&request) {
+        return ApiError::ValidationOnly.into_response();
+    }
+    next.run(request).await
+}
+
+/// `GET /openapi.json`: the document of the public API (also committed as docs/openapi.json).
+async fn openapi_json() -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        )],
+        crate::openapi::document_json(),
+    )
+        .into_response()
+}
+
 async fn refuse_when_draining(
     State(state): State<AppState>,
     request: Request,
     next: Next,
 ) -> Response {
-    if state.draining.is_cancelled() {
+    if is_v1(&request) && state.draining.is_cancelled() {
         return ApiError::ShuttingDown.into_response();
     }
     next.run(request).await
@@ -129,6 +173,9 @@ async fn unauthenticated_bucket(
     request: Request,
     next: Next,
 ) -> Response {
+    if !is_host_proof(&request) {
+        return next.run(request).await;
+    }
     let client = state.limits.client(request.headers());
     match state.limits.admit_unauthenticated(&client) {
         Ok(()) => next.run(request).await,

@@ -15,6 +15,7 @@ pub mod host_cli;
 pub mod json;
 pub mod limits;
 pub mod metrics;
+pub mod openapi;
 pub mod routes;
 pub mod sessions;
 pub mod topology;

@@ -8,6 +8,7 @@ use crate::{AgentState, ApnsEnvironment, Invalid, Platform, Source, V1};
 /// A phone's delivery filter. The gateway stores it so a restarted host can re-read it; the host
 /// enforces it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct DeviceFilter {
     pub sources: Vec<Source>,
@@ -41,12 +42,16 @@ fn has_repeats<T: PartialEq>(values: &[T]) -> bool {
 
 /// The body of `POST /v1/devices`: an upsert keyed by (host, deviceId).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct RegisterRequest {
     pub v: V1,
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 128))]
     pub device_id: String,
     pub platform: Platform,
-    /// The native push token. Never logged.
+    /// The native push token: for ios, hex pairs; for android, an FCM registration string (32 or
+    /// more of `[A-Za-z0-9_:.-]`). Never logged, never returned.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 4096))]
     pub token: String,
     /// Required for iOS, refused for Android.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -97,6 +102,7 @@ impl std::fmt::Display for RegisterRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RegisterReply {
     pub registration_id: String,
@@ -104,6 +110,7 @@ pub struct RegisterReply {
 
 /// One row of `GET /v1/devices`. Never carries the token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Device {
     pub registration_id: String,
@@ -116,6 +123,7 @@ pub struct Device {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeviceList {
     pub devices: Vec<Device>,
 }

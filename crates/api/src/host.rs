@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::V1;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ChallengeRequest {
     pub v: V1,
@@ -13,6 +14,7 @@ pub struct ChallengeRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ChallengeReply {
     pub challenge_id: String,
@@ -24,6 +26,7 @@ pub struct ChallengeReply {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct SessionRequest {
     pub v: V1,
@@ -34,6 +37,7 @@ pub struct SessionRequest {
 
 /// A minted session. Debug never shows the token.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct SessionReply {
     pub session_token: String,
@@ -53,6 +57,7 @@ impl std::fmt::Debug for SessionReply {
 
 /// `GET /health`. Hosts read `deliveryProtocol` to learn which notification fields a gateway takes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Health {
     pub ok: bool,
@@ -62,6 +67,13 @@ pub struct Health {
     pub delivery_protocol: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
+}
+
+/// `GET /ready` when every dependency answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Ready {
+    pub ok: bool,
 }
 
 fn first_protocol() -> u32 {

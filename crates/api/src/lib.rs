@@ -14,7 +14,7 @@ mod values;
 
 pub use devices::{Device, DeviceFilter, DeviceList, RegisterReply, RegisterRequest};
 pub use error::{ErrorBody, ErrorCode};
-pub use host::{ChallengeReply, ChallengeRequest, Health, SessionReply, SessionRequest};
+pub use host::{ChallengeReply, ChallengeRequest, Health, Ready, SessionReply, SessionRequest};
 pub use send::{Notification, SendReply, SendRequest, SendResult, SendStatus};
 pub use values::{AgentState, ApnsEnvironment, Kind, Platform, Source, V1};
 

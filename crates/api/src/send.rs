@@ -5,24 +5,36 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::limits::{self, MAX_NOTIFICATION_BYTES, MAX_REGISTRATION_IDS, MAX_SAFE_INTEGER};
 use crate::{AgentState, Invalid, Kind, Source, V1};
 
-/// One notification, as the host sends it and the gateway admits it.
+/// One notification, as the host sends it and the gateway admits it. Its JSON is at most 3,000
+/// UTF-8 bytes; lengths are counted in UTF-16 code units.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Notification {
-    /// Absent only for a terminal bell; a dismissal needs one.
+    /// Absent only for a terminal bell; a dismissal needs one. Printable ASCII.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(min_length = 1, max_length = 2048, pattern = "^[ -~]+$")
+    )]
     pub notification_id: Option<String>,
+    #[cfg_attr(feature = "openapi", schema(maximum = 9_007_199_254_740_991_u64))]
     pub notification_seq: u64,
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 128))]
     pub notification_epoch: String,
     pub source: Source,
     /// Required, and may be null.
     #[serde(deserialize_with = "nullable")]
+    #[cfg_attr(feature = "openapi", schema(required = true))]
     pub agent_state: Option<AgentState>,
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 80))]
     pub title: String,
+    #[cfg_attr(feature = "openapi", schema(max_length = 180))]
     pub body: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(max_length = 2048))]
     pub worktree_id: Option<String>,
-    /// Alert when absent. Needs a gateway at [`crate::DELIVERY_PROTOCOL_WITH_KIND`].
+    /// Alert when absent. Taken by gateways whose `/health` says `deliveryProtocol` 2 or more.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<Kind>,
     /// Unix ms; the gateway caps it at five minutes from first acceptance.
@@ -91,10 +103,12 @@ impl Notification {
 
 /// The body of `POST /v1/send`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct SendRequest {
     pub v: V1,
     /// 1 to 20, counted as sent; the gateway answers each distinct id once, first-seen order.
+    #[cfg_attr(feature = "openapi", schema(min_items = 1, max_items = 20))]
     pub registration_ids: Vec<String>,
     #[serde(deserialize_with = "within_size_cap")]
     pub notification: Notification,
@@ -154,6 +168,7 @@ impl SendRequest {
 
 /// What became of one registration of a send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum SendStatus {
     /// Committed: it reaches the phone or expires at its deadline.
@@ -178,6 +193,7 @@ impl SendStatus {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct SendResult {
     pub registration_id: String,
@@ -185,6 +201,7 @@ pub struct SendResult {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SendReply {
     pub results: Vec<SendResult>,
 }

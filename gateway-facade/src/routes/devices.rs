@@ -3,7 +3,7 @@
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use orca_push_api::{Device, DeviceList, RegisterReply};
+use orca_push_api::{Device, DeviceList, ErrorBody, RegisterReply};
 use orca_push_proto::convert;
 use orca_push_proto::registry::v1 as pb;
 
@@ -24,6 +24,24 @@ pub fn registration_request(
     convert::register_request(body, host_fingerprint)
 }
 
+/// Registers a phone's native push token, or replaces it: an upsert keyed by (host, deviceId).
+#[utoipa::path(
+    post,
+    path = "/v1/devices",
+    tag = "devices",
+    request_body = RegisterBody,
+    responses(
+        (status = 200, description = "The registration's id", body = RegisterReply),
+        (status = 400, description = "`invalid_request`: the body breaks the contract's schema or bounds", body = ErrorBody),
+        (status = 401, description = "`invalid_token` or `session_expired`: prove the key again", body = ErrorBody),
+        (status = 409, description = "`too_many_devices`: the host already holds 64 registrations", body = ErrorBody),
+        (status = 413, description = "`request_too_large`: the body is over 16 KiB", body = ErrorBody),
+        (status = 429, description = "`rate_limited`: a request bucket is empty (Retry-After says when to come back)", body = ErrorBody),
+        (status = 500, description = "`internal`", body = ErrorBody),
+        (status = 503, description = "`busy` (with Retry-After), `shutting_down`, `dependency_unavailable` or `validation_only`", body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+)]
 pub async fn register(
     State(state): State<AppState>,
     host: AuthenticatedHost,
@@ -42,6 +60,20 @@ pub async fn register(
     }))
 }
 
+/// This host's registrations (at most 1024), never their tokens.
+#[utoipa::path(
+    get,
+    path = "/v1/devices",
+    tag = "devices",
+    responses(
+        (status = 200, description = "The host's registrations", body = DeviceList),
+        (status = 401, description = "`invalid_token` or `session_expired`: prove the key again", body = ErrorBody),
+        (status = 429, description = "`rate_limited`: a request bucket is empty (Retry-After says when to come back)", body = ErrorBody),
+        (status = 500, description = "`internal`", body = ErrorBody),
+        (status = 503, description = "`busy` (with Retry-After), `shutting_down`, `dependency_unavailable` or `validation_only`", body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+)]
 pub async fn list(
     State(state): State<AppState>,
     host: AuthenticatedHost,
@@ -73,6 +105,23 @@ pub async fn list(
     Ok(Json(DeviceList { devices }))
 }
 
+/// Deletes one of this host's registrations, freeing its slot.
+#[utoipa::path(
+    delete,
+    path = "/v1/devices/{registrationId}",
+    tag = "devices",
+    params(("registrationId" = String, Path, description = "A registration id of this host")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 400, description = "`invalid_request`: the body breaks the contract's schema or bounds", body = ErrorBody),
+        (status = 401, description = "`invalid_token` or `session_expired`: prove the key again", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such registration of this host", body = ErrorBody),
+        (status = 429, description = "`rate_limited`: a request bucket is empty (Retry-After says when to come back)", body = ErrorBody),
+        (status = 500, description = "`internal`", body = ErrorBody),
+        (status = 503, description = "`busy` (with Retry-After), `shutting_down`, `dependency_unavailable` or `validation_only`", body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+)]
 pub async fn delete(
     State(state): State<AppState>,
     host: AuthenticatedHost,

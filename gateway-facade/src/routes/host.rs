@@ -2,7 +2,7 @@
 
 use axum::Json;
 use axum::extract::State;
-use orca_push_api::{ChallengeReply, SessionReply};
+use orca_push_api::{ChallengeReply, ErrorBody, SessionReply};
 use orca_push_proto::auth::v1 as pb;
 
 use crate::app::AppState;
@@ -12,6 +12,22 @@ use crate::json::{StrictJson, decode_base64_exact, encode_base64};
 pub type ChallengeBody = orca_push_api::ChallengeRequest;
 pub type SessionBody = orca_push_api::SessionRequest;
 
+/// Starts the host's proof: a sealed challenge for its X25519 key. Unauthenticated, and charged to
+/// the client IP's bucket of 30 a minute shared with `/v1/host/session`.
+#[utoipa::path(
+    post,
+    path = "/v1/host/challenge",
+    tag = "host",
+    request_body = ChallengeBody,
+    responses(
+        (status = 200, description = "A challenge, valid for 10 s", body = ChallengeReply),
+        (status = 400, description = "`invalid_request`: the body breaks the contract's schema or bounds", body = ErrorBody),
+        (status = 413, description = "`request_too_large`: the body is over 16 KiB", body = ErrorBody),
+        (status = 429, description = "`rate_limited`: a request bucket is empty (Retry-After says when to come back)", body = ErrorBody),
+        (status = 500, description = "`internal`", body = ErrorBody),
+        (status = 503, description = "`busy` (with Retry-After), `shutting_down`, `dependency_unavailable` or `validation_only`", body = ErrorBody),
+    ),
+)]
 pub async fn challenge(
     State(state): State<AppState>,
     StrictJson(body): StrictJson<ChallengeBody>,
@@ -35,6 +51,23 @@ pub async fn challenge(
     }))
 }
 
+/// Ends the proof: the HMAC answer to a challenge buys a 24 h session (and ends the host's earlier
+/// one).
+#[utoipa::path(
+    post,
+    path = "/v1/host/session",
+    tag = "host",
+    request_body = SessionBody,
+    responses(
+        (status = 200, description = "The session; its token is the bearer of every other /v1 call", body = SessionReply),
+        (status = 400, description = "`invalid_request`: the body breaks the contract's schema or bounds", body = ErrorBody),
+        (status = 401, description = "`invalid_challenge` (unknown, used or expired) or `invalid_proof`", body = ErrorBody),
+        (status = 413, description = "`request_too_large`: the body is over 16 KiB", body = ErrorBody),
+        (status = 429, description = "`rate_limited`: a request bucket is empty (Retry-After says when to come back)", body = ErrorBody),
+        (status = 500, description = "`internal`", body = ErrorBody),
+        (status = 503, description = "`busy` (with Retry-After), `shutting_down`, `dependency_unavailable` or `validation_only`", body = ErrorBody),
+    ),
+)]
 pub async fn session(
     State(state): State<AppState>,
     StrictJson(body): StrictJson<SessionBody>,

@@ -3,7 +3,7 @@
 
 use axum::Json;
 use axum::extract::State;
-use orca_push_api::{SendReply, SendResult, SendStatus};
+use orca_push_api::{ErrorBody, SendReply, SendResult, SendStatus};
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
 
@@ -41,6 +41,23 @@ pub fn parse_send(body: SendBody) -> Result<SendRequest, ApiError> {
     })
 }
 
+/// One notification to at most 20 of this host's registrations: one result per distinct id.
+#[utoipa::path(
+    post,
+    path = "/v1/send",
+    tag = "send",
+    request_body = SendBody,
+    responses(
+        (status = 200, description = "One status per distinct registration id, in first-seen order; `queued` means committed", body = SendReply),
+        (status = 400, description = "`invalid_request`: the body breaks the contract's schema or bounds", body = ErrorBody),
+        (status = 401, description = "`invalid_token` or `session_expired`: prove the key again", body = ErrorBody),
+        (status = 413, description = "`request_too_large`: the body is over 16 KiB", body = ErrorBody),
+        (status = 429, description = "`rate_limited`: a request bucket is empty (Retry-After says when to come back)", body = ErrorBody),
+        (status = 500, description = "`internal`", body = ErrorBody),
+        (status = 503, description = "`busy` (with Retry-After), `shutting_down`, `dependency_unavailable` or `validation_only`", body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+)]
 pub async fn send(
     State(state): State<AppState>,
     host: AuthenticatedHost,
