@@ -148,10 +148,16 @@ async fn concurrent_401s_cost_one_login_and_keep_every_task_working() {
     let other = GatewayClient::new(&gateway.base, key.clone()).unwrap();
     other.login().await.unwrap();
     let before = challenges(&gateway).await;
+    // All eight start together, each with the refused token in hand.
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
     let tasks: Vec<_> = (0..8)
         .map(|_| {
             let desktop = desktop.clone();
-            tokio::spawn(async move { desktop.devices().await })
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                desktop.devices().await
+            })
         })
         .collect();
     for task in tasks {
@@ -522,6 +528,7 @@ async fn the_readme_walkthrough_works_as_written() {
         .env_remove("ORCA_PUSH_DATABASE_URL")
         // Other tests' gateways may hold the default metrics port on this machine.
         .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
+        .kill_on_drop(true)
         .output();
     let out = tokio::time::timeout(Duration::from_secs(120), run)
         .await

@@ -43,9 +43,17 @@ pub enum HostCommand {
         /// The phone's platform.
         #[arg(long, value_enum)]
         platform: PlatformArg,
-        /// The phone's native token: APNs hex, or an FCM registration string.
+        /// The phone's native token: APNs hex, or an FCM registration string. It lands in the
+        /// shell's history; --token-file keeps it out.
+        #[arg(
+            long,
+            required_unless_present = "token_file",
+            conflicts_with = "token_file"
+        )]
+        token: Option<String>,
+        /// A file holding the phone's native token (surrounding whitespace is ignored).
         #[arg(long)]
-        token: String,
+        token_file: Option<PathBuf>,
         /// APNs endpoint of an iOS token (required for ios, refused for android).
         #[arg(long, value_enum)]
         apns_environment: Option<EnvironmentArg>,
@@ -174,12 +182,27 @@ pub fn session_path(key: &Path) -> PathBuf {
     key.with_extension("session")
 }
 
-/// The data directory: the key's own directory.
-fn data_dir(key: &Path) -> PathBuf {
-    match key.parent() {
+/// The registrations and the outbox of one gateway: a folder per gateway origin in the key's
+/// directory, so deletes owed to one gateway are never sent to another, and `host send` never
+/// dispatches one gateway's registration ids to another.
+fn data_dir(host: &HostArgs) -> anyhow::Result<PathBuf> {
+    let key_dir = match host.key.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
         _ => PathBuf::from("."),
-    }
+    };
+    let origin = orca_push_host::origin_of(&host.gateway)?;
+    let folder: String = origin
+        .replace("://", "_")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    Ok(key_dir.join(format!("gateway-{folder}")))
 }
 
 fn client(host: &HostArgs) -> anyhow::Result<Arc<GatewayClient>> {
@@ -195,7 +218,7 @@ async fn registrar(
     host: &HostArgs,
     client: Arc<GatewayClient>,
 ) -> anyhow::Result<Registrar<GatewayClient>> {
-    let dir = data_dir(&host.key);
+    let dir = data_dir(host)?;
     let store = RegistrationStore::open(&dir)
         .with_context(|| format!("cannot read the registrations in {}", dir.display()))?;
     let outbox = UnregisterOutbox::open(&dir)
@@ -257,6 +280,7 @@ pub async fn run(command: HostCommand) -> anyhow::Result<()> {
             device_id,
             platform,
             token,
+            token_file,
             apns_environment,
             sources,
             agent_states,
@@ -286,6 +310,14 @@ pub async fn run(command: HostCommand) -> anyhow::Result<()> {
                 EnvironmentArg::Sandbox => ApnsEnvironment::Sandbox,
                 EnvironmentArg::Production => ApnsEnvironment::Production,
             });
+            let token = match (token, token_file) {
+                (Some(token), _) => token,
+                (None, Some(path)) => std::fs::read_to_string(&path)
+                    .with_context(|| format!("cannot read {}", path.display()))?
+                    .trim()
+                    .to_owned(),
+                (None, None) => anyhow::bail!("--token or --token-file is required"),
+            };
             let registrar = registrar(&host, client(&host)?).await?;
             match registrar
                 .register(&device_id, platform, &token, environment, filter)
@@ -395,7 +427,7 @@ pub async fn run(command: HostCommand) -> anyhow::Result<()> {
                 }
                 return Ok(());
             }
-            let dir = data_dir(&host.key);
+            let dir = data_dir(&host)?;
             let store =
                 Arc::new(RegistrationStore::open(&dir).with_context(|| {
                     format!("cannot read the registrations in {}", dir.display())

@@ -33,11 +33,14 @@ async fn main() -> anyhow::Result<()> {
     fcm.stream_to(sink);
     let mut env = apns.env();
     env.extend(fcm.env());
-    let mut file = std::fs::File::create(&args.env_file)?;
+    // Written beside it and renamed into place, so a reader never sees half a file.
+    let partial = args.env_file.with_extension("partial");
+    let mut file = std::fs::File::create(&partial)?;
     for (name, value) in &env {
         writeln!(file, "export {name}={}", quoted(value))?;
     }
     file.sync_all()?;
+    std::fs::rename(&partial, &args.env_file)?;
     println!(
         "mock APNs at {}, mock FCM at {}; gateway environment in {}",
         apns.url,

@@ -40,8 +40,9 @@ fn has_repeats<T: PartialEq>(values: &[T]) -> bool {
         .any(|(i, v)| values[..i].contains(v))
 }
 
-/// The body of `POST /v1/devices`: an upsert keyed by (host, deviceId).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// The body of `POST /v1/devices`: an upsert keyed by (host, deviceId). Debug and Display never
+/// show the token.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct RegisterRequest {
@@ -91,6 +92,17 @@ impl RegisterRequest {
             Some(filter) => filter.validate(),
             None => Ok(()),
         }
+    }
+}
+
+impl std::fmt::Debug for RegisterRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisterRequest")
+            .field("device_id", &self.device_id)
+            .field("platform", &self.platform)
+            .field("apns_environment", &self.apns_environment)
+            .field("filter", &self.filter)
+            .finish_non_exhaustive()
     }
 }
 
@@ -184,5 +196,7 @@ mod tests {
     fn display_never_shows_the_token() {
         let shown = ios("deadbeef").to_string();
         assert!(!shown.contains("deadbeef"), "{shown}");
+        let debugged = format!("{:?}", ios("deadbeef"));
+        assert!(!debugged.contains("deadbeef"), "{debugged}");
     }
 }

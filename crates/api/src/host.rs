@@ -50,7 +50,10 @@ impl std::fmt::Debug for SessionReply {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SessionReply")
             .field("expires_at", &self.expires_at)
-            .field("host_fingerprint", &self.host_fingerprint)
+            .field(
+                "host_fingerprint",
+                &self.host_fingerprint.chars().take(4).collect::<String>(),
+            )
             .finish_non_exhaustive()
     }
 }

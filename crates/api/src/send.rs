@@ -7,7 +7,7 @@ use crate::{AgentState, Invalid, Kind, Source, V1};
 
 /// One notification, as the host sends it and the gateway admits it. Its JSON is at most 3,000
 /// UTF-8 bytes; lengths are counted in UTF-16 code units.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Notification {
@@ -43,6 +43,20 @@ pub struct Notification {
     /// `Some(false)` asks for a silent alert.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sound: Option<bool>,
+}
+
+impl std::fmt::Debug for Notification {
+    /// Never shows the title, body or ids: they are the user's text.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Notification")
+            .field("notification_seq", &self.notification_seq)
+            .field("source", &self.source)
+            .field("agent_state", &self.agent_state)
+            .field("kind", &self.kind)
+            .field("expires_at", &self.expires_at)
+            .field("sound", &self.sound)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A required field that may be null: absent is an error, unlike a plain `Option`.

@@ -151,8 +151,8 @@ impl GatewayClient {
     pub async fn login(&self) -> Result<SessionInfo, GatewayError> {
         let mut guard = self.session.lock().await;
         let session = self.handshake().await?;
-        self.store_session(&session)?;
         *guard = Some(session.clone());
+        self.store_session(&session);
         Ok(session)
     }
 
@@ -168,8 +168,8 @@ impl GatewayClient {
             return Ok(session);
         }
         let session = self.handshake().await?;
-        self.store_session(&session)?;
         *guard = Some(session.clone());
+        self.store_session(&session);
         Ok(session)
     }
 
@@ -188,8 +188,8 @@ impl GatewayClient {
             return Ok(session);
         }
         let session = self.handshake().await?;
-        self.store_session(&session)?;
         *guard = Some(session.clone());
+        self.store_session(&session);
         Ok(session)
     }
 
@@ -342,15 +342,21 @@ impl GatewayClient {
         })
     }
 
-    fn store_session(&self, session: &SessionInfo) -> Result<(), GatewayError> {
+    /// Keeps a new session in the shared file. A failure is logged, not returned: the session is
+    /// already minted (and has revoked the host's earlier one), so throwing it away would only
+    /// make the next call prove the key again, and again, each time revoking another process's
+    /// session and spending the IP's challenge bucket. Other processes merely miss the new one.
+    fn store_session(&self, session: &SessionInfo) {
         let Some(file) = &self.session_file else {
-            return Ok(());
+            return;
         };
-        file.store(&self.origin, session)
-            .map_err(|source| GatewayError::SessionCache {
-                path: file.path().display().to_string(),
-                source,
-            })
+        if let Err(error) = file.store(&self.origin, session) {
+            tracing::warn!(
+                path = %file.path().display(),
+                %error,
+                "cannot write the session cache; this process keeps its session in memory"
+            );
+        }
     }
 }
 

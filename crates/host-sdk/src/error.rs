@@ -30,11 +30,6 @@ pub enum GatewayError {
     Malformed(&'static str),
     #[error(transparent)]
     Key(#[from] KeyError),
-    #[error("cannot write the session cache {path}: {source}")]
-    SessionCache {
-        path: String,
-        source: std::io::Error,
-    },
 }
 
 impl GatewayError {
@@ -75,7 +70,7 @@ impl GatewayError {
     pub fn is_auth(&self) -> bool {
         match self {
             Self::Api { status, .. } => *status == 401,
-            Self::Refused(_) | Self::Key(_) | Self::SessionCache { .. } => true,
+            Self::Refused(_) | Self::Key(_) => true,
             _ => false,
         }
     }
@@ -91,7 +86,6 @@ impl GatewayError {
             Self::Refused(_) => "challenge_refused",
             Self::Malformed(_) => "malformed_reply",
             Self::Key(_) => "key_file",
-            Self::SessionCache { .. } => "session_cache",
         }
     }
 }

@@ -32,7 +32,10 @@ pub struct HostKey {
 impl std::fmt::Debug for HostKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostKey")
-            .field("fingerprint", &self.fingerprint())
+            .field(
+                "fingerprint",
+                &crate::short_fingerprint(&self.fingerprint()),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -52,12 +55,19 @@ struct KeyFile {
 
 /// Where the CLI and the example keep the host key when no path is given: the platform's config
 /// directory (`~/.config` on Linux, `~/Library/Application Support` on macOS, `%APPDATA%` on
-/// Windows), under `orca-push/`. Falls back to the working directory where there is none.
+/// Windows), under `orca-push/`, or the working directory where there is none. A key at the
+/// earlier default, `~/.orca-push/host.key`, is still used while none exists at the new place, so
+/// an existing host keeps its identity and its registrations.
 pub fn default_key_path() -> PathBuf {
-    dirs::config_dir()
+    let current = dirs::config_dir()
         .unwrap_or_else(|| PathBuf::from("."))
         .join("orca-push")
-        .join("host.key")
+        .join("host.key");
+    let legacy = dirs::home_dir().map(|home| home.join(".orca-push").join("host.key"));
+    match legacy {
+        Some(legacy) if !current.exists() && legacy.exists() => legacy,
+        _ => current,
+    }
 }
 
 impl HostKey {

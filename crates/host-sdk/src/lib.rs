@@ -32,6 +32,15 @@ pub use registrar::{
 pub use registration::{HostFilter, REGISTRATION_LIFETIME_MS, Registration, RegistrationSource};
 pub use session::{SessionFile, SessionInfo};
 
+/// At most the first 4 characters of a host fingerprint, as logs and Debug output may show it.
+pub fn short_fingerprint(fingerprint: &str) -> String {
+    let mut short: String = fingerprint.chars().take(4).collect();
+    if fingerprint.chars().count() > 4 {
+        short.push('…');
+    }
+    short
+}
+
 /// The origin (scheme://host[:port]) of a gateway base URL, as the gateway writes it into the
 /// transcript: no path, no trailing slash, default ports dropped, host lower-cased.
 pub fn origin_of(base_url: &str) -> Result<String, GatewayError> {

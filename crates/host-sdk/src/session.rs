@@ -23,7 +23,10 @@ impl std::fmt::Debug for SessionInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SessionInfo")
             .field("expires_at", &self.expires_at)
-            .field("host_fingerprint", &self.host_fingerprint)
+            .field(
+                "host_fingerprint",
+                &crate::short_fingerprint(&self.host_fingerprint),
+            )
             .finish_non_exhaustive()
     }
 }

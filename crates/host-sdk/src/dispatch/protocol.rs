@@ -16,6 +16,9 @@ pub(super) struct ProtocolCache {
     ttl: Duration,
     /// Held across the health call, so concurrent dispatches ask the gateway once.
     learned: Mutex<Option<(u32, Instant)>>,
+    /// The last protocol a gateway answered, kept through failed refreshes: a gateway that
+    /// cannot answer /health right now has not been rolled back.
+    last_known: std::sync::Mutex<Option<u32>>,
 }
 
 impl ProtocolCache {
@@ -23,11 +26,13 @@ impl ProtocolCache {
         Self {
             ttl,
             learned: Mutex::new(None),
+            last_known: std::sync::Mutex::new(None),
         }
     }
 
-    /// The cached protocol, or the gateway's answer now. A failed health call assumes the oldest
-    /// protocol for this dispatch only and is asked again next time.
+    /// The cached protocol, or the gateway's answer now. A failed health call keeps the last
+    /// protocol a gateway answered (the oldest, when none ever did) for this dispatch only, and is
+    /// asked again next time.
     pub(super) async fn get<G: Gateway>(&self, gateway: &G, failures: &mut Tally) -> u32 {
         let mut learned = self.learned.lock().await;
         if let Some((protocol, at)) = *learned
@@ -38,12 +43,17 @@ impl ProtocolCache {
         match gateway.health().await {
             Ok(health) => {
                 *learned = Some((health.delivery_protocol, Instant::now()));
+                *self.last_known.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(health.delivery_protocol);
                 health.delivery_protocol
             }
             Err(error) => {
                 *learned = None;
                 failures.add(format!("health.{}", error.category()));
-                OLDEST_PROTOCOL
+                self.last_known
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .unwrap_or(OLDEST_PROTOCOL)
             }
         }
     }
@@ -52,5 +62,6 @@ impl ProtocolCache {
     /// protocol, so ask again next time.
     pub(super) async fn forget(&self) {
         *self.learned.lock().await = None;
+        *self.last_known.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 }

@@ -86,7 +86,10 @@ impl<G: Gateway, R: RegistrationSource> Inner<G, R> {
                     }
                     let wait = error
                         .retry_after()
-                        .unwrap_or(self.config.retry_delay)
+                        // A Retry-After of 0 (or a date past) still waits the contract's 2 s.
+                        .map_or(self.config.retry_delay, |after| {
+                            after.max(self.config.retry_delay)
+                        })
                         .min(self.config.max_retry_after);
                     let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
                     let retry_at_ms = (self.clock)().saturating_add(wait_ms);

@@ -106,6 +106,22 @@ async fn a_failed_health_call_assumes_protocol_1_for_this_dispatch_only() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_failed_refresh_keeps_the_protocol_the_gateway_last_answered() {
+    let h = harness(phones(1), 2);
+    let mut e = event(0);
+    e.kind = Kind::Dismiss;
+    h.dispatcher.dispatch(e.clone()).await;
+    // The cached answer expires, and the gateway cannot answer /health for a while: a dismissal
+    // still goes, as to the gateway it last heard from.
+    tokio::time::advance(Duration::from_secs(11 * 60)).await;
+    h.gateway.set_protocol(None);
+    let report = h.dispatcher.dispatch(e).await;
+    assert_eq!(h.gateway.health_calls(), 2);
+    assert_eq!(report.delivery_protocol, Some(2));
+    assert_eq!(json(&h.gateway.requests()[1])["kind"], "dismiss");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_refused_as_invalid_makes_the_protocol_be_asked_again() {
     let h = harness(phones(1), 2);
     h.gateway.then_err(400, ErrorCode::InvalidRequest, None);

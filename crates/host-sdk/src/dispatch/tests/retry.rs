@@ -68,6 +68,16 @@ async fn retry_after_is_honoured_and_capped_at_five_minutes() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_retry_after_of_zero_still_waits_two_seconds() {
+    let h = harness(phones(1), 2);
+    h.gateway
+        .then_err(503, ErrorCode::Busy, Some(Duration::ZERO));
+    let start = Instant::now();
+    h.dispatcher.dispatch(event(0)).await;
+    assert_eq!(offsets(&h, start)[1], Duration::from_secs(2));
+}
+
+#[tokio::test(start_paused = true)]
 async fn no_retry_that_would_land_after_the_events_deadline() {
     let h = harness(phones(1), 2);
     h.gateway.then_err(503, ErrorCode::Busy, None);
