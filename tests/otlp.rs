@@ -116,3 +116,37 @@ async fn spans_are_exported_gzipped_when_the_environment_asks() {
     assert!(!encodings.is_empty());
     assert!(encodings.iter().all(|e| e == "gzip"), "{encodings:?}");
 }
+
+/// `ORCA_PUSH_LOG_FORMAT=json`: every line the gateway writes is one JSON object, and a line
+/// written inside a request's span carries that span's trace and span ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_lead_to_their_traces() {
+    let gateway = Gateway::start_with(Backend::Sqlite, &[("ORCA_PUSH_LOG_FORMAT", "json")]).await;
+    let raw = Raw::new(&gateway);
+    raw.login(&HostKey::generate(), &[]).await;
+    let logs = gateway.logs();
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["severity"].is_string() && l["timestamp"].is_string())
+    );
+    let created = lines
+        .iter()
+        .find(|l| l["message"] == "session created")
+        .unwrap_or_else(|| panic!("no session line in {logs}"));
+    let trace_id = created["trace_id"].as_str().expect("a trace id");
+    assert_eq!(trace_id.len(), 32);
+    assert!(trace_id.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_eq!(created["span_id"].as_str().map(str::len), Some(16));
+    assert!(
+        created["spans"]
+            .as_array()
+            .unwrap()
+            .contains(&serde_json::json!("http.server"))
+    );
+}

@@ -48,8 +48,12 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
         .with_simple_exporter(exporter.clone())
         .build();
     let logs = LogBuffer::default();
-    let _telemetry =
-        orca_push_telemetry::init_with_log_writer(provider.clone(), logs.clone()).unwrap();
+    let _telemetry = orca_push_telemetry::init_with_log_writer(
+        provider.clone(),
+        orca_push_telemetry::LogFormat::Text,
+        logs.clone(),
+    )
+    .unwrap();
 
     let apns = MockApns::start().await;
     let dir = tempfile::tempdir().unwrap();

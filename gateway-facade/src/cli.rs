@@ -260,7 +260,7 @@ fn init_telemetry(
         config.otlp_endpoint.as_deref(),
     )
     .context("OTEL_EXPORTER_OTLP_ENDPOINT")?;
-    orca_push_telemetry::init(provider).context("telemetry")
+    orca_push_telemetry::init(provider, config.log_format).context("telemetry")
 }
 
 fn hostname() -> String {

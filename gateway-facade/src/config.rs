@@ -133,6 +133,8 @@ pub struct Config {
     pub otlp_endpoint: Option<String>,
     /// `OTEL_SERVICE_NAME`, if set, names the service in exported spans.
     pub otel_service_name: Option<String>,
+    /// `ORCA_PUSH_LOG_FORMAT`: `text` (default) or `json` (one object per line, with trace ids).
+    pub log_format: orca_push_telemetry::LogFormat,
     /// Signs and checks internal gRPC tokens; required in split mode.
     pub internal_key: Option<orca_push_internal_auth::InternalKey>,
     /// Header and idle timeouts and the connection cap of the public listener.
@@ -289,6 +291,11 @@ impl Config {
             ));
         }
         let otel_service_name = get("OTEL_SERVICE_NAME");
+        let log_format = match get("ORCA_PUSH_LOG_FORMAT").as_deref() {
+            None | Some("text") => orca_push_telemetry::LogFormat::Text,
+            Some("json") => orca_push_telemetry::LogFormat::Json,
+            Some(_) => return Err(invalid("ORCA_PUSH_LOG_FORMAT", "must be `text` or `json`")),
+        };
         let internal_key = get("ORCA_PUSH_INTERNAL_KEY")
             .map(|secret| {
                 orca_push_internal_auth::InternalKey::from_secret(&secret)
@@ -330,6 +337,7 @@ impl Config {
             metrics_addr,
             otlp_endpoint,
             otel_service_name,
+            log_format,
             internal_key,
             http,
         })

@@ -464,20 +464,23 @@ async fn collect_logs(
 ) {
     let mut port_tx = Some(port_tx);
     let mut lines = tokio::io::BufReader::new(stderr).lines();
+    // The port of `addr=host:port` in a text line, or of `"addr":"host:port"` in a JSON one.
+    let port_of = |line: &str| -> Option<u16> {
+        let addr = match serde_json::from_str::<Value>(line) {
+            Ok(json) => json["addr"].as_str()?.to_owned(),
+            Err(_) => line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))?
+                .to_owned(),
+        };
+        addr.rsplit(':').next()?.parse().ok()
+    };
     while let Ok(Some(line)) = lines.next_line().await {
         if line.contains("metrics listening") {
-            *metrics_port.lock().unwrap() = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr="))
-                .and_then(|a| a.rsplit(':').next())
-                .and_then(|p| p.parse().ok());
+            *metrics_port.lock().unwrap() = port_of(&line);
         }
         if line.contains(marker)
-            && let Some(port) = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr="))
-                .and_then(|a| a.rsplit(':').next())
-                .and_then(|p| p.parse().ok())
+            && let Some(port) = port_of(&line)
             && let Some(tx) = port_tx.take()
         {
             let _ = tx.send(port);

@@ -62,35 +62,73 @@ pub fn tracer_provider(
     Ok(builder.build())
 }
 
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines, colored on a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line with `trace_id` and `span_id` inside a span (Cloud Logging, Loki).
+    Json,
+}
+
 /// Installs the process's subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`) and
 /// spans to `provider`. Fails if a subscriber is already installed.
 pub fn init(
     provider: SdkTracerProvider,
+    format: LogFormat,
 ) -> Result<TelemetryGuard, tracing_subscriber::util::TryInitError> {
-    init_with_log_writer(provider, std::io::stderr)
+    init_with_log_writer(provider, format, std::io::stderr)
 }
 
 /// [`init`], with logs going to `writer` (tests read them back).
 pub fn init_with_log_writer<W>(
     provider: SdkTracerProvider,
+    format: LogFormat,
     writer: W,
 ) -> Result<TelemetryGuard, tracing_subscriber::util::TryInitError>
 where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
     install_propagator();
-    let tracer = provider.tracer("orca-push");
     opentelemetry::global::set_tracer_provider(provider.clone());
+    subscriber(&provider, format, writer).try_init()?;
+    Ok(TelemetryGuard { provider })
+}
+
+/// The subscriber [`init`] installs, for a caller (a test) that scopes it instead.
+pub fn subscriber<W>(
+    provider: &SdkTracerProvider,
+    format: LogFormat,
+    writer: W,
+) -> impl tracing::Subscriber + Send + Sync + 'static
+where
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
+{
+    let tracer = provider.tracer("orca-push");
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let (text, json) = match format {
+        LogFormat::Text => (
+            Some(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(writer)
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+            ),
+            None,
+        ),
+        LogFormat::Json => (
+            None,
+            Some(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(writer)
+                    .event_format(crate::json_log::JsonLines),
+            ),
+        ),
+    };
     tracing_subscriber::registry()
         .with(filter)
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(writer)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
-        )
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
-        .try_init()?;
-    Ok(TelemetryGuard { provider })
+        .with(text)
+        .with(json)
 }

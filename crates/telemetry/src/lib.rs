@@ -7,10 +7,12 @@
 
 mod grpc;
 mod init;
+mod json_log;
 
 pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced};
 pub use init::{
-    TelemetryGuard, init, init_with_log_writer, install_propagator, resource, tracer_provider,
+    LogFormat, TelemetryGuard, init, init_with_log_writer, install_propagator, resource,
+    subscriber, tracer_provider,
 };
 
 use opentelemetry::propagation::{Extractor, Injector};

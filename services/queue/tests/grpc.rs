@@ -11,9 +11,11 @@ use tokio_util::sync::CancellationToken;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
     // As in every process: spans exist, so an admission has a trace context to keep.
-    let _telemetry =
-        orca_push_telemetry::init(opentelemetry_sdk::trace::SdkTracerProvider::builder().build())
-            .unwrap();
+    let _telemetry = orca_push_telemetry::init(
+        opentelemetry_sdk::trace::SdkTracerProvider::builder().build(),
+        orca_push_telemetry::LogFormat::Text,
+    )
+    .unwrap();
     let (config, _guard) = fresh(Backend::Sqlite).await;
     let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
