@@ -644,3 +644,116 @@ async fn the_container_healthcheck_asks_http_or_grpc_health() {
         "nothing on the port fails it"
     );
 }
+
+/// Reflection v1alpha (older grpcurl), listing services.
+async fn list_services_v1alpha(
+    port: u16,
+    token: Option<&str>,
+) -> Result<Vec<String>, tonic::Status> {
+    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+    let mut client = ServerReflectionClient::new(channel(port).await);
+    let request = tonic_reflection::pb::v1alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = client
+        .server_reflection_info(with_token(tokio_stream::iter(vec![request]), token))
+        .await?
+        .into_inner();
+    let reply = stream.message().await?.expect("a reflection answer");
+    match reply.message_response {
+        Some(MessageResponse::ListServicesResponse(list)) => {
+            Ok(list.service.into_iter().map(|s| s.name).collect())
+        }
+        other => panic!("unexpected reflection answer {other:?}"),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `orca-push serve` with `ORCA_PUSH_GRPC_ADDR`: one listener for every service, each behind its
+/// own tokens, health open, reflection v1 and v1alpha for a token of any service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_all_in_one_listener_serves_every_service_behind_its_tokens() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let gateway = Gateway::start_with(
+        Backend::Sqlite,
+        &[
+            ("ORCA_PUSH_GRPC_ADDR", addr.as_str()),
+            ("ORCA_PUSH_INTERNAL_KEY", INTERNAL_KEY),
+        ],
+    )
+    .await;
+    assert!(gateway.logs().contains("internal gRPC listening"));
+    assert_eq!(health(port).await, 1, "health is open and SERVING");
+    for service in ["auth", "registry", "queue"] {
+        let (bad, good) = tokens(service);
+        for (what, token) in &bad {
+            let refused = call(service, port, token.as_deref()).await.unwrap();
+            assert_eq!(
+                refused.err().map(|s| s.code()),
+                Some(tonic::Code::Unauthenticated),
+                "{service}, {what}"
+            );
+        }
+        call(service, port, Some(&good))
+            .await
+            .unwrap()
+            .unwrap_or_else(|status| panic!("{service} with a good token: {status:?}"));
+        // Reflection takes a token of any service, in both versions.
+        let listed = list_services(port, Some(&good)).await.unwrap();
+        for api in [
+            "orca.push.auth.v1.AuthService",
+            "orca.push.registry.v1.RegistryService",
+            "orca.push.queue.v1.QueueService",
+        ] {
+            assert!(listed.iter().any(|s| s == api), "{service}: {listed:?}");
+        }
+        let listed = list_services_v1alpha(port, Some(&good)).await.unwrap();
+        assert!(
+            listed
+                .iter()
+                .any(|s| s == "orca.push.queue.v1.QueueService")
+        );
+    }
+    let refused = list_services(port, None).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+    let refused = list_services_v1alpha(port, None).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+}
+
+/// Without a configured key nobody could mint a token for the listener: refused at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_all_in_one_listener_needs_a_known_internal_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tokio::process::Command::new(orca_push_tests::binary())
+        .arg("serve")
+        .env("ORCA_PUSH_GRPC_ADDR", format!("127.0.0.1:{}", free_port()))
+        .env("ORCA_PUSH_DATA_DIR", dir.path())
+        .env("PORT", free_port().to_string())
+        .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
+        .env_remove("ORCA_PUSH_INTERNAL_KEY")
+        .env_remove("ORCA_PUSH_DATABASE_URL")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(30), out)
+        .await
+        .expect("it stops at once")
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("ORCA_PUSH_GRPC_ADDR"), "{stderr}");
+    assert!(
+        !dir.path().join("auth.db").exists() && std::fs::read_dir(dir.path()).unwrap().count() == 0,
+        "nothing migrated before the refusal"
+    );
+}

@@ -654,6 +654,7 @@ mod tests {
             ("ORCA_PUSH_HTTP_MAX_CONNECTIONS", "-5"),
             ("ORCA_PUSH_SQLITE_SYNCHRONOUS", "off"),
             ("ORCA_PUSH_INTERNAL_TRANSPORT", "tcp"),
+            ("ORCA_PUSH_LOG_FORMAT", "xml"),
         ] {
             let err = config(&[(var, value)]).expect_err(value);
             assert_eq!(err.variable, var, "{value}");

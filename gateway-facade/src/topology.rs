@@ -49,6 +49,17 @@ pub async fn serve_all_in_one(
     let shutdown = stop.clone();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     // One process talking to itself: a fresh key unless one is configured (for internal teams).
+    // The internal listener is for callers outside the process: they need tokens from a known key,
+    // and the address must bind, both checked before anything migrates.
+    let internal_listener = match config.grpc_addr {
+        Some(addr) => {
+            config.require_internal_key().context(
+                "ORCA_PUSH_GRPC_ADDR: internal callers need tokens signed with a known key",
+            )?;
+            Some(bind(addr).await?)
+        }
+        None => None,
+    };
     let key = config
         .internal_key
         .clone()
@@ -59,6 +70,7 @@ pub async fn serve_all_in_one(
         key: key.clone(),
         shutdown: shutdown.clone(),
         tasks: &mut tasks,
+        for_listener: internal_listener.as_ref().map(|_| Vec::new()),
     };
 
     let auth_pool = orca_push_auth::open_and_migrate(&config.database)
@@ -107,6 +119,16 @@ pub async fn serve_all_in_one(
     )
     .context("sender channels")?;
     let sender = expose.service(orca_push_sender::AUDIENCE, sender).await?;
+    if let (Some(listener), Some(services)) = (internal_listener, expose.for_listener.take()) {
+        tracing::info!(addr = %listener.local_addr()?, "internal gRPC listening (all services)");
+        tasks.spawn(orca_push_internal_auth::serve_services(
+            listener,
+            key.clone(),
+            services,
+            &INTERNAL_HEALTH_NAMES,
+            shutdown.clone(),
+        ));
+    }
     tasks.spawn(async move {
         match lanes.await {
             Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
@@ -282,12 +304,18 @@ async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("cannot listen on {addr}"))
 }
 
+/// What gRPC health answers for on the all-in-one internal listener: the process (liveness, as
+/// `/health`; whether the services reach their database is `/ready`'s to say).
+const INTERNAL_HEALTH_NAMES: [&str; 1] = [""];
+
 /// How the services of one process are reached by each other and by the facade.
 struct Exposer<'a> {
     transport: InternalTransport,
     key: InternalKey,
     shutdown: CancellationToken,
     tasks: &'a mut tokio::task::JoinSet<Result<(), tonic::transport::Error>>,
+    /// With `ORCA_PUSH_GRPC_ADDR`: each service's in-process server, for the internal listener.
+    for_listener: Option<Vec<(&'static str, LocalServer)>>,
 }
 
 impl Exposer<'_> {
@@ -298,6 +326,12 @@ impl Exposer<'_> {
         audience: &'static str,
         routes: tonic::service::Routes,
     ) -> anyhow::Result<Target> {
+        if let Some(servers) = &mut self.for_listener {
+            servers.push((
+                audience,
+                LocalServer::new(self.key.clone(), audience, routes.clone()),
+            ));
+        }
         match self.transport {
             InternalTransport::InProcess => Ok(Target::Local(LocalServer::new(
                 self.key.clone(),

@@ -49,12 +49,13 @@ pub const SERVICE_METHODS: &[&str] = &[
     "/orca.push.queue.v1.QueueService/HoldProvider",
 ];
 
-/// The standard services every server adds: gRPC health and server reflection (v1, the only
-/// version `reflection_service` builds).
+/// The standard services servers add: gRPC health and server reflection (v1 on every server; the
+/// v1alpha that older grpcurl speaks on the all-in-one listener).
 pub const STANDARD_METHODS: &[&str] = &[
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
 ];
 
 /// Whether `path` is a method some orca-push server routes: metric labels name only these.
@@ -73,6 +74,19 @@ pub fn reflection_service() -> Result<
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
+}
+
+/// Server reflection v1alpha (what grpcurl before 1.8.8 asks), for the all-in-one listener.
+pub fn reflection_service_v1alpha() -> Result<
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
+    >,
+    tonic_reflection::server::Error,
+> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
 }
 
 /// Metadata key carrying the contract's error code (`invalid_proof`, `session_expired`, ...) on a
@@ -159,6 +173,10 @@ pub mod access {
         // Server reflection lists the API (what grpcurl needs to call anything).
         (
             "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            Read,
+        ),
+        (
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
             Read,
         ),
     ];
@@ -292,5 +310,9 @@ mod tests {
             tonic_reflection::server::v1::ReflectionService,
         >;
         assert!(STANDARD_METHODS[2].starts_with(&format!("/{}/", Reflection::NAME)));
+        type ReflectionAlpha = tonic_reflection::server::v1alpha::ServerReflectionServer<
+            tonic_reflection::server::v1alpha::ReflectionService,
+        >;
+        assert!(STANDARD_METHODS[3].starts_with(&format!("/{}/", ReflectionAlpha::NAME)));
     }
 }

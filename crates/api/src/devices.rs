@@ -40,8 +40,8 @@ fn has_repeats<T: PartialEq>(values: &[T]) -> bool {
         .any(|(i, v)| values[..i].contains(v))
 }
 
-/// The body of `POST /v1/devices`: an upsert keyed by (host, deviceId). Debug and Display never
-/// show the token.
+/// The body of `POST /v1/devices`: an upsert keyed by (host, deviceId).
+// Debug and Display never show the token.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]

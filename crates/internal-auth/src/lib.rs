@@ -22,7 +22,9 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use rand::RngCore as _;
 use serde::{Deserialize, Serialize};
 
+mod listener;
 mod transport;
+pub use listener::serve_services;
 use tonic::service::Routes;
 pub use transport::{CALL_TIMEOUT, LocalCaller, LocalServer, Target, Transport};
 
@@ -199,8 +201,13 @@ pub fn mint(
 /// remaining lifetime within its scope's maximum (plus clock skew). Which methods its scope may
 /// call is the caller's check ([`Scope::allows`]).
 pub fn verify(key: &InternalKey, token: &str, audience: &str) -> Result<Claims, Refusal> {
+    verify_any(key, token, &[audience])
+}
+
+/// [`verify`], for a token of any of `audiences` (the all-in-one listener's reflection).
+pub fn verify_any(key: &InternalKey, token: &str, audiences: &[&str]) -> Result<Claims, Refusal> {
     let mut validation = Validation::new(Algorithm::HS256);
-    validation.set_audience(&[audience]);
+    validation.set_audience(audiences);
     validation.leeway = 0;
     validation.set_required_spec_claims(&["exp", "aud", "sub"]);
     jsonwebtoken::decode::<Claims>(token, &DecodingKey::from_secret(&key.0), &validation)
@@ -334,12 +341,23 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 #[derive(Debug, Clone)]
 pub struct RequireToken {
     key: InternalKey,
-    audience: &'static str,
+    audiences: Arc<[&'static str]>,
 }
 
 impl RequireToken {
     pub fn new(key: InternalKey, audience: &'static str) -> Self {
-        Self { key, audience }
+        Self {
+            key,
+            audiences: Arc::from([audience]),
+        }
+    }
+
+    /// A check that takes a token for any of `audiences`.
+    pub fn any_of(key: InternalKey, audiences: &[&'static str]) -> Self {
+        Self {
+            key,
+            audiences: Arc::from(audiences),
+        }
     }
 }
 
@@ -397,7 +415,7 @@ where
             .and_then(|v| v.strip_prefix("Bearer "));
         let verdict = match token {
             None => Err(Refusal::Missing),
-            Some(token) => verify(&self.check.key, token, self.check.audience),
+            Some(token) => verify_any(&self.check.key, token, &self.check.audiences),
         };
         match verdict {
             Ok(claims) if claims.scope.allows(request.uri().path()) => {

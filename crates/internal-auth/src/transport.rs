@@ -49,15 +49,35 @@ impl LocalServer {
     /// `routes` (health, reflection and the service) as `audience`'s network server would serve
     /// them: the caller's deadline, a server span, the caller check, each call run to completion.
     pub fn new(key: InternalKey, audience: &'static str, routes: tonic::service::Routes) -> Self {
+        Self::checked_by(RequireToken::new(key, audience), routes)
+    }
+
+    /// `routes` behind `check` instead of one audience's.
+    pub fn checked_by(check: RequireToken, routes: tonic::service::Routes) -> Self {
         let service = tower::ServiceBuilder::new()
             .layer(DeadlineLayer)
             .layer(orca_push_telemetry::GrpcServerLayer::new(
                 orca_push_proto::is_known_method,
             ))
-            .layer(RequireToken::new(key, audience))
+            .layer(check)
             .layer(RunToCompletion)
             .service(routes.prepare());
         Self(BoxCloneSyncService::new(service))
+    }
+
+    /// Serves one request (the all-in-one listener's dispatch).
+    pub(crate) fn serve(
+        &self,
+        request: http::Request<Body>,
+    ) -> impl Future<Output = http::Response<Body>> + Send + 'static {
+        use tower::ServiceExt as _;
+        let call = self.0.clone().oneshot(request);
+        async move {
+            match call.await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            }
+        }
     }
 }
 
