@@ -53,23 +53,98 @@ impl TraceService for Receiver {
     }
 }
 
+/// How the in-test collector listens.
+enum Collector {
+    /// OTLP/gRPC in the clear.
+    Grpc,
+    /// OTLP/gRPC over TLS with a self-signed certificate for `localhost`, written to the file.
+    GrpcTls(tempfile::NamedTempFile),
+    /// OTLP/HTTP with protobuf bodies at `/v1/traces`.
+    Http,
+}
+
+impl Collector {
+    fn grpc_tls() -> Self {
+        Self::GrpcTls(tempfile::NamedTempFile::new().unwrap())
+    }
+
+    /// Starts the collector for `receiver`; its endpoint URL.
+    async fn start(&self, receiver: &Receiver) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let service = TraceServiceServer::new(receiver.clone())
+            .accept_compressed(tonic::codec::CompressionEncoding::Gzip);
+        match self {
+            Self::Grpc => {
+                tokio::spawn(
+                    tonic::transport::Server::builder()
+                        .add_service(service)
+                        .serve_with_incoming(incoming),
+                );
+                format!("http://127.0.0.1:{port}")
+            }
+            Self::GrpcTls(ca_file) => {
+                let certified = rcgen::generate_simple_self_signed(vec!["localhost".into()])
+                    .expect("self-signed certificate");
+                std::fs::write(ca_file.path(), certified.cert.pem()).unwrap();
+                let identity = tonic::transport::Identity::from_pem(
+                    certified.cert.pem(),
+                    certified.signing_key.serialize_pem(),
+                );
+                tokio::spawn(
+                    tonic::transport::Server::builder()
+                        .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                        .unwrap()
+                        .add_service(service)
+                        .serve_with_incoming(incoming),
+                );
+                format!("https://localhost:{port}")
+            }
+            Self::Http => {
+                let receiver = receiver.clone();
+                let app = axum::Router::new().route(
+                    "/v1/traces",
+                    axum::routing::post(move |body: axum::body::Bytes| {
+                        let receiver = receiver.clone();
+                        async move {
+                            let request =
+                                <ExportTraceServiceRequest as prost::Message>::decode(body)
+                                    .unwrap();
+                            receiver.encodings.lock().unwrap().push("http".into());
+                            let _ = receiver.export(tonic::Request::new(request)).await;
+                            ""
+                        }
+                    }),
+                );
+                let listener = incoming.into_inner();
+                tokio::spawn(async move { axum::serve(listener, app).await });
+                format!("http://127.0.0.1:{port}")
+            }
+        }
+    }
+}
+
 /// Starts a receiver (accepting gzip) and a gateway exporting to it with `env`, logs a host in,
 /// and waits for the handshake's spans.
 async fn export_a_login(env: &[(&str, &str)]) -> Receiver {
+    export_a_login_to(Collector::Grpc, env).await
+}
+
+async fn export_a_login_to(collector: Collector, env: &[(&str, &str)]) -> Receiver {
     let receiver = Receiver::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(
-                TraceServiceServer::new(receiver.clone())
-                    .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
-            )
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let endpoint = collector.start(&receiver).await;
+    let ca_path;
     let mut env: Vec<(&str, &str)> = env.to_vec();
     env.push(("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint));
     env.push(("OTEL_SERVICE_NAME", "orca-push-under-test"));
+    if let Collector::GrpcTls(ca_file) = &collector {
+        ca_path = ca_file.path().display().to_string();
+        env.push(("ORCA_PUSH_CA_FILE", &ca_path));
+    }
+    if let Collector::Http = collector {
+        env.push(("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"));
+    }
     let gateway = Gateway::start_with(Backend::Sqlite, &env).await;
     Raw::new(&gateway).login(&HostKey::generate(), &[]).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -115,6 +190,41 @@ async fn spans_are_exported_gzipped_when_the_environment_asks() {
     let encodings = receiver.encodings.lock().unwrap().clone();
     assert!(!encodings.is_empty());
     assert!(encodings.iter().all(|e| e == "gzip"), "{encodings:?}");
+}
+
+/// An `https://` collector is reached over TLS, trusting `ORCA_PUSH_CA_FILE` besides the system's
+/// roots. (TLS used to be missing: such an endpoint was accepted and every export failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_over_tls_to_an_https_collector() {
+    export_a_login_to(Collector::grpc_tls(), &[]).await;
+}
+
+/// `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` posts to `<endpoint>/v1/traces`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_over_http_protobuf_when_asked() {
+    let receiver = export_a_login_to(Collector::Http, &[]).await;
+    // The spans arrived through the HTTP route, which tags its requests "http".
+    let encodings = receiver.encodings.lock().unwrap().clone();
+    assert!(encodings.iter().any(|e| e == "http"), "{encodings:?}");
+}
+
+/// `OTEL_SDK_DISABLED=true` exports nothing, whatever endpoint is set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disabled_sdk_exports_nothing() {
+    let receiver = Receiver::default();
+    let endpoint = Collector::Grpc.start(&receiver).await;
+    let gateway = Gateway::start_with(
+        Backend::Sqlite,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_SDK_DISABLED", "true"),
+        ],
+    )
+    .await;
+    Raw::new(&gateway).login(&HostKey::generate(), &[]).await;
+    // The batch processor exports every 5 s by default: wait past one round.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert!(receiver.spans.lock().unwrap().is_empty());
 }
 
 /// `ORCA_PUSH_LOG_FORMAT=json`: every line the gateway writes is one JSON object, and a line

@@ -257,9 +257,9 @@ fn init_telemetry(
     let name = config.otel_service_name.as_deref().unwrap_or(service_name);
     let provider = orca_push_telemetry::tracer_provider(
         orca_push_telemetry::resource(name, &instance),
-        config.otlp_endpoint.as_deref(),
+        config.otlp.as_ref(),
     )
-    .context("OTEL_EXPORTER_OTLP_ENDPOINT")?;
+    .context("OTLP span export")?;
     orca_push_telemetry::init(provider, config.log_format).context("telemetry")
 }
 

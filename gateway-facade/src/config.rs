@@ -129,8 +129,8 @@ pub struct Config {
     pub retry_base_ms: u32,
     /// Where `/metrics` is served.
     pub metrics_addr: SocketAddr,
-    /// OTLP/gRPC collector for spans, from the standard `OTEL_*` variables; None: no export.
-    pub otlp_endpoint: Option<String>,
+    /// Where spans are exported, from the standard `OTEL_*` variables; None: no export.
+    pub otlp: Option<orca_push_telemetry::OtlpExport>,
     /// `OTEL_SERVICE_NAME`, if set, names the service in exported spans.
     pub otel_service_name: Option<String>,
     /// `ORCA_PUSH_LOG_FORMAT`: `text` (default) or `json` (one object per line, with trace ids).
@@ -271,25 +271,7 @@ impl Config {
             })?,
             None => SocketAddr::from(([127, 0, 0, 1], 9464)),
         };
-        let otlp_endpoint = match get("OTEL_TRACES_EXPORTER").as_deref() {
-            Some("none") => None,
-            Some("otlp") | None => get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                .or_else(|| get("OTEL_EXPORTER_OTLP_ENDPOINT")),
-            Some(_) => {
-                return Err(invalid(
-                    "OTEL_TRACES_EXPORTER",
-                    "only `otlp` or `none` are supported",
-                ));
-            }
-        };
-        if let Some(endpoint) = &otlp_endpoint
-            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
-        {
-            return Err(invalid(
-                "OTEL_EXPORTER_OTLP_ENDPOINT",
-                "must be an http(s):// URL of an OTLP/gRPC collector",
-            ));
-        }
+        let otlp = otlp_export(&get)?;
         let otel_service_name = get("OTEL_SERVICE_NAME");
         let log_format = match get("ORCA_PUSH_LOG_FORMAT").as_deref() {
             None | Some("text") => orca_push_telemetry::LogFormat::Text,
@@ -335,7 +317,7 @@ impl Config {
             lease_ms,
             retry_base_ms,
             metrics_addr,
-            otlp_endpoint,
+            otlp,
             otel_service_name,
             log_format,
             internal_key,
@@ -550,6 +532,78 @@ fn validate_origin(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
+/// Span export from the standard variables: `OTEL_SDK_DISABLED`, `OTEL_TRACES_EXPORTER`, the
+/// endpoint and protocol (the traces-specific variable first), and `ORCA_PUSH_CA_FILE` as extra
+/// roots for an `https://` collector. No endpoint: no export.
+fn otlp_export(
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<orca_push_telemetry::OtlpExport>, ConfigError> {
+    use orca_push_telemetry::{OtlpExport, OtlpProtocol};
+    match get("OTEL_SDK_DISABLED")
+        .map(|v| v.trim().to_ascii_lowercase())
+        .as_deref()
+    {
+        None | Some("false") | Some("") => {}
+        Some("true") => return Ok(None),
+        Some(_) => return Err(invalid("OTEL_SDK_DISABLED", "must be `true` or `false`")),
+    }
+    match get("OTEL_TRACES_EXPORTER").as_deref() {
+        Some("none") => return Ok(None),
+        Some("otlp") | None => {}
+        Some(_) => {
+            return Err(invalid(
+                "OTEL_TRACES_EXPORTER",
+                "only `otlp` or `none` are supported",
+            ));
+        }
+    }
+    let (protocol_var, protocol) = match get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") {
+        Some(value) => ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", Some(value)),
+        None => (
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            get("OTEL_EXPORTER_OTLP_PROTOCOL"),
+        ),
+    };
+    let protocol = match protocol.as_deref() {
+        None | Some("grpc") => OtlpProtocol::Grpc,
+        Some("http/protobuf") => OtlpProtocol::HttpProtobuf,
+        Some(_) => {
+            return Err(invalid(
+                protocol_var,
+                "must be `grpc` or `http/protobuf` (`http/json` is not supported)",
+            ));
+        }
+    };
+    // The traces endpoint is used as given; the general one is a base URL, to which OTLP/HTTP
+    // appends the signal's path.
+    let (endpoint_var, endpoint) = match get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
+        Some(endpoint) => ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint),
+        None => match get("OTEL_EXPORTER_OTLP_ENDPOINT") {
+            Some(base) if protocol == OtlpProtocol::HttpProtobuf => (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                format!("{}/v1/traces", base.trim_end_matches('/')),
+            ),
+            Some(base) => ("OTEL_EXPORTER_OTLP_ENDPOINT", base),
+            None => return Ok(None),
+        },
+    };
+    if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+        return Err(invalid(endpoint_var, "must be an http:// or https:// URL"));
+    }
+    let extra_roots_pem = match get("ORCA_PUSH_CA_FILE") {
+        Some(path) if endpoint.starts_with("https://") => Some(
+            std::fs::read(&path)
+                .map_err(|_| invalid("ORCA_PUSH_CA_FILE", "is not a readable file"))?,
+        ),
+        _ => None,
+    };
+    Ok(Some(OtlpExport {
+        endpoint,
+        protocol,
+        extra_roots_pem,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -628,6 +682,41 @@ mod tests {
     }
 
     #[test]
+    fn span_export_follows_the_standard_variables() {
+        use orca_push_telemetry::OtlpProtocol;
+        let export = |vars: &[(&str, &str)]| config(vars).unwrap().otlp;
+        assert!(export(&[]).is_none());
+        let grpc = export(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4317")]).unwrap();
+        assert_eq!(grpc.protocol, OtlpProtocol::Grpc);
+        assert_eq!(grpc.endpoint, "https://collector:4317");
+        let http = export(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ])
+        .unwrap();
+        assert_eq!(http.protocol, OtlpProtocol::HttpProtobuf);
+        assert_eq!(http.endpoint, "http://collector:4318/v1/traces");
+        let traces = export(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://ignored:4318"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "http://collector:4318/custom",
+            ),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ])
+        .unwrap();
+        assert_eq!(traces.endpoint, "http://collector:4318/custom");
+        assert_eq!(traces.protocol, OtlpProtocol::HttpProtobuf);
+        for off in [
+            ("OTEL_SDK_DISABLED", "TRUE"),
+            ("OTEL_TRACES_EXPORTER", "none"),
+        ] {
+            assert!(export(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"), off]).is_none());
+        }
+    }
+
+    #[test]
     fn every_bad_setting_names_its_variable() {
         for (var, value) in [
             ("PORT", "http"),
@@ -655,6 +744,10 @@ mod tests {
             ("ORCA_PUSH_SQLITE_SYNCHRONOUS", "off"),
             ("ORCA_PUSH_INTERNAL_TRANSPORT", "tcp"),
             ("ORCA_PUSH_LOG_FORMAT", "xml"),
+            ("OTEL_SDK_DISABLED", "maybe"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "thrift"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317"),
         ] {
             let err = config(&[(var, value)]).expect_err(value);
             assert_eq!(err.variable, var, "{value}");

@@ -42,24 +42,96 @@ pub fn resource(service_name: &str, instance_id: &str) -> Resource {
         .build()
 }
 
-/// Where spans go: always created and propagated; exported by OTLP/gRPC to `otlp_endpoint` when
-/// one is configured (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`). The
-/// exporter also honours the standard `OTEL_EXPORTER_OTLP_HEADERS`/`_TIMEOUT`/`_COMPRESSION`.
-/// Call inside the Tokio runtime: the exporter's gRPC client needs it.
+/// How spans leave the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// OTLP/gRPC (`grpc`).
+    Grpc,
+    /// OTLP over HTTP with protobuf bodies (`http/protobuf`).
+    HttpProtobuf,
+}
+
+/// Where and how spans are exported.
+#[derive(Debug, Clone)]
+pub struct OtlpExport {
+    /// The collector: for gRPC its address, for HTTP the full URL of its traces endpoint.
+    pub endpoint: String,
+    pub protocol: OtlpProtocol,
+    /// PEM roots trusted besides the system's for an `https://` endpoint (`ORCA_PUSH_CA_FILE`).
+    pub extra_roots_pem: Option<Vec<u8>>,
+}
+
+/// Why an exporter could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error(transparent)]
+    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("the extra CA roots are not PEM certificates: {0}")]
+    Roots(String),
+}
+
+/// Where spans go: always created and propagated; exported by OTLP to `export` when one is
+/// configured. The exporters also honour the standard `OTEL_EXPORTER_OTLP_HEADERS`, `_TIMEOUT` and
+/// `_COMPRESSION`. An `https://` endpoint is reached over TLS, trusting the system's roots and any
+/// extra ones. Call inside the Tokio runtime: the gRPC exporter's client needs it.
 pub fn tracer_provider(
     resource: Resource,
-    otlp_endpoint: Option<&str>,
-) -> Result<SdkTracerProvider, opentelemetry_otlp::ExporterBuildError> {
-    use opentelemetry_otlp::WithExportConfig as _;
+    export: Option<&OtlpExport>,
+) -> Result<SdkTracerProvider, ExportError> {
     let mut builder = SdkTracerProvider::builder().with_resource(resource);
-    if let Some(endpoint) = otlp_endpoint {
-        let exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .with_endpoint(endpoint)
-            .build()?;
-        builder = builder.with_batch_exporter(exporter);
+    if let Some(export) = export {
+        builder = builder.with_batch_exporter(span_exporter(export)?);
     }
     Ok(builder.build())
+}
+
+fn span_exporter(export: &OtlpExport) -> Result<opentelemetry_otlp::SpanExporter, ExportError> {
+    use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _, WithTonicConfig as _};
+    let tls = export.endpoint.starts_with("https://");
+    match export.protocol {
+        OtlpProtocol::Grpc => {
+            let mut builder = opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_endpoint(&export.endpoint);
+            if tls {
+                let mut config = tonic::transport::ClientTlsConfig::new().with_native_roots();
+                if let Some(pem) = &export.extra_roots_pem {
+                    config = config.ca_certificate(tonic::transport::Certificate::from_pem(pem));
+                }
+                builder = builder.with_tls_config(config);
+            }
+            Ok(builder.build()?)
+        }
+        OtlpProtocol::HttpProtobuf => {
+            let mut builder = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .with_endpoint(&export.endpoint);
+            if let Some(pem) = export.extra_roots_pem.clone().filter(|_| tls) {
+                builder = builder.with_http_client(blocking_client_trusting(pem)?);
+            }
+            Ok(builder.build()?)
+        }
+    }
+}
+
+/// A blocking reqwest client that also trusts the PEM roots in `pem`. Built on a thread of its
+/// own: a blocking client must not be made (or dropped) on a runtime thread.
+fn blocking_client_trusting(pem: Vec<u8>) -> Result<reqwest::blocking::Client, ExportError> {
+    std::thread::spawn(move || {
+        let mut builder =
+            reqwest::blocking::Client::builder().timeout(std::time::Duration::from_secs(10));
+        for certificate in reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| ExportError::Roots(e.to_string()))?
+        {
+            builder = builder.add_root_certificate(certificate);
+        }
+        builder
+            .build()
+            .map_err(|e| ExportError::Roots(e.to_string()))
+    })
+    .join()
+    .map_err(|_| ExportError::Roots("the client thread panicked".into()))?
 }
 
 /// How log lines are written.

@@ -11,8 +11,8 @@ mod json_log;
 
 pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced};
 pub use init::{
-    LogFormat, TelemetryGuard, init, init_with_log_writer, install_propagator, resource,
-    subscriber, tracer_provider,
+    ExportError, LogFormat, OtlpExport, OtlpProtocol, TelemetryGuard, init, init_with_log_writer,
+    install_propagator, resource, subscriber, tracer_provider,
 };
 
 use opentelemetry::propagation::{Extractor, Injector};
