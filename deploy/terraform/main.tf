@@ -227,6 +227,17 @@ resource "google_cloud_run_v2_service" "push" {
   }
 
   depends_on = [google_secret_manager_secret_iam_member.push, google_secret_manager_secret_iam_member.runtime]
+
+  # The deploy workflow owns the running image (`gcloud run deploy --image`, then a traffic shift):
+  # var.image is only the image the service is created with, and a later apply must not roll a
+  # deploy back. gcloud also records itself as the service's client.
+  lifecycle {
+    ignore_changes = [
+      template[0].containers[0].image,
+      client,
+      client_version,
+    ]
+  }
 }
 
 # Hosts call without Google credentials: the gateway authenticates them itself.
@@ -252,7 +263,7 @@ resource "google_cloud_run_domain_mapping" "push" {
 }
 
 # The deploy workflow runs these with the new image: the schema step (under the rollout lease)
-# and the validate-only FCM probe.
+# and the validate-only FCM probe. It sets their image itself, as it does the service's.
 resource "google_cloud_run_v2_job" "task" {
   for_each = {
     "orca-cloud-push-migrate" = ["migrate"]
@@ -292,5 +303,15 @@ resource "google_cloud_run_v2_job" "task" {
         }
       }
     }
+  }
+
+  # The deploy workflow points both jobs at the image it built (`gcloud run jobs update --image`)
+  # before running them; a later apply must not put the creation image back.
+  lifecycle {
+    ignore_changes = [
+      template[0].template[0].containers[0].image,
+      client,
+      client_version,
+    ]
   }
 }

@@ -9,7 +9,7 @@ variable "region" {
 }
 
 variable "image" {
-  description = "The orca-push image built from the reviewed source_sha."
+  description = "The orca-push image the service and jobs are created with. Afterwards the deploy workflow sets their image (ignore_changes), so changing this does not redeploy."
   type        = string
 }
 

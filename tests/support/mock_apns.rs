@@ -76,11 +76,54 @@ pub struct MockApns {
     latency: Arc<Mutex<Duration>>,
 }
 
+/// Where a mock APNs listens, the host its URL names and the names its certificate carries.
+#[derive(Debug, Clone)]
+pub struct ApnsOptions {
+    /// The address to listen on; port 0 takes a free one.
+    pub listen: std::net::SocketAddr,
+    /// The host in `url`: how the gateway reaches the mock. The certificate names it too.
+    pub public_host: String,
+    /// More names (DNS names or IP addresses) for the certificate, besides `localhost`,
+    /// `127.0.0.1` and `public_host`.
+    pub tls_names: Vec<String>,
+}
+
+impl Default for ApnsOptions {
+    /// Loopback, a free port, `https://localhost:<port>`: what the tests use.
+    fn default() -> Self {
+        Self {
+            listen: (std::net::Ipv4Addr::LOCALHOST, 0).into(),
+            public_host: "localhost".into(),
+            tls_names: Vec::new(),
+        }
+    }
+}
+
+/// `host` as it goes into a URL: an IPv6 address in brackets.
+pub(crate) fn url_host(host: &str) -> String {
+    if host.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
+}
+
 impl MockApns {
+    /// On loopback, at a free port, as `https://localhost:<port>`.
     pub async fn start() -> Self {
-        let certified =
-            rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()])
-                .expect("self-signed certificate");
+        Self::start_with(ApnsOptions::default()).await
+    }
+
+    /// Where `options` say: another container or machine can reach it when it listens on a
+    /// public address and `public_host` is a name that resolves to it there.
+    pub async fn start_with(options: ApnsOptions) -> Self {
+        let mut names: Vec<String> = vec!["localhost".into(), "127.0.0.1".into()];
+        for name in std::iter::once(&options.public_host).chain(&options.tls_names) {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+        let certified = rcgen::generate_simple_self_signed(names).expect("self-signed certificate");
         let mut ca_file = tempfile::NamedTempFile::new().unwrap();
         std::io::Write::write_all(&mut ca_file, certified.cert.pem().as_bytes()).unwrap();
         let signing = rcgen::KeyPair::generate().expect("P-256 key");
@@ -100,7 +143,9 @@ impl MockApns {
         .unwrap();
         config.alpn_protocols = vec![b"h2".to_vec()];
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind(options.listen)
+            .await
+            .unwrap_or_else(|e| panic!("mock APNs cannot listen on {}: {e}", options.listen));
         let port = listener.local_addr().unwrap().port();
         let state = Arc::new(Mutex::new(State::default()));
         let latency = Arc::new(Mutex::new(Duration::ZERO));
@@ -157,7 +202,7 @@ impl MockApns {
             });
         }
         Self {
-            url: format!("https://localhost:{port}"),
+            url: format!("https://{}:{port}", url_host(&options.public_host)),
             ca_file,
             key_pem,
             state,

@@ -58,10 +58,41 @@ pub struct MockFcm {
     inner: Arc<Mutex<Inner>>,
 }
 
+/// Where a mock FCM listens and the host its URLs name.
+#[derive(Debug, Clone)]
+pub struct FcmOptions {
+    /// The address to listen on; port 0 takes a free one.
+    pub listen: std::net::SocketAddr,
+    /// The host in `url` and in the service account's `token_uri`: how the gateway reaches it.
+    pub public_host: String,
+}
+
+impl Default for FcmOptions {
+    /// Loopback, a free port, `http://127.0.0.1:<port>`: what the tests use.
+    fn default() -> Self {
+        Self {
+            listen: (std::net::Ipv4Addr::LOCALHOST, 0).into(),
+            public_host: "127.0.0.1".into(),
+        }
+    }
+}
+
 impl MockFcm {
+    /// On loopback, at a free port, as `http://127.0.0.1:<port>`.
     pub async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+        Self::start_with(FcmOptions::default()).await
+    }
+
+    /// Where `options` say (see [`crate::mock_apns::MockApns::start_with`]).
+    pub async fn start_with(options: FcmOptions) -> Self {
+        let listener = tokio::net::TcpListener::bind(options.listen)
+            .await
+            .unwrap_or_else(|e| panic!("mock FCM cannot listen on {}: {e}", options.listen));
+        let url = format!(
+            "http://{}:{}",
+            crate::mock_apns::url_host(&options.public_host),
+            listener.local_addr().unwrap().port()
+        );
         let token_uri = format!("{url}/token");
         let inner = Arc::new(Mutex::new(Inner::default()));
         let shared = Shared {
