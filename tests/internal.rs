@@ -757,3 +757,34 @@ async fn the_all_in_one_listener_needs_a_known_internal_key() {
         "nothing migrated before the refusal"
     );
 }
+
+/// Split auth without ORCA_PUSH_PUBLIC_URL used to bind its port and migrate before failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_service_missing_a_setting_binds_and_migrates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let grpc_port = free_port();
+    let out = tokio::process::Command::new(orca_push_tests::binary())
+        .args(["serve", "--service", "auth"])
+        .env("ORCA_PUSH_GRPC_ADDR", format!("127.0.0.1:{grpc_port}"))
+        .env("ORCA_PUSH_INTERNAL_KEY", INTERNAL_KEY)
+        .env("ORCA_PUSH_REGISTRY_URL", "http://127.0.0.1:9")
+        .env("ORCA_PUSH_DATA_DIR", dir.path())
+        .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
+        .env_remove("ORCA_PUSH_PUBLIC_URL")
+        .env_remove("ORCA_PUSH_DATABASE_URL")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(30), out)
+        .await
+        .expect("it stops at once")
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("ORCA_PUSH_PUBLIC_URL"), "{stderr}");
+    assert!(!stderr.contains("listening"), "nothing bound: {stderr}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "nothing migrated"
+    );
+}

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::config::{Config, ServiceName};
 use crate::host_cli::HostCommand;
+use crate::settings::Settings;
 use crate::topology;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
@@ -28,13 +29,19 @@ pub struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the gateway. Without --service: the facade and all four services in this process.
+    #[command(after_long_help = crate::settings::LIBRARY_VARIABLES)]
     Serve {
         /// Run only this service (split mode).
         #[arg(long, value_enum)]
         service: Option<ServiceName>,
+        #[command(flatten)]
+        settings: Settings,
     },
     /// Apply every service's database migrations, then exit.
-    Migrate,
+    Migrate {
+        #[command(flatten)]
+        settings: Settings,
+    },
     /// Print a token an internal team (or grpcurl) can call a service with. Reads
     /// ORCA_PUSH_INTERNAL_KEY, the key the services check tokens with. Read-only unless
     /// --scope full.
@@ -54,16 +61,24 @@ enum Command {
         /// Lifetime in seconds: at most 28800 (8 h) for a read token, 3600 (1 h) for a full one.
         #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
         ttl: u64,
+        #[command(flatten)]
+        settings: Settings,
     },
     /// Container health check: exits 0 when this host's process answers. With ORCA_PUSH_GRPC_ADDR
-    /// set (a split-mode service) it asks gRPC health; otherwise GET /healthz on PORT.
-    Healthcheck,
+    /// set (a split-mode service, or the all-in-one internal listener) it asks gRPC health;
+    /// otherwise GET /healthz on PORT.
+    Healthcheck {
+        #[command(flatten)]
+        settings: Settings,
+    },
     /// Deployment check: an FCM `validate_only` send with the configured credentials. Exits 0 when
     /// FCM accepted the credentials (the token itself may be unknown to it).
     ProbeFcm {
         /// An FCM registration token to validate against (any well-formed one).
         #[arg(long)]
         token: String,
+        #[command(flatten)]
+        settings: Settings,
     },
     /// The desktop host's side: keys, login, phones, notifications (built on the host SDK).
     Host {
@@ -122,13 +137,11 @@ pub fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve { service } => {
-            let config = Arc::new(Config::from_env()?);
-            // Split-mode settings are checked before anything starts, so a misconfiguration is one
-            // line and nothing else.
-            if service.is_some() {
-                config.require_internal_key()?;
-            }
+        Command::Serve { service, settings } => {
+            let config = Arc::new(settings.config()?);
+            // Everything this role needs is checked before anything binds or migrates, so a
+            // misconfiguration is one line and nothing else.
+            config.check_role(service)?;
             let name = service.map_or("orca-push", |s| match s {
                 ServiceName::Facade => "orca-push-facade",
                 ServiceName::Auth => "orca-push-auth",
@@ -152,8 +165,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 Some(service) => topology::serve_split(config, service, shutdown).await,
             }
         }
-        Command::Migrate => {
-            let config = Config::from_env()?;
+        Command::Migrate { settings } => {
+            let config = settings.config()?;
             let _telemetry = init_telemetry(&config, "orca-push-migrate")?;
             topology::migrate(&config).await?;
             tracing::info!("migrations applied");
@@ -164,6 +177,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             subject,
             scope,
             ttl,
+            settings,
         } => {
             let scope = orca_push_internal_auth::Scope::from(scope);
             let max = scope.max_ttl().as_secs();
@@ -172,7 +186,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 "--ttl: a {} token lives at most {max} seconds",
                 scope.as_str()
             );
-            let key = Config::from_env()?.require_internal_key()?;
+            let key = settings.config()?.require_internal_key()?;
             println!(
                 "{}",
                 orca_push_internal_auth::mint(
@@ -185,8 +199,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Healthcheck => {
-            let config = Config::from_env()?;
+        Command::Healthcheck { settings } => {
+            let config = settings.config()?;
             let timeout = std::time::Duration::from_secs(3);
             match config.grpc_addr {
                 Some(addr) => {
@@ -223,8 +237,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::ProbeFcm { token } => {
-            let config = Config::from_env()?;
+        Command::ProbeFcm { token, settings } => {
+            let config = settings.config()?;
             let _telemetry = init_telemetry(&config, "orca-push-probe")?;
             let providers = orca_push_sender::Providers::new(&config.providers)
                 .await

@@ -332,6 +332,48 @@ impl Config {
             .unwrap_or_else(|| format!("http://127.0.0.1:{bound_port}"))
     }
 
+    /// Everything a process of `role` (`None`: all in one) needs beyond valid values, checked
+    /// before it binds or migrates anything: a misconfiguration costs one line, not a half-started
+    /// service.
+    pub fn check_role(&self, role: Option<ServiceName>) -> Result<(), ConfigError> {
+        let Some(service) = role else {
+            // The internal listener is for callers outside the process: they need a known key.
+            if self.grpc_addr.is_some() && self.mode == Mode::Serve && self.internal_key.is_none() {
+                return Err(invalid(
+                    "ORCA_PUSH_INTERNAL_KEY",
+                    "required with ORCA_PUSH_GRPC_ADDR: internal callers need tokens signed with a known key",
+                ));
+            }
+            return Ok(());
+        };
+        self.require_internal_key()?;
+        if self.mode == Mode::Validation && service != ServiceName::Facade {
+            return Err(invalid(
+                "ORCA_PUSH_MODE",
+                "validation runs the facade only (use --service facade)",
+            ));
+        }
+        let needs: &[ServiceName] = match service {
+            ServiceName::Facade if self.mode == Mode::Validation => &[],
+            ServiceName::Facade => &[
+                ServiceName::Auth,
+                ServiceName::Registry,
+                ServiceName::Queue,
+                ServiceName::Sender,
+            ],
+            ServiceName::Auth => {
+                self.require_public_url()?;
+                &[ServiceName::Registry]
+            }
+            ServiceName::Sender => &[ServiceName::Queue, ServiceName::Registry],
+            ServiceName::Registry | ServiceName::Queue => &[],
+        };
+        for needed in needs {
+            self.require_url(*needed)?;
+        }
+        Ok(())
+    }
+
     /// Split-mode processes must share the key that signs their calls to each other.
     pub fn require_internal_key(
         &self,
@@ -714,6 +756,72 @@ mod tests {
         ] {
             assert!(export(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"), off]).is_none());
         }
+    }
+
+    #[test]
+    fn each_role_needs_its_own_settings_before_it_starts() {
+        let key = (
+            "ORCA_PUSH_INTERNAL_KEY",
+            "a-key-of-at-least-32-bytes-0123456789",
+        );
+        let missing = |vars: &[(&str, &str)], role| {
+            config(vars)
+                .unwrap()
+                .check_role(role)
+                .err()
+                .map(|e| e.variable)
+        };
+        assert_eq!(missing(&[], None), None);
+        assert_eq!(
+            missing(&[("ORCA_PUSH_GRPC_ADDR", "127.0.0.1:50051")], None),
+            Some("ORCA_PUSH_INTERNAL_KEY")
+        );
+        for role in [ServiceName::Registry, ServiceName::Queue] {
+            assert_eq!(missing(&[], Some(role)), Some("ORCA_PUSH_INTERNAL_KEY"));
+            assert_eq!(missing(&[key], Some(role)), None);
+        }
+        assert_eq!(
+            missing(&[key], Some(ServiceName::Auth)),
+            Some("ORCA_PUSH_PUBLIC_URL")
+        );
+        assert_eq!(
+            missing(
+                &[key, ("ORCA_PUSH_PUBLIC_URL", "https://push.example.com")],
+                Some(ServiceName::Auth)
+            ),
+            Some("ORCA_PUSH_REGISTRY_URL")
+        );
+        assert_eq!(
+            missing(
+                &[key, ("ORCA_PUSH_QUEUE_URL", "http://q")],
+                Some(ServiceName::Sender)
+            ),
+            Some("ORCA_PUSH_REGISTRY_URL")
+        );
+        let facade = [
+            key,
+            ("ORCA_PUSH_AUTH_URL", "http://a"),
+            ("ORCA_PUSH_REGISTRY_URL", "http://r"),
+            ("ORCA_PUSH_QUEUE_URL", "http://q"),
+        ];
+        assert_eq!(
+            missing(&facade, Some(ServiceName::Facade)),
+            Some("ORCA_PUSH_SENDER_URL")
+        );
+        assert_eq!(
+            missing(
+                &[key, ("ORCA_PUSH_MODE", "validation")],
+                Some(ServiceName::Facade)
+            ),
+            None
+        );
+        assert_eq!(
+            missing(
+                &[key, ("ORCA_PUSH_MODE", "validation")],
+                Some(ServiceName::Queue)
+            ),
+            Some("ORCA_PUSH_MODE")
+        );
     }
 
     #[test]

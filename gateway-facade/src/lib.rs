@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod routes;
 pub mod sessions;
+pub mod settings;
 pub mod topology;
 
 pub use app::{AppState, router};
