@@ -237,10 +237,15 @@ impl Config {
             let variable = service.url_variable();
             get(variable)
                 .map(|v| {
-                    if v.starts_with("http://") || v.starts_with("https://") {
+                    // The services speak gRPC in the clear (TLS between them is a mesh's job): an
+                    // https:// URL would be accepted here and then fail at every call.
+                    if v.starts_with("http://") {
                         Ok(v.trim_end_matches('/').to_owned())
                     } else {
-                        Err(invalid(variable, "must be an http:// or https:// URL"))
+                        Err(invalid(
+                            variable,
+                            "must be an http:// URL (services speak gRPC without TLS)",
+                        ))
                     }
                 })
                 .transpose()
@@ -838,6 +843,7 @@ mod tests {
             ("ORCA_PUSH_TRUSTED_PROXY_HOPS", "-1"),
             ("ORCA_PUSH_COALESCE_MS", "soon"),
             ("ORCA_PUSH_AUTH_URL", "auth:50051"),
+            ("ORCA_PUSH_QUEUE_URL", "https://queue.example.com"),
             ("ORCA_PUSH_GRPC_ADDR", "everywhere"),
             ("ORCA_PUSH_APNS_URL", "api.push.apple.com"),
             ("ORCA_PUSH_CA_FILE", "/no/such/file.pem"),
