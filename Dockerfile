@@ -12,6 +12,9 @@
 # dependencies.
 
 FROM rust:1.95-bookworm AS build
+# The commit, compiled in as orca_push_build_info's `revision` label (`option_env!("REVISION")`:
+# RUN sees a build argument as a variable); a build without it reports `unknown`.
+ARG REVISION=unknown
 WORKDIR /src
 COPY . .
 RUN --mount=type=cache,id=orca-push-cargo-registry,target=/usr/local/cargo/registry,sharing=locked \

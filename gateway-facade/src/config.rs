@@ -179,7 +179,7 @@ impl Config {
                         "must be a postgres:// URL (leave it unset for SQLite)",
                     ));
                 }
-                DatabaseConfig::Postgres { url }
+                DatabaseConfig::Postgres { url: url.into() }
             }
             None => DatabaseConfig::Sqlite {
                 data_dir: PathBuf::from(
@@ -505,7 +505,7 @@ fn provider_settings(
             ));
         }
         settings.apns = Some(orca_push_sender::ApnsCredentials {
-            key_pem,
+            key_pem: key_pem.into(),
             key_id,
             team_id,
         });
@@ -671,13 +671,13 @@ mod tests {
         assert_eq!(c.port, 8080);
         assert_eq!(c.public_url, None);
         assert_eq!(c.gateway_origin(8080), "http://127.0.0.1:8080");
-        assert_eq!(
-            c.database,
+        assert!(matches!(
+            &c.database,
             DatabaseConfig::Sqlite {
-                data_dir: "./data".into(),
+                data_dir,
                 durability: SqliteDurability::Full,
-            }
-        );
+            } if data_dir == std::path::Path::new("./data")
+        ));
         assert_eq!(c.mode, Mode::Serve);
         assert_eq!(c.trusted_proxy_hops, 0);
         assert_eq!(c.coalesce_ms, 3000);
@@ -709,6 +709,21 @@ mod tests {
                 max_connections: 2,
             }
         );
+    }
+
+    #[test]
+    fn debug_output_never_shows_a_secret() {
+        let c = config(&[
+            ("ORCA_PUSH_DATABASE_URL", "postgres://orca:hunter2@db/orca"),
+            (
+                "ORCA_PUSH_INTERNAL_KEY",
+                "a-key-of-at-least-32-bytes-SECRETSECRET",
+            ),
+        ])
+        .unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(!shown.contains("SECRETSECRET"), "{shown}");
     }
 
     #[test]
@@ -892,7 +907,9 @@ mod tests {
             ("ORCA_PUSH_APPLE_TEAM_ID", "T"),
         ])
         .unwrap();
-        assert!(c.providers.apns.unwrap().key_pem.contains("-----\nabc\n"));
+        let apns = c.providers.apns.unwrap();
+        assert!(secrecy::ExposeSecret::expose_secret(&apns.key_pem).contains("-----\nabc\n"));
+        assert!(!format!("{apns:?}").contains("abc"), "Debug hides the key");
         assert!(config(&[]).unwrap().providers.apns.is_none());
     }
 

@@ -31,6 +31,24 @@ pub const LOOKUP_QUEUE: usize = 256;
 /// How long a request waits in that queue before it is told `busy`.
 pub const LOOKUP_WAIT: Duration = Duration::from_secs(2);
 
+/// The buckets that answer `rate_limited`, as `orca_push_rate_limit_refusals_total` labels them.
+pub const RATE_LIMIT_BUCKETS: [&str; 3] = ["unauthenticated", "host", "invalid_bearer"];
+/// Why a request was answered `busy`, as `orca_push_busy_refusals_total` labels it: the session
+/// look-up queue was full, or the wait in it ran out.
+pub const BUSY_REASONS: [&str; 2] = ["lookup_queue_full", "lookup_wait_timeout"];
+
+/// A refusal by `bucket` (one of [`RATE_LIMIT_BUCKETS`]), counted.
+fn rate_limited(bucket: &'static str) -> ApiError {
+    metrics::counter!("orca_push_rate_limit_refusals_total", "bucket" => bucket).increment(1);
+    ApiError::RateLimited
+}
+
+/// A `busy` answer for `reason` (one of [`BUSY_REASONS`]), counted.
+fn busy(reason: &'static str) -> ApiError {
+    metrics::counter!("orca_push_busy_refusals_total", "reason" => reason).increment(1);
+    ApiError::Busy
+}
+
 /// Who a request is, for the per-IP buckets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ClientKey {
@@ -214,6 +232,14 @@ pub struct Limits {
 
 impl Limits {
     pub fn new(trusted_proxy_hops: usize) -> Arc<Self> {
+        // At zero from the start, so a rate over them is defined before the first refusal.
+        for bucket in RATE_LIMIT_BUCKETS {
+            metrics::counter!("orca_push_rate_limit_refusals_total", "bucket" => bucket)
+                .increment(0);
+        }
+        for reason in BUSY_REASONS {
+            metrics::counter!("orca_push_busy_refusals_total", "reason" => reason).increment(0);
+        }
         Arc::new(Self {
             trusted_proxy_hops,
             unauthenticated: BoundedBuckets::per_minute(
@@ -242,14 +268,15 @@ impl Limits {
         if self.unauthenticated.try_take(client) {
             Ok(())
         } else {
-            Err(ApiError::RateLimited)
+            Err(rate_limited("unauthenticated"))
         }
     }
 
-    /// Before a session look-up: an IP that spent its forged-bearer budget waits it out.
+    /// Before a session look-up: an IP that spent its forged-bearer budget waits it out (a
+    /// refusal of the invalid-bearer bucket).
     pub fn check_bearer_penalty(&self, client: &ClientKey) -> Result<(), ApiError> {
         if self.penalties.is_penalised(client) {
-            Err(ApiError::RateLimited)
+            Err(rate_limited("invalid_bearer"))
         } else {
             Ok(())
         }
@@ -261,7 +288,7 @@ impl Limits {
             Ok(())
         } else {
             self.penalties.penalise(client);
-            Err(ApiError::RateLimited)
+            Err(rate_limited("invalid_bearer"))
         }
     }
 
@@ -270,7 +297,7 @@ impl Limits {
         if self.hosts.try_take(&host_fingerprint.to_owned()) {
             Ok(())
         } else {
-            Err(ApiError::RateLimited)
+            Err(rate_limited("host"))
         }
     }
 
@@ -288,13 +315,13 @@ impl Limits {
         }
         let waiting = Waiting(&self.waiting);
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= LOOKUP_QUEUE {
-            return Err(ApiError::Busy);
+            return Err(busy("lookup_queue_full"));
         }
         let permit = tokio::time::timeout(LOOKUP_WAIT, self.lookups.acquire()).await;
         drop(waiting);
         match permit {
             Ok(Ok(permit)) => Ok(permit),
-            _ => Err(ApiError::Busy),
+            _ => Err(busy("lookup_wait_timeout")),
         }
     }
 
@@ -474,6 +501,96 @@ mod tests {
                 .map(Result::unwrap)
                 .collect();
         assert_eq!(limits.admit_lookup().await.err(), Some(ApiError::Busy));
+    }
+
+    /// The value of `name{label="value"}` in what `recorder` renders now.
+    fn counted(
+        recorder: &metrics_exporter_prometheus::PrometheusRecorder,
+        name: &str,
+        label: (&str, &str),
+    ) -> Option<f64> {
+        let series = format!("{name}{{{}=\"{}\"}} ", label.0, label.1);
+        recorder
+            .handle()
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix(&series)?.parse().ok())
+    }
+
+    #[test]
+    fn every_buckets_refusals_are_counted_under_its_name() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let refusals = |bucket| {
+            counted(
+                &recorder,
+                "orca_push_rate_limit_refusals_total",
+                ("bucket", bucket),
+            )
+        };
+        let limits = Limits::new(0);
+        for bucket in RATE_LIMIT_BUCKETS {
+            assert_eq!(
+                refusals(bucket),
+                Some(0.0),
+                "{bucket} is there before any refusal"
+            );
+        }
+        let a = ip("1.1.1.1");
+        for _ in 0..UNAUTHENTICATED_PER_MINUTE {
+            limits.admit_unauthenticated(&a).unwrap();
+        }
+        assert_eq!(limits.admit_unauthenticated(&a), Err(ApiError::RateLimited));
+        assert_eq!(refusals("unauthenticated"), Some(1.0));
+
+        for _ in 0..HOST_PER_MINUTE {
+            limits.admit_host("host-a").unwrap();
+        }
+        assert_eq!(limits.admit_host("host-a"), Err(ApiError::RateLimited));
+        assert_eq!(refusals("host"), Some(1.0));
+
+        // The budget spent, and then the penalty it earned: both the invalid-bearer bucket's.
+        for _ in 0..INVALID_BEARER_PER_MINUTE {
+            limits.charge_invalid_bearer(a).unwrap();
+        }
+        assert_eq!(limits.charge_invalid_bearer(a), Err(ApiError::RateLimited));
+        assert_eq!(limits.check_bearer_penalty(&a), Err(ApiError::RateLimited));
+        assert_eq!(refusals("invalid_bearer"), Some(2.0));
+        assert_eq!(refusals("unauthenticated"), Some(1.0));
+        assert_eq!(refusals("host"), Some(1.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_busy_answer_is_counted_with_its_reason() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let busy = |reason| {
+            counted(
+                &recorder,
+                "orca_push_busy_refusals_total",
+                ("reason", reason),
+            )
+        };
+        let limits = Limits::new(0);
+        assert_eq!(busy("lookup_queue_full"), Some(0.0));
+        assert_eq!(busy("lookup_wait_timeout"), Some(0.0));
+        let _held: Vec<_> =
+            futures::future::join_all((0..LOOKUP_CONCURRENCY).map(|_| limits.admit_lookup()))
+                .await
+                .into_iter()
+                .map(Result::unwrap)
+                .collect();
+        // A waiter that never gets a permit gives up after the bound.
+        assert_eq!(limits.admit_lookup().await.err(), Some(ApiError::Busy));
+        assert_eq!(busy("lookup_wait_timeout"), Some(1.0));
+        assert_eq!(busy("lookup_queue_full"), Some(0.0));
+        // A full queue turns the next one away at once.
+        let waiters = futures::future::join_all((0..LOOKUP_QUEUE).map(|_| limits.admit_lookup()));
+        tokio::pin!(waiters);
+        assert!(futures::poll!(waiters.as_mut()).is_pending());
+        assert_eq!(limits.admit_lookup().await.err(), Some(ApiError::Busy));
+        assert_eq!(busy("lookup_queue_full"), Some(1.0));
+        assert_eq!(busy("lookup_wait_timeout"), Some(1.0));
     }
 
     #[test]

@@ -1,6 +1,10 @@
 //! Prometheus text at `/metrics` on `ORCA_PUSH_METRICS_ADDR`: aggregate counters, gauges and
 //! histograms from every service in this process. Labels are routes, methods, codes, providers
 //! and outcomes only: never a token, a title, a body, an id or a fingerprint.
+//!
+//! Every process role (all in one, or one service) installs this recorder and listener, so each
+//! reports the standard `process_*` families (collected at every scrape by `metrics-process`) and
+//! `orca_push_build_info`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -15,13 +19,40 @@ const BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// Installs the process-wide recorder. Once per process.
+/// The commit this binary was built from, when the build passed one: the image build's
+/// `REVISION` argument (see the Dockerfile). No build script: a plain checkout builds as it is.
+pub const REVISION: &str = match option_env!("REVISION") {
+    Some(revision) if !revision.is_empty() => revision,
+    _ => "unknown",
+};
+
+/// Installs the process-wide recorder and records what this process is. Once per process.
 pub fn install() -> anyhow::Result<PrometheusHandle> {
-    PrometheusBuilder::new()
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
         .context("metrics buckets")?
         .install_recorder()
-        .context("metrics recorder")
+        .context("metrics recorder")?;
+    record_build_info();
+    metrics_process::Collector::default().describe();
+    Ok(handle)
+}
+
+/// `orca_push_build_info{version, revision} 1`: which build a replica runs.
+pub fn record_build_info() {
+    metrics::gauge!(
+        "orca_push_build_info",
+        "version" => env!("CARGO_PKG_VERSION"),
+        "revision" => REVISION,
+    )
+    .set(1.0);
+}
+
+/// The text a scrape answers: this process's CPU, memory, fds and threads sampled now, then
+/// everything recorded.
+pub fn render(handle: &PrometheusHandle, process: &metrics_process::Collector) -> String {
+    process.collect();
+    handle.render()
 }
 
 /// Serves `/metrics` on `addr` until `shutdown`.
@@ -48,8 +79,11 @@ pub async fn serve(
             }
         });
     }
-    let app =
-        axum::Router::new().route("/metrics", get(move || std::future::ready(handle.render())));
+    let process = metrics_process::Collector::default();
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || std::future::ready(render(&handle, &process))),
+    );
     tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
@@ -59,4 +93,42 @@ pub async fn serve(
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scrape_shows_the_build_and_this_processs_resources() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let text = metrics::with_local_recorder(&recorder, || {
+            record_build_info();
+            let process = metrics_process::Collector::default();
+            process.describe();
+            render(&handle, &process)
+        });
+        let value = |series: &str| {
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix(series)?
+                        .strip_prefix(' ')?
+                        .parse::<f64>()
+                        .ok()
+                })
+                .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+        };
+        let build = format!(
+            "orca_push_build_info{{version=\"{}\",revision=\"{REVISION}\"}}",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert_eq!(value(&build), 1.0);
+        assert!(value("process_resident_memory_bytes") > 0.0);
+        assert!(value("process_open_fds") > 0.0);
+        assert!(value("process_max_fds") > 0.0);
+        assert!(value("process_threads") >= 1.0);
+        assert!(value("process_start_time_seconds") > 1.6e9);
+        assert!(value("process_cpu_seconds_total") >= 0.0);
+    }
 }

@@ -267,7 +267,11 @@ impl ModeRun<'_> {
             let start_issued = Instant::now();
             shell(start).await.context("--pg-start")?;
             let start_took = start_issued.elapsed();
-            let pg_ready = until_postgres(&url, Duration::from_secs(60)).await?;
+            let pg_ready = until_postgres(
+                secrecy::ExposeSecret::expose_secret(&url),
+                Duration::from_secs(60),
+            )
+            .await?;
             bar.set_message("PostgreSQL up");
             let gateway_ready =
                 until_ready(self.http, &gateway.base, Duration::from_secs(60)).await;

@@ -84,7 +84,9 @@ async fn fresh_database(backend: Backend, data_dir: &std::path::Path) -> Databas
             durability: orca_push_storage::SqliteDurability::Full,
         },
         Backend::Postgres => DatabaseConfig::Postgres {
-            url: orca_push_storage::testing::fresh_postgres_url().await,
+            url: orca_push_storage::testing::fresh_postgres_url()
+                .await
+                .into(),
         },
     }
 }
@@ -153,7 +155,8 @@ impl Process {
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         if let DatabaseConfig::Postgres { url } = database {
-            command.env("ORCA_PUSH_DATABASE_URL", url);
+            use secrecy::ExposeSecret as _;
+            command.env("ORCA_PUSH_DATABASE_URL", url.expose_secret());
         }
         for (k, v) in env {
             command.env(k, v);

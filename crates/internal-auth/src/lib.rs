@@ -45,14 +45,8 @@ const CLOCK_SKEW: Duration = Duration::from_secs(300);
 const MAX_SUBJECT_LEN: usize = 64;
 
 /// The shared signing key. Debug never shows it.
-#[derive(Clone)]
-pub struct InternalKey(Arc<Vec<u8>>);
-
-impl std::fmt::Debug for InternalKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("InternalKey(<redacted>)")
-    }
-}
+#[derive(Clone, Debug)]
+pub struct InternalKey(Arc<secrecy::SecretSlice<u8>>);
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KeyError {
@@ -65,7 +59,7 @@ impl InternalKey {
     pub fn generate() -> Self {
         let mut bytes = vec![0u8; 48];
         rand::rngs::OsRng.fill_bytes(&mut bytes);
-        Self(Arc::new(bytes))
+        Self(Arc::new(bytes.into()))
     }
 
     /// The configured secret, as text (base64 or not: its bytes are the key).
@@ -74,7 +68,7 @@ impl InternalKey {
         if secret.len() < 32 {
             return Err(KeyError::TooShort);
         }
-        Ok(Self(Arc::new(secret.as_bytes().to_vec())))
+        Ok(Self(Arc::new(secret.as_bytes().to_vec().into())))
     }
 }
 
@@ -180,7 +174,7 @@ pub fn mint_between(
     jsonwebtoken::encode(
         &Header::new(Algorithm::HS256),
         &claims,
-        &EncodingKey::from_secret(&key.0),
+        &EncodingKey::from_secret(secrecy::ExposeSecret::expose_secret(&*key.0)),
     )
     .unwrap_or_default()
 }
@@ -210,22 +204,26 @@ pub fn verify_any(key: &InternalKey, token: &str, audiences: &[&str]) -> Result<
     validation.set_audience(audiences);
     validation.leeway = 0;
     validation.set_required_spec_claims(&["exp", "aud", "sub"]);
-    jsonwebtoken::decode::<Claims>(token, &DecodingKey::from_secret(&key.0), &validation)
-        .map(|data| data.claims)
-        .map_err(|error| match error.kind() {
-            jsonwebtoken::errors::ErrorKind::ExpiredSignature => Refusal::Expired,
-            jsonwebtoken::errors::ErrorKind::InvalidAudience => Refusal::WrongAudience,
-            _ => Refusal::Invalid,
-        })
-        .and_then(|claims| {
-            if !valid_subject(&claims.sub) {
-                Err(Refusal::BadSubject)
-            } else if claims.exp > now_s() + (claims.scope.max_ttl() + CLOCK_SKEW).as_secs() {
-                Err(Refusal::TooLong)
-            } else {
-                Ok(claims)
-            }
-        })
+    jsonwebtoken::decode::<Claims>(
+        token,
+        &DecodingKey::from_secret(secrecy::ExposeSecret::expose_secret(&*key.0)),
+        &validation,
+    )
+    .map(|data| data.claims)
+    .map_err(|error| match error.kind() {
+        jsonwebtoken::errors::ErrorKind::ExpiredSignature => Refusal::Expired,
+        jsonwebtoken::errors::ErrorKind::InvalidAudience => Refusal::WrongAudience,
+        _ => Refusal::Invalid,
+    })
+    .and_then(|claims| {
+        if !valid_subject(&claims.sub) {
+            Err(Refusal::BadSubject)
+        } else if claims.exp > now_s() + (claims.scope.max_ttl() + CLOCK_SKEW).as_secs() {
+            Err(Refusal::TooLong)
+        } else {
+            Ok(claims)
+        }
+    })
 }
 
 /// Runs each call on its own task, so a caller that disconnects (an HTTP client gone, a sender
@@ -713,7 +711,7 @@ mod tests {
         jsonwebtoken::encode(
             &Header::new(Algorithm::HS256),
             claims,
-            &EncodingKey::from_secret(&key.0),
+            &EncodingKey::from_secret(secrecy::ExposeSecret::expose_secret(&*key.0)),
         )
         .unwrap()
     }
@@ -907,9 +905,11 @@ mod tests {
             KeyError::TooShort
         );
         assert!(InternalKey::from_secret(&"k".repeat(32)).is_ok());
-        assert_eq!(
-            format!("{:?}", InternalKey::generate()),
-            "InternalKey(<redacted>)"
+        let key = InternalKey::from_secret(&"k".repeat(40)).unwrap();
+        let shown = format!("{key:?}");
+        assert!(
+            shown.contains("REDACTED") && !shown.contains("kkkk"),
+            "{shown}"
         );
     }
 }

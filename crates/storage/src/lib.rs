@@ -4,6 +4,7 @@
 
 pub mod clock;
 pub mod health;
+pub mod pool_gauges;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -17,9 +18,10 @@ use sqlx::sqlite::{
 };
 
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use pool_gauges::StorePools;
 
 /// Where a service keeps its state.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum DatabaseConfig {
     /// The embedded default: one SQLite file per service in this folder.
     Sqlite {
@@ -27,24 +29,8 @@ pub enum DatabaseConfig {
         durability: SqliteDurability,
     },
     /// Production: one PostgreSQL database shared by all services, one schema each.
-    Postgres { url: String },
-}
-
-impl std::fmt::Debug for DatabaseConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Sqlite {
-                data_dir,
-                durability,
-            } => f
-                .debug_struct("Sqlite")
-                .field("data_dir", data_dir)
-                .field("durability", durability)
-                .finish(),
-            // The URL may carry a password.
-            Self::Postgres { .. } => f.write_str("Postgres { url: <redacted> }"),
-        }
-    }
+    /// The URL may carry a password: Debug never shows it.
+    Postgres { url: secrecy::SecretString },
 }
 
 /// When a SQLite commit is on disk (`ORCA_PUSH_SQLITE_SYNCHRONOUS`).
@@ -125,7 +111,12 @@ pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<P
         )
         .await
         .map(Pool::Sqlite),
-        DatabaseConfig::Postgres { url } => open_postgres(url, service).await.map(Pool::Postgres),
+        DatabaseConfig::Postgres { url } => {
+            use secrecy::ExposeSecret as _;
+            open_postgres(url.expose_secret(), service)
+                .await
+                .map(Pool::Postgres)
+        }
     }
 }
 

@@ -30,7 +30,7 @@ pub async fn fresh(backend: Backend) -> (DatabaseConfig, TestDbGuard) {
         }
         Backend::Postgres => (
             DatabaseConfig::Postgres {
-                url: fresh_postgres_url().await,
+                url: fresh_postgres_url().await.into(),
             },
             TestDbGuard { dir: None },
         ),

@@ -106,11 +106,13 @@ pub async fn routes(
     shutdown: CancellationToken,
 ) -> tonic::service::Routes {
     let pool_for_health = pool.clone();
-    let auth = Arc::new(HostAuth::new(
-        AnyAuthStore::new(pool),
-        gateway_origin,
-        clock,
+    let store = AnyAuthStore::new(pool);
+    tokio::spawn(orca_push_storage::pool_gauges::record_until(
+        "auth",
+        store.pools(),
+        shutdown.clone(),
     ));
+    let auth = Arc::new(HostAuth::new(store, gateway_origin, clock));
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_service_status(HEALTH_NAME, ServingStatus::Serving)

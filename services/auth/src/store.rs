@@ -147,6 +147,14 @@ impl AnyAuthStore {
             Pool::Postgres(p) => Self::Postgres(PgAuthStore::new(p)),
         }
     }
+
+    /// The connection pools behind this store, for the pool gauges.
+    pub fn pools(&self) -> orca_push_storage::StorePools {
+        match self {
+            Self::Sqlite(s) => orca_push_storage::StorePools::sqlite(&s.pool, &s.readers),
+            Self::Postgres(s) => orca_push_storage::StorePools::postgres(&s.pool),
+        }
+    }
 }
 
 macro_rules! delegate {

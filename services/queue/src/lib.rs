@@ -98,6 +98,11 @@ pub async fn routes(
     shutdown: CancellationToken,
 ) -> tonic::service::Routes {
     let queue = delivery_queue(pool.clone(), clock, coalesce_ms, &shutdown);
+    tokio::spawn(orca_push_storage::pool_gauges::record_until(
+        "queue",
+        queue.store().pools(),
+        shutdown.clone(),
+    ));
     metrics::counter!("orca_push_lease_expiries_total").increment(0);
     for kind in ["alert", "dismiss"] {
         metrics::counter!("orca_push_quota_refusals_total", "kind" => kind).increment(0);

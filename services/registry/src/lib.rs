@@ -63,10 +63,13 @@ pub async fn routes(
     clock: Arc<dyn Clock>,
     shutdown: CancellationToken,
 ) -> tonic::service::Routes {
-    let registry = Arc::new(DeviceRegistry::new(
-        AnyRegistryStore::new(pool.clone()),
-        clock,
+    let store = AnyRegistryStore::new(pool.clone());
+    tokio::spawn(orca_push_storage::pool_gauges::record_until(
+        "registry",
+        store.pools(),
+        shutdown.clone(),
     ));
+    let registry = Arc::new(DeviceRegistry::new(store, clock));
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_service_status(HEALTH_NAME, ServingStatus::Serving)

@@ -396,6 +396,14 @@ impl AnyRegistryStore {
             Pool::Postgres(p) => Self::Postgres(PgRegistryStore::new(p)),
         }
     }
+
+    /// The connection pools behind this store, for the pool gauges.
+    pub fn pools(&self) -> orca_push_storage::StorePools {
+        match self {
+            Self::Sqlite(s) => orca_push_storage::StorePools::sqlite(&s.pool, &s.readers),
+            Self::Postgres(s) => orca_push_storage::StorePools::postgres(&s.pool),
+        }
+    }
 }
 
 macro_rules! delegate {

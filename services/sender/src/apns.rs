@@ -121,7 +121,12 @@ impl ProviderToken {
             },
             &self.key,
         )
-        .map_err(|e| ApnsError::Key(format!("cannot sign the provider token: {e}")))?;
+        .map_err(|e| {
+            // Every failed signing, first or refresh (after `ExpiredProviderToken`).
+            metrics::counter!("orca_push_provider_token_failures_total", "provider" => "apns")
+                .increment(1);
+            ApnsError::Key(format!("cannot sign the provider token: {e}"))
+        })?;
         let generation = self.signatures.fetch_add(1, Ordering::Relaxed) + 1;
         metrics::counter!("orca_push_apns_tokens_signed_total").increment(1);
         *cached = Some(Signed {
@@ -484,6 +489,36 @@ mod tests {
         // The new one refused in turn: one more.
         token.refresh_after(2).unwrap();
         assert_eq!(token.signatures(), 3);
+    }
+
+    #[test]
+    fn every_failed_signing_is_counted_as_an_apns_token_failure() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let failures = || {
+            recorder
+                .handle()
+                .render()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("orca_push_provider_token_failures_total{provider=\"apns\"} ")?
+                        .parse::<f64>()
+                        .ok()
+                })
+                .unwrap_or(0.0)
+        };
+        // An EC key of the wrong curve reads as one, but cannot sign ES256.
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384).expect("P-384 key");
+        let token = ProviderToken::new(&key.serialize_pem(), "KEYID12345", "TEAMID1234")
+            .expect("an EC PKCS#8 key");
+        assert!(token.bearer().is_err());
+        assert_eq!(failures(), 1.0);
+        assert!(token.refresh_after(1).is_err());
+        assert_eq!(failures(), 2.0);
+        assert_eq!(token.signatures(), 0);
+        // A good key signs, and counts nothing.
+        self::token().bearer().unwrap();
+        assert_eq!(failures(), 2.0);
     }
 
     #[test]

@@ -17,20 +17,11 @@ pub const APNS_SANDBOX: &str = "https://api.sandbox.push.apple.com";
 pub const FCM_BASE: &str = "https://fcm.googleapis.com";
 
 /// APNs token-auth credentials. Debug never shows the key.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ApnsCredentials {
-    pub key_pem: String,
+    pub key_pem: secrecy::SecretString,
     pub key_id: String,
     pub team_id: String,
-}
-
-impl std::fmt::Debug for ApnsCredentials {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ApnsCredentials")
-            .field("key_id", &self.key_id)
-            .field("team_id", &self.team_id)
-            .finish_non_exhaustive()
-    }
 }
 
 /// Everything the sender needs to reach the providers.
@@ -144,7 +135,11 @@ impl Providers {
                     None => (APNS_PRODUCTION, APNS_SANDBOX),
                 };
                 Some(Apns {
-                    token: ProviderToken::new(&creds.key_pem, &creds.key_id, &creds.team_id)?,
+                    token: ProviderToken::new(
+                        secrecy::ExposeSecret::expose_secret(&creds.key_pem),
+                        &creds.key_id,
+                        &creds.team_id,
+                    )?,
                     production: ApnsPool::new(
                         production,
                         tls.clone(),
@@ -246,6 +241,8 @@ impl Providers {
             metrics::counter!("orca_push_provider_not_configured_total", "provider" => provider)
                 .increment(0);
             metrics::counter!("orca_push_deliveries_total", "provider" => provider, "outcome" => "sent").increment(0);
+            metrics::counter!("orca_push_provider_token_failures_total", "provider" => provider)
+                .increment(0);
         }
     }
 
@@ -266,9 +263,8 @@ impl Providers {
         let bearer = match apns.token.bearer() {
             Ok(b) => b,
             Err(error) => {
+                // Counted in `orca_push_provider_token_failures_total` where it failed.
                 tracing::error!(%error, "APNs provider token");
-                metrics::counter!("orca_push_provider_token_failures_total", "provider" => "apns")
-                    .increment(1);
                 return Verdict::Failed("apns_provider_token".into());
             }
         };

@@ -17,6 +17,14 @@ impl AnyQueueStore {
         }
     }
 
+    /// The connection pools behind this store, for the pool gauges.
+    pub fn pools(&self) -> orca_push_storage::StorePools {
+        match self {
+            Self::Sqlite(s) => orca_push_storage::StorePools::sqlite(&s.pool, &s.readers),
+            Self::Postgres(s) => orca_push_storage::StorePools::postgres(&s.pool),
+        }
+    }
+
     /// Groups admitted on the batched path of `crate::admission` so far.
     pub fn batched_groups(&self) -> u64 {
         let counter = match self {

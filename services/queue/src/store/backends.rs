@@ -18,7 +18,7 @@ pub trait Backend {
 #[derive(Debug, Clone)]
 pub struct SqliteQueueStore {
     pub(super) pool: sqlx::SqlitePool,
-    readers: sqlx::SqlitePool,
+    pub(super) readers: sqlx::SqlitePool,
     pub(super) row_by_row: bool,
     /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
     pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
@@ -85,7 +85,7 @@ impl SqliteQueueStore {
 #[derive(Debug, Clone)]
 pub struct PgQueueStore {
     pub(super) pool: sqlx::PgPool,
-    readers: sqlx::PgPool,
+    pub(super) readers: sqlx::PgPool,
     pub(super) row_by_row: bool,
     /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
     pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
