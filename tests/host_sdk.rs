@@ -581,3 +581,152 @@ async fn a_registration_the_host_cannot_store_is_deleted_at_the_gateway() {
         "nothing is left registered that the host does not know of"
     );
 }
+
+/// A gateway of an older deployment in front of a real one: `/health` answers
+/// `deliveryProtocol: 1`, and a notification carrying `kind`, `expiresAt` or `sound` is refused
+/// `invalid_request`, as an older gateway's strict schema refuses unknown fields. Everything else
+/// is forwarded as is.
+async fn older_gateway_in_front_of(base: &str) -> String {
+    use axum::body::Bytes;
+    use axum::http::{HeaderMap, Method, StatusCode, Uri};
+    let upstream = base.to_owned();
+    let client = reqwest::Client::new();
+    let proxy = move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+        let client = client.clone();
+        let upstream = upstream.clone();
+        async move {
+            if uri.path() == "/health" {
+                let body = r#"{"ok":true,"pushProtocol":1,"deliveryProtocol":1,"mode":"serve"}"#;
+                return (StatusCode::OK, body.to_owned());
+            }
+            if uri.path() == "/v1/send" {
+                let sent: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                let n = &sent["notification"];
+                if ["kind", "expiresAt", "sound"]
+                    .iter()
+                    .any(|f| n.get(*f).is_some())
+                {
+                    let refused = r#"{"error":"invalid_request"}"#.to_owned();
+                    return (StatusCode::BAD_REQUEST, refused);
+                }
+            }
+            let mut request = client
+                .request(method, format!("{upstream}{uri}"))
+                .body(body);
+            for (name, value) in &headers {
+                if name != "host" && name != "content-length" {
+                    request = request.header(name, value);
+                }
+            }
+            let answer = request.send().await.unwrap();
+            let status = StatusCode::from_u16(answer.status().as_u16()).unwrap();
+            (status, answer.text().await.unwrap())
+        }
+    };
+    let app = axum::Router::new().fallback(proxy);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// Against an older gateway the dispatcher sends neither kind, expiresAt nor sound (so its alerts
+/// are not refused), and no dismissal at all; a failure is counted by category, never by payload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_gateway_gets_only_the_fields_it_knows() {
+    let world = World::start(Backend::Sqlite, "0").await;
+    // The proxy has its own origin: the host logs in to the real gateway, whose origin the
+    // challenge names, and reuses the session through the proxy by the shared session file.
+    let dir = tempfile::tempdir().unwrap();
+    let key_path = dir.path().join("host.key");
+    HostKey::generate().save_new(&key_path).unwrap();
+    let session_file = key_path.with_extension("session");
+    let direct = GatewayClient::new(&world.gateway.base, HostKey::load(&key_path).unwrap())
+        .unwrap()
+        .with_session_file(session_file.clone());
+    let session = direct.session().await.unwrap();
+    let older = older_gateway_in_front_of(&world.gateway.base).await;
+    let origin = orca_push_host::origin_of(&older).unwrap();
+    orca_push_host::SessionFile::new(session_file.clone())
+        .store(&origin, &session)
+        .unwrap();
+    let client = Arc::new(
+        GatewayClient::new(&older, HostKey::load(&key_path).unwrap())
+            .unwrap()
+            .with_session_file(session_file),
+    );
+    let registrar = registrar(&client, dir.path(), RegistrarConfig::default());
+    let mut quiet = HostFilter::everything();
+    quiet.sound = Some(false);
+    let outcome = registrar
+        .register("quiet", Platform::Android, &fcm_token("old"), None, quiet)
+        .await;
+    let RegisterOutcome::Registered { registration_id } = outcome else {
+        panic!("{outcome:?}");
+    };
+    let dispatcher = Dispatcher::new(
+        client.clone(),
+        registrar.store().clone(),
+        DispatchConfig::default(),
+    );
+    let mut alert = event(1, now_ms());
+    alert.expires_at = Some((now_ms() + 60_000) as i64);
+    let report = dispatcher.dispatch(alert).await;
+    assert_eq!(report.delivery_protocol, Some(1));
+    assert_eq!(
+        report.outcomes.get(&registration_id),
+        Some(&Outcome::Status(SendStatus::Queued)),
+        "{report:?}"
+    );
+    let message = world
+        .fcm
+        .wait_for(&fcm_token("old"), 1, WAIT)
+        .await
+        .remove(0)
+        .message;
+    assert_eq!(
+        message["android"]["notification"]["channel_id"], "orca-desktop",
+        "an older gateway cannot be asked for silence"
+    );
+    let mut dismissal = event(1, now_ms() + 10_000);
+    dismissal.kind = Kind::Dismiss;
+    let report = dispatcher.dispatch(dismissal).await;
+    assert!(report.requests.is_empty(), "{report:?}");
+    assert_eq!(
+        report.skipped.get(&registration_id),
+        Some(&orca_push_host::Skip::DismissUnsupported)
+    );
+
+    // A registration the gateway does not know answers `error`: counted, by category only.
+    let ghost = orca_push_host::Registration {
+        registration_id: "not-a-registration".into(),
+        ..registrar.store().get("quiet").unwrap()
+    };
+    assert!(
+        !format!("{ghost:?}").contains(&fcm_token("old")),
+        "Debug hides the token"
+    );
+    let store = Arc::new(GhostSource(ghost));
+    let counting = Dispatcher::new(client, store, DispatchConfig::default());
+    let report = counting.dispatch(event(2, now_ms() + 20_000)).await;
+    assert_eq!(
+        report.outcomes.get("not-a-registration"),
+        Some(&Outcome::Status(SendStatus::Error))
+    );
+    let counts = counting.failure_counts();
+    assert_eq!(counts.get("result.error"), Some(&1), "{counts:?}");
+    assert!(counts.keys().all(|k| !k.contains("not-a-registration")));
+}
+
+/// One registration, as a source the dispatcher reads.
+struct GhostSource(orca_push_host::Registration);
+
+impl orca_push_host::RegistrationSource for GhostSource {
+    fn active(&self, _now_ms: u64) -> Vec<orca_push_host::Registration> {
+        vec![self.0.clone()]
+    }
+
+    fn drop_dead(&self, _sent: &orca_push_host::Registration) -> bool {
+        false
+    }
+}
