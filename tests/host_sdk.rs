@@ -730,3 +730,115 @@ impl orca_push_host::RegistrationSource for GhostSource {
         false
     }
 }
+
+/// A TLS front for `upstream` on `localhost`, with a self-signed certificate written (PEM) to the
+/// returned file: as a corporate TLS-inspecting proxy presents a CA only the OS store trusts.
+async fn tls_front_on(upstream: String, port: u16) -> (String, tempfile::NamedTempFile, u16) {
+    use std::convert::Infallible;
+
+    use http_body_util::BodyExt as _;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let certified = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let ca = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(ca.path(), certified.cert.pem()).unwrap();
+    let key: rustls::pki_types::PrivateKeyDer<'static> = certified.signing_key.into();
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![certified.cert.der().clone()], key)
+    .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let client = reqwest::Client::new();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, client, upstream) = (acceptor.clone(), client.clone(), upstream.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(
+                    move |request: hyper::Request<hyper::body::Incoming>| {
+                        let (client, upstream) = (client.clone(), upstream.clone());
+                        async move {
+                            let (parts, body) = request.into_parts();
+                            let body = body.collect().await.unwrap().to_bytes();
+                            let mut forward = client
+                                .request(parts.method, format!("{upstream}{}", parts.uri.path()))
+                                .body(body);
+                            for (name, value) in &parts.headers {
+                                if name != "host" && name != "content-length" {
+                                    forward = forward.header(name, value);
+                                }
+                            }
+                            let answer = forward.send().await.unwrap();
+                            let mut response = hyper::Response::builder().status(answer.status());
+                            for (name, value) in answer.headers() {
+                                response = response.header(name, value);
+                            }
+                            let body = http_body_util::Full::new(answer.bytes().await.unwrap());
+                            Ok::<_, Infallible>(response.body(body).unwrap())
+                        }
+                    },
+                );
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    (format!("https://localhost:{port}"), ca, port)
+}
+
+/// The SDK trusts the operating system's certificate store (rustls-native-certs, which on Linux
+/// also honours SSL_CERT_FILE): behind TLS inspection the CLI logs in through a certificate only
+/// that store trusts, and without it the same login is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_trusts_the_operating_systems_certificate_store() {
+    // The front's origin is what hosts call, so the gateway binds it into its challenges.
+    let front_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let gateway = Gateway::start_with(
+        Backend::Sqlite,
+        &[(
+            "ORCA_PUSH_PUBLIC_URL",
+            format!("https://localhost:{front_port}").as_str(),
+        )],
+    )
+    .await;
+    let (front, ca, bound) = tls_front_on(gateway.base.clone(), front_port).await;
+    assert_eq!(bound, front_port);
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("host.key");
+    HostKey::generate().save_new(&key).unwrap();
+    let login = |trust: Option<&std::path::Path>| {
+        let mut command = std::process::Command::new(orca_push_tests::binary());
+        command
+            .args(["host", "login", "--gateway", &front, "--key"])
+            .arg(&key)
+            .env_remove("SSL_CERT_DIR");
+        match trust {
+            Some(ca) => command.env("SSL_CERT_FILE", ca),
+            None => command.env("SSL_CERT_FILE", "/nonexistent/ca.pem"),
+        };
+        command.output().unwrap()
+    };
+    let refused = login(None);
+    assert!(!refused.status.success(), "an untrusted CA is refused");
+    let trusted = login(Some(ca.path()));
+    assert!(
+        trusted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&trusted.stderr)
+    );
+    assert!(String::from_utf8_lossy(&trusted.stdout).contains("hostFingerprint"));
+}
