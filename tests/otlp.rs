@@ -13,8 +13,17 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use orca_push_host::HostKey;
 use orca_push_tests::{Backend, Gateway, Raw};
 
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+
 #[derive(Clone, Default)]
 struct Receiver {
+    /// Names of the metrics received by OTLP.
+    metrics: Arc<Mutex<Vec<String>>>,
     spans: Arc<Mutex<Vec<(String, String)>>>,
     /// The `grpc-encoding` of each export request.
     encodings: Arc<Mutex<Vec<String>>>,
@@ -80,6 +89,7 @@ impl Collector {
                 tokio::spawn(
                     tonic::transport::Server::builder()
                         .add_service(service)
+                        .add_service(MetricsServiceServer::new(receiver.clone()))
                         .serve_with_incoming(incoming),
                 );
                 format!("http://127.0.0.1:{port}")
@@ -112,7 +122,8 @@ impl Collector {
                                 <ExportTraceServiceRequest as prost::Message>::decode(body)
                                     .unwrap();
                             receiver.encodings.lock().unwrap().push("http".into());
-                            let _ = receiver.export(tonic::Request::new(request)).await;
+                            let _ =
+                                TraceService::export(&receiver, tonic::Request::new(request)).await;
                             ""
                         }
                     }),
@@ -122,6 +133,22 @@ impl Collector {
                 format!("http://127.0.0.1:{port}")
             }
         }
+    }
+}
+
+#[tonic::async_trait]
+impl MetricsService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        let mut got = self.metrics.lock().unwrap();
+        for resource in request.into_inner().resource_metrics {
+            for scope in resource.scope_metrics {
+                got.extend(scope.metrics.into_iter().map(|m| m.name));
+            }
+        }
+        Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
     }
 }
 
@@ -206,6 +233,45 @@ async fn spans_are_exported_over_http_protobuf_when_asked() {
     // The spans arrived through the HTTP route, which tags its requests "http".
     let encodings = receiver.encodings.lock().unwrap().clone();
     assert!(encodings.iter().any(|e| e == "http"), "{encodings:?}");
+}
+
+/// `OTEL_METRICS_EXPORTER=otlp`: the metrics Prometheus serves also go to the collector.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_exported_by_otlp_when_asked() {
+    let receiver = export_a_login_to(
+        Collector::Grpc,
+        &[
+            ("OTEL_METRICS_EXPORTER", "otlp"),
+            ("OTEL_METRIC_EXPORT_INTERVAL", "500"),
+        ],
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = receiver.metrics.lock().unwrap().clone();
+        let wanted = [
+            "orca_push_build_info",
+            "orca_push_http_requests_total",
+            "process_open_fds",
+        ];
+        if wanted.iter().all(|name| got.iter().any(|m| m == name)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "metrics received: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Without `OTEL_METRICS_EXPORTER=otlp`, metrics stay Prometheus's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_stay_on_prometheus_unless_asked() {
+    let receiver =
+        export_a_login_to(Collector::Grpc, &[("OTEL_METRIC_EXPORT_INTERVAL", "500")]).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(receiver.metrics.lock().unwrap().is_empty());
 }
 
 /// `OTEL_SDK_DISABLED=true` exports nothing, whatever endpoint is set.

@@ -152,8 +152,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let _telemetry = init_telemetry(&config, name)?;
             let shutdown = CancellationToken::new();
             tokio::spawn(cancel_on_signal(shutdown.clone()));
-            let metrics = crate::metrics::install()?;
-            crate::metrics::serve(config.metrics_addr, metrics, shutdown.clone()).await?;
+            let metrics = crate::metrics::install(
+                config
+                    .otlp_metrics
+                    .as_ref()
+                    .map(|export| (export, telemetry_resource(&config, name))),
+                &shutdown,
+            )?;
+            // Dropped last, at exit: flushes the OTLP metrics.
+            let _otlp_metrics = metrics.otlp;
+            crate::metrics::serve(config.metrics_addr, metrics.prometheus, shutdown.clone())
+                .await?;
             match service {
                 None => {
                     let addr = std::net::SocketAddr::from(([0, 0, 0, 0], config.port));
@@ -267,14 +276,20 @@ fn init_telemetry(
     config: &Config,
     service_name: &str,
 ) -> anyhow::Result<orca_push_telemetry::TelemetryGuard> {
-    let instance = format!("{}-{}", hostname(), std::process::id());
-    let name = config.otel_service_name.as_deref().unwrap_or(service_name);
     let provider = orca_push_telemetry::tracer_provider(
-        orca_push_telemetry::resource(name, &instance),
+        telemetry_resource(config, service_name),
         config.otlp.as_ref(),
     )
     .context("OTLP span export")?;
     orca_push_telemetry::init(provider, config.log_format).context("telemetry")
+}
+
+/// The OpenTelemetry resource of this process: `OTEL_SERVICE_NAME` or the role's name, and the
+/// host and pid as the instance.
+fn telemetry_resource(config: &Config, service_name: &str) -> opentelemetry_sdk::Resource {
+    let instance = format!("{}-{}", hostname(), std::process::id());
+    let name = config.otel_service_name.as_deref().unwrap_or(service_name);
+    orca_push_telemetry::resource(name, &instance)
 }
 
 fn hostname() -> String {

@@ -131,6 +131,8 @@ pub struct Config {
     pub metrics_addr: SocketAddr,
     /// Where spans are exported, from the standard `OTEL_*` variables; None: no export.
     pub otlp: Option<orca_push_telemetry::OtlpExport>,
+    /// Where metrics are also exported (`OTEL_METRICS_EXPORTER=otlp`); Prometheus always serves.
+    pub otlp_metrics: Option<orca_push_telemetry::OtlpExport>,
     /// `OTEL_SERVICE_NAME`, if set, names the service in exported spans.
     pub otel_service_name: Option<String>,
     /// `ORCA_PUSH_LOG_FORMAT`: `text` (default) or `json` (one object per line, with trace ids).
@@ -276,7 +278,8 @@ impl Config {
             })?,
             None => SocketAddr::from(([127, 0, 0, 1], 9464)),
         };
-        let otlp = otlp_export(&get)?;
+        let otlp = otlp_export(&get, Signal::Traces)?;
+        let otlp_metrics = otlp_export(&get, Signal::Metrics)?;
         let otel_service_name = get("OTEL_SERVICE_NAME");
         let log_format = match get("ORCA_PUSH_LOG_FORMAT").as_deref() {
             None | Some("text") => orca_push_telemetry::LogFormat::Text,
@@ -323,6 +326,7 @@ impl Config {
             retry_base_ms,
             metrics_addr,
             otlp,
+            otlp_metrics,
             otel_service_name,
             log_format,
             internal_key,
@@ -579,11 +583,53 @@ fn validate_origin(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
-/// Span export from the standard variables: `OTEL_SDK_DISABLED`, `OTEL_TRACES_EXPORTER`, the
-/// endpoint and protocol (the traces-specific variable first), and `ORCA_PUSH_CA_FILE` as extra
-/// roots for an `https://` collector. No endpoint: no export.
+/// What OTLP carries: each signal has its own exporter switch, endpoint and protocol variables.
+#[derive(Clone, Copy)]
+enum Signal {
+    Traces,
+    Metrics,
+}
+
+impl Signal {
+    /// `OTEL_TRACES_EXPORTER` / `OTEL_METRICS_EXPORTER`.
+    fn exporter_variable(self) -> &'static str {
+        match self {
+            Self::Traces => "OTEL_TRACES_EXPORTER",
+            Self::Metrics => "OTEL_METRICS_EXPORTER",
+        }
+    }
+
+    fn endpoint_variable(self) -> &'static str {
+        match self {
+            Self::Traces => "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            Self::Metrics => "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        }
+    }
+
+    fn protocol_variable(self) -> &'static str {
+        match self {
+            Self::Traces => "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            Self::Metrics => "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+        }
+    }
+
+    /// What OTLP/HTTP appends to the general endpoint.
+    fn http_path(self) -> &'static str {
+        match self {
+            Self::Traces => "/v1/traces",
+            Self::Metrics => "/v1/metrics",
+        }
+    }
+}
+
+/// Export of one signal from the standard variables: `OTEL_SDK_DISABLED`, the signal's exporter
+/// switch, the endpoint and protocol (the signal's own variable first), and `ORCA_PUSH_CA_FILE` as
+/// extra roots for an `https://` collector. Spans are exported whenever an endpoint is set
+/// (`OTEL_TRACES_EXPORTER=none` turns that off); metrics only with `OTEL_METRICS_EXPORTER=otlp`,
+/// since Prometheus is how they are read by default.
 fn otlp_export(
     get: &impl Fn(&str) -> Option<String>,
+    signal: Signal,
 ) -> Result<Option<orca_push_telemetry::OtlpExport>, ConfigError> {
     use orca_push_telemetry::{OtlpExport, OtlpProtocol};
     match get("OTEL_SDK_DISABLED")
@@ -594,18 +640,8 @@ fn otlp_export(
         Some("true") => return Ok(None),
         Some(_) => return Err(invalid("OTEL_SDK_DISABLED", "must be `true` or `false`")),
     }
-    match get("OTEL_TRACES_EXPORTER").as_deref() {
-        Some("none") => return Ok(None),
-        Some("otlp") | None => {}
-        Some(_) => {
-            return Err(invalid(
-                "OTEL_TRACES_EXPORTER",
-                "only `otlp` or `none` are supported",
-            ));
-        }
-    }
-    let (protocol_var, protocol) = match get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") {
-        Some(value) => ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", Some(value)),
+    let (protocol_var, protocol) = match get(signal.protocol_variable()) {
+        Some(value) => (signal.protocol_variable(), Some(value)),
         None => (
             "OTEL_EXPORTER_OTLP_PROTOCOL",
             get("OTEL_EXPORTER_OTLP_PROTOCOL"),
@@ -621,16 +657,40 @@ fn otlp_export(
             ));
         }
     };
-    // The traces endpoint is used as given; the general one is a base URL, to which OTLP/HTTP
+    let exporter = get(signal.exporter_variable());
+    match (signal, exporter.as_deref()) {
+        (_, Some("none")) => return Ok(None),
+        (_, Some("otlp")) | (Signal::Traces, None) => {}
+        (Signal::Metrics, None | Some("prometheus")) => return Ok(None),
+        (Signal::Traces, Some(_)) => {
+            return Err(invalid(
+                "OTEL_TRACES_EXPORTER",
+                "only `otlp` or `none` are supported",
+            ));
+        }
+        (Signal::Metrics, Some(_)) => {
+            return Err(invalid(
+                "OTEL_METRICS_EXPORTER",
+                "only `otlp`, `prometheus` or `none` are supported (Prometheus is always served)",
+            ));
+        }
+    }
+    // The signal's endpoint is used as given; the general one is a base URL, to which OTLP/HTTP
     // appends the signal's path.
-    let (endpoint_var, endpoint) = match get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
-        Some(endpoint) => ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint),
+    let (endpoint_var, endpoint) = match get(signal.endpoint_variable()) {
+        Some(endpoint) => (signal.endpoint_variable(), endpoint),
         None => match get("OTEL_EXPORTER_OTLP_ENDPOINT") {
             Some(base) if protocol == OtlpProtocol::HttpProtobuf => (
                 "OTEL_EXPORTER_OTLP_ENDPOINT",
-                format!("{}/v1/traces", base.trim_end_matches('/')),
+                format!("{}{}", base.trim_end_matches('/'), signal.http_path()),
             ),
             Some(base) => ("OTEL_EXPORTER_OTLP_ENDPOINT", base),
+            None if exporter.is_some() => {
+                return Err(invalid(
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                    "required when an exporter variable asks for OTLP",
+                ));
+            }
             None => return Ok(None),
         },
     };
@@ -874,6 +934,8 @@ mod tests {
             ("ORCA_PUSH_INTERNAL_TRANSPORT", "tcp"),
             ("ORCA_PUSH_LOG_FORMAT", "xml"),
             ("OTEL_SDK_DISABLED", "maybe"),
+            ("OTEL_METRICS_EXPORTER", "statsd"),
+            ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "http/json"),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
             ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "thrift"),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317"),

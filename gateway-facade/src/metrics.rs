@@ -26,16 +26,66 @@ pub const REVISION: &str = match option_env!("REVISION") {
     _ => "unknown",
 };
 
+/// What [`install`] set up: the Prometheus handle `/metrics` renders, and, with metrics over
+/// OTLP, the meter provider (dropping it flushes and stops the export).
+pub struct Installed {
+    pub prometheus: PrometheusHandle,
+    pub otlp: Option<opentelemetry_sdk::metrics::SdkMeterProvider>,
+}
+
 /// Installs the process-wide recorder and records what this process is. Once per process.
-pub fn install() -> anyhow::Result<PrometheusHandle> {
-    let handle = PrometheusBuilder::new()
+/// With `otlp`, every metric also goes to an OpenTelemetry meter exported by OTLP (a fan-out of
+/// the two recorders), and the process metrics are sampled on a timer as well as at each scrape.
+pub fn install(
+    otlp: Option<(
+        &orca_push_telemetry::OtlpExport,
+        opentelemetry_sdk::Resource,
+    )>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Installed> {
+    let prometheus = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
         .context("metrics buckets")?
-        .install_recorder()
-        .context("metrics recorder")?;
+        .build_recorder();
+    let handle = prometheus.handle();
+    let provider = match otlp {
+        None => {
+            metrics::set_global_recorder(prometheus)
+                .map_err(|_| anyhow::anyhow!("metrics recorder: one is already installed"))?;
+            None
+        }
+        Some((export, resource)) => {
+            use opentelemetry::metrics::MeterProvider as _;
+            let provider = orca_push_telemetry::meter_provider(resource, export)
+                .context("OTLP metric export")?;
+            let otel =
+                metrics_exporter_otel::OpenTelemetryRecorder::new(provider.meter("orca-push"));
+            let fanout = metrics_util::layers::FanoutBuilder::default()
+                .add_recorder(prometheus)
+                .add_recorder(otel)
+                .build();
+            metrics::set_global_recorder(fanout)
+                .map_err(|_| anyhow::anyhow!("metrics recorder: one is already installed"))?;
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let process = metrics_process::Collector::default();
+                let mut ticker = tokio::time::interval(Duration::from_secs(10));
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = ticker.tick() => process.collect(),
+                    }
+                }
+            });
+            Some(provider)
+        }
+    };
     record_build_info();
     metrics_process::Collector::default().describe();
-    Ok(handle)
+    Ok(Installed {
+        prometheus: handle,
+        otlp: provider,
+    })
 }
 
 /// `orca_push_build_info{version, revision} 1`: which build a replica runs.

@@ -79,14 +79,18 @@ settings! {
     otel_exporter_otlp_traces_endpoint = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "OTLP traces endpoint, used as given";
     otel_exporter_otlp_protocol = "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc or http/protobuf [default: grpc]";
     otel_exporter_otlp_traces_protocol = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc or http/protobuf, for traces";
-    otel_sdk_disabled = "OTEL_SDK_DISABLED": "true: export no spans";
+    otel_exporter_otlp_metrics_endpoint = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "OTLP metrics endpoint, used as given";
+    otel_exporter_otlp_metrics_protocol = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc or http/protobuf, for metrics";
+    otel_metrics_exporter = "OTEL_METRICS_EXPORTER": "otlp: also export metrics by OTLP (Prometheus always serves) [default: prometheus]";
+    otel_sdk_disabled = "OTEL_SDK_DISABLED": "true: export nothing by OTLP";
     otel_traces_exporter = "OTEL_TRACES_EXPORTER": "otlp or none [default: otlp]";
     otel_service_name = "OTEL_SERVICE_NAME": "service.name of exported spans";
 }
 
 /// Read by libraries themselves, not by the gateway's settings: named in `--help` after the list.
 pub const LIBRARY_VARIABLES: &str = "Also read by libraries: RUST_LOG (log filter, default info), \
-OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_TIMEOUT and OTEL_EXPORTER_OTLP_COMPRESSION (gzip).";
+OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_TIMEOUT, OTEL_EXPORTER_OTLP_COMPRESSION (gzip) and \
+OTEL_METRIC_EXPORT_INTERVAL (ms between OTLP metric exports, default 60000).";
 
 impl Settings {
     /// The validated config these settings make.

@@ -85,34 +85,64 @@ pub fn tracer_provider(
     Ok(builder.build())
 }
 
-fn span_exporter(export: &OtlpExport) -> Result<opentelemetry_otlp::SpanExporter, ExportError> {
-    use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _, WithTonicConfig as _};
-    let tls = export.endpoint.starts_with("https://");
-    match export.protocol {
-        OtlpProtocol::Grpc => {
-            let mut builder = opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(&export.endpoint);
-            if tls {
-                let mut config = tonic::transport::ClientTlsConfig::new().with_native_roots();
-                if let Some(pem) = &export.extra_roots_pem {
-                    config = config.ca_certificate(tonic::transport::Certificate::from_pem(pem));
+/// The gRPC or HTTP exporter of one signal, over TLS for an `https://` endpoint. A macro because
+/// the span and metric exporter builders share their methods but no trait.
+macro_rules! otlp_exporter {
+    ($exporter:ty, $export:expr) => {{
+        use opentelemetry_otlp::{
+            WithExportConfig as _, WithHttpConfig as _, WithTonicConfig as _,
+        };
+        let export: &OtlpExport = $export;
+        let tls = export.endpoint.starts_with("https://");
+        match export.protocol {
+            OtlpProtocol::Grpc => {
+                let mut builder = <$exporter>::builder()
+                    .with_tonic()
+                    .with_endpoint(&export.endpoint);
+                if tls {
+                    builder = builder.with_tls_config(grpc_tls(export));
                 }
-                builder = builder.with_tls_config(config);
+                Ok::<_, ExportError>(builder.build()?)
             }
-            Ok(builder.build()?)
-        }
-        OtlpProtocol::HttpProtobuf => {
-            let mut builder = opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                .with_endpoint(&export.endpoint);
-            if let Some(pem) = export.extra_roots_pem.clone().filter(|_| tls) {
-                builder = builder.with_http_client(blocking_client_trusting(pem)?);
+            OtlpProtocol::HttpProtobuf => {
+                let mut builder = <$exporter>::builder()
+                    .with_http()
+                    .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                    .with_endpoint(&export.endpoint);
+                if let Some(pem) = export.extra_roots_pem.clone().filter(|_| tls) {
+                    builder = builder.with_http_client(blocking_client_trusting(pem)?);
+                }
+                Ok(builder.build()?)
             }
-            Ok(builder.build()?)
         }
+    }};
+}
+
+fn span_exporter(export: &OtlpExport) -> Result<opentelemetry_otlp::SpanExporter, ExportError> {
+    otlp_exporter!(opentelemetry_otlp::SpanExporter, export)
+}
+
+/// A meter provider exporting every metric by OTLP to `export`, on the SDK's periodic reader
+/// (`OTEL_METRIC_EXPORT_INTERVAL`, 60 s by default). Call inside the Tokio runtime.
+pub fn meter_provider(
+    resource: Resource,
+    export: &OtlpExport,
+) -> Result<opentelemetry_sdk::metrics::SdkMeterProvider, ExportError> {
+    let exporter = otlp_exporter!(opentelemetry_otlp::MetricExporter, export)?;
+    let reader = opentelemetry_sdk::metrics::PeriodicReader::builder(exporter).build();
+    Ok(opentelemetry_sdk::metrics::SdkMeterProvider::builder()
+        .with_resource(resource)
+        .with_reader(reader)
+        .build())
+}
+
+/// TLS to a gRPC collector: the system's roots and any extra ones.
+fn grpc_tls(export: &OtlpExport) -> tonic::transport::ClientTlsConfig {
+    let mut config = tonic::transport::ClientTlsConfig::new().with_native_roots();
+    if let Some(pem) = &export.extra_roots_pem {
+        config = config.ca_certificate(tonic::transport::Certificate::from_pem(pem));
     }
+    config
 }
 
 /// A blocking reqwest client that also trusts the PEM roots in `pem`. Built on a thread of its

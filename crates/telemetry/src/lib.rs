@@ -12,7 +12,7 @@ mod json_log;
 pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced};
 pub use init::{
     ExportError, LogFormat, OtlpExport, OtlpProtocol, TelemetryGuard, init, init_with_log_writer,
-    install_propagator, resource, subscriber, tracer_provider,
+    install_propagator, meter_provider, resource, subscriber, tracer_provider,
 };
 
 use opentelemetry::propagation::{Extractor, Injector};
