@@ -154,6 +154,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             tokio::spawn(cancel_on_signal(shutdown.clone()));
             let metrics = crate::metrics::install(
                 config
+                    .common
+                    .telemetry
                     .otlp_metrics
                     .as_ref()
                     .map(|export| (export, telemetry_resource(&config, name))),
@@ -161,11 +163,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             )?;
             // Dropped last, at exit: flushes the OTLP metrics.
             let _otlp_metrics = metrics.otlp;
-            crate::metrics::serve(config.metrics_addr, metrics.prometheus, shutdown.clone())
-                .await?;
+            crate::metrics::serve(
+                config.common.metrics_addr,
+                metrics.prometheus,
+                shutdown.clone(),
+            )
+            .await?;
             match service {
                 None => {
-                    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], config.port));
+                    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], config.facade.port));
                     let listener = tokio::net::TcpListener::bind(addr)
                         .await
                         .with_context(|| format!("PORT: cannot listen on {addr}"))?;
@@ -211,7 +217,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Healthcheck { settings } => {
             let config = settings.config()?;
             let timeout = std::time::Duration::from_secs(3);
-            match config.grpc_addr {
+            match config.common.grpc_addr {
                 Some(addr) => {
                     let url = format!("http://127.0.0.1:{}", addr.port());
                     let channel = tonic::transport::Endpoint::from_shared(url)?
@@ -229,7 +235,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     anyhow::ensure!(answer.into_inner().status == 1, "gRPC health: not serving");
                 }
                 None => {
-                    let url = format!("http://127.0.0.1:{}/healthz", config.port);
+                    let url = format!("http://127.0.0.1:{}/healthz", config.facade.port);
                     let answer = reqwest::Client::builder()
                         .timeout(timeout)
                         .build()?
@@ -249,7 +255,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::ProbeFcm { token, settings } => {
             let config = settings.config()?;
             let _telemetry = init_telemetry(&config, "orca-push-probe")?;
-            let providers = orca_push_sender::Providers::new(&config.providers)
+            let providers = orca_push_sender::Providers::new(&config.sender.providers)
                 .await
                 .context("providers")?;
             let verdict = providers
@@ -278,17 +284,22 @@ fn init_telemetry(
 ) -> anyhow::Result<orca_push_telemetry::TelemetryGuard> {
     let provider = orca_push_telemetry::tracer_provider(
         telemetry_resource(config, service_name),
-        config.otlp.as_ref(),
+        config.common.telemetry.otlp.as_ref(),
     )
     .context("OTLP span export")?;
-    orca_push_telemetry::init(provider, config.log_format).context("telemetry")
+    orca_push_telemetry::init(provider, config.common.telemetry.log_format).context("telemetry")
 }
 
 /// The OpenTelemetry resource of this process: `OTEL_SERVICE_NAME` or the role's name, and the
 /// host and pid as the instance.
 fn telemetry_resource(config: &Config, service_name: &str) -> opentelemetry_sdk::Resource {
     let instance = format!("{}-{}", hostname(), std::process::id());
-    let name = config.otel_service_name.as_deref().unwrap_or(service_name);
+    let name = config
+        .common
+        .telemetry
+        .otel_service_name
+        .as_deref()
+        .unwrap_or(service_name);
     orca_push_telemetry::resource(name, &instance)
 }
 

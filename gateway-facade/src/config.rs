@@ -107,28 +107,39 @@ pub struct ServiceUrls {
 /// Provider settings, read with the rest (`ORCA_PUSH_APNS_*`, `ORCA_PUSH_FCM_*`, ...).
 pub type ProviderSettings = orca_push_sender::ProviderConfig;
 
+/// Every setting, grouped by the role that reads it: what every process needs, then the facade's,
+/// auth's, the queue's and the sender's. A process reads only its own groups; [`Config::check_role`]
+/// says what each role cannot start without.
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub port: u16,
-    /// The bare origin bound into challenge transcripts; `None` means `http://127.0.0.1:<port>` of
-    /// the port actually bound (so `PORT=0` works).
-    pub public_url: Option<String>,
+    pub common: CommonSettings,
+    pub facade: FacadeSettings,
+    pub auth: AuthSettings,
+    pub queue: QueueSettings,
+    pub sender: SenderRoleSettings,
+}
+
+/// What every process reads: storage, mode, how services reach each other, telemetry.
+#[derive(Debug, Clone)]
+pub struct CommonSettings {
     pub database: DatabaseConfig,
     pub mode: Mode,
-    pub trusted_proxy_hops: usize,
-    pub coalesce_ms: u64,
     /// How the services of one process reach each other.
     pub internal_transport: InternalTransport,
+    /// Where split-mode callers (the facade, auth, the sender) reach the others.
     pub service_urls: ServiceUrls,
-    /// Listen address of a split-mode gRPC service, if set.
+    /// Listen address of a split-mode gRPC service, or of the all-in-one internal listener.
     pub grpc_addr: Option<SocketAddr>,
-    pub providers: ProviderSettings,
-    /// Sender lease on a batch (ours: `ORCA_PUSH_LEASE_MS`).
-    pub lease_ms: u32,
-    /// The first retry's backoff (ours: `ORCA_PUSH_RETRY_BASE_MS`); it doubles up to 30 s.
-    pub retry_base_ms: u32,
+    /// Signs and checks internal gRPC tokens; required in split mode.
+    pub internal_key: Option<orca_push_internal_auth::InternalKey>,
     /// Where `/metrics` is served.
     pub metrics_addr: SocketAddr,
+    pub telemetry: TelemetrySettings,
+}
+
+/// Logs, spans and metrics beyond Prometheus.
+#[derive(Debug, Clone)]
+pub struct TelemetrySettings {
     /// Where spans are exported, from the standard `OTEL_*` variables; None: no export.
     pub otlp: Option<orca_push_telemetry::OtlpExport>,
     /// Where metrics are also exported (`OTEL_METRICS_EXPORTER=otlp`); Prometheus always serves.
@@ -137,10 +148,39 @@ pub struct Config {
     pub otel_service_name: Option<String>,
     /// `ORCA_PUSH_LOG_FORMAT`: `text` (default) or `json` (one object per line, with trace ids).
     pub log_format: orca_push_telemetry::LogFormat,
-    /// Signs and checks internal gRPC tokens; required in split mode.
-    pub internal_key: Option<orca_push_internal_auth::InternalKey>,
+}
+
+/// The public HTTP API's.
+#[derive(Debug, Clone)]
+pub struct FacadeSettings {
+    pub port: u16,
+    pub trusted_proxy_hops: usize,
     /// Header and idle timeouts and the connection cap of the public listener.
     pub http: HttpLimits,
+}
+
+/// The auth service's.
+#[derive(Debug, Clone)]
+pub struct AuthSettings {
+    /// The bare origin bound into challenge transcripts; `None` means `http://127.0.0.1:<port>` of
+    /// the port actually bound (so `PORT=0` works).
+    pub public_url: Option<String>,
+}
+
+/// The queue's.
+#[derive(Debug, Clone)]
+pub struct QueueSettings {
+    pub coalesce_ms: u64,
+}
+
+/// The sender's.
+#[derive(Debug, Clone)]
+pub struct SenderRoleSettings {
+    pub providers: ProviderSettings,
+    /// Lease on a batch (`ORCA_PUSH_LEASE_MS`).
+    pub lease_ms: u32,
+    /// The first retry's backoff (`ORCA_PUSH_RETRY_BASE_MS`); it doubles up to 30 s.
+    pub retry_base_ms: u32,
 }
 
 impl Config {
@@ -148,9 +188,9 @@ impl Config {
     pub fn sender_settings(&self) -> orca_push_sender::SenderSettings {
         orca_push_sender::SenderSettings {
             instance: crate::topology::instance_name("sender"),
-            lease_ms: self.lease_ms,
+            lease_ms: self.sender.lease_ms,
             backoff: orca_push_sender::verdict::Backoff {
-                base: std::time::Duration::from_millis(u64::from(self.retry_base_ms)),
+                base: std::time::Duration::from_millis(u64::from(self.sender.retry_base_ms)),
                 cap: orca_push_sender::verdict::BACKOFF_CAP,
             },
         }
@@ -312,31 +352,40 @@ impl Config {
         };
         let http = http_limits(&get)?;
         Ok(Self {
-            port,
-            public_url,
-            database,
-            mode,
-            trusted_proxy_hops,
-            coalesce_ms,
-            internal_transport,
-            service_urls,
-            grpc_addr,
-            providers,
-            lease_ms,
-            retry_base_ms,
-            metrics_addr,
-            otlp,
-            otlp_metrics,
-            otel_service_name,
-            log_format,
-            internal_key,
-            http,
+            common: CommonSettings {
+                database,
+                mode,
+                internal_transport,
+                service_urls,
+                grpc_addr,
+                internal_key,
+                metrics_addr,
+                telemetry: TelemetrySettings {
+                    otlp,
+                    otlp_metrics,
+                    otel_service_name,
+                    log_format,
+                },
+            },
+            facade: FacadeSettings {
+                port,
+                trusted_proxy_hops,
+                http,
+            },
+            auth: AuthSettings { public_url },
+            queue: QueueSettings { coalesce_ms },
+            sender: SenderRoleSettings {
+                providers,
+                lease_ms,
+                retry_base_ms,
+            },
         })
     }
 
     /// The origin challenges are bound to, given the facade's bound port.
     pub fn gateway_origin(&self, bound_port: u16) -> String {
-        self.public_url
+        self.auth
+            .public_url
             .clone()
             .unwrap_or_else(|| format!("http://127.0.0.1:{bound_port}"))
     }
@@ -347,7 +396,10 @@ impl Config {
     pub fn check_role(&self, role: Option<ServiceName>) -> Result<(), ConfigError> {
         let Some(service) = role else {
             // The internal listener is for callers outside the process: they need a known key.
-            if self.grpc_addr.is_some() && self.mode == Mode::Serve && self.internal_key.is_none() {
+            if self.common.grpc_addr.is_some()
+                && self.common.mode == Mode::Serve
+                && self.common.internal_key.is_none()
+            {
                 return Err(invalid(
                     "ORCA_PUSH_INTERNAL_KEY",
                     "required with ORCA_PUSH_GRPC_ADDR: internal callers need tokens signed with a known key",
@@ -356,14 +408,14 @@ impl Config {
             return Ok(());
         };
         self.require_internal_key()?;
-        if self.mode == Mode::Validation && service != ServiceName::Facade {
+        if self.common.mode == Mode::Validation && service != ServiceName::Facade {
             return Err(invalid(
                 "ORCA_PUSH_MODE",
                 "validation runs the facade only (use --service facade)",
             ));
         }
         let needs: &[ServiceName] = match service {
-            ServiceName::Facade if self.mode == Mode::Validation => &[],
+            ServiceName::Facade if self.common.mode == Mode::Validation => &[],
             ServiceName::Facade => &[
                 ServiceName::Auth,
                 ServiceName::Registry,
@@ -387,7 +439,7 @@ impl Config {
     pub fn require_internal_key(
         &self,
     ) -> Result<orca_push_internal_auth::InternalKey, ConfigError> {
-        self.internal_key.clone().ok_or_else(|| {
+        self.common.internal_key.clone().ok_or_else(|| {
             invalid(
                 "ORCA_PUSH_INTERNAL_KEY",
                 "required in split mode: the secret (32+ bytes) every service signs its gRPC calls with",
@@ -397,7 +449,7 @@ impl Config {
 
     /// A split-mode auth service cannot know the facade's port: the origin must be configured.
     pub fn require_public_url(&self) -> Result<String, ConfigError> {
-        self.public_url.clone().ok_or_else(|| {
+        self.auth.public_url.clone().ok_or_else(|| {
             invalid(
                 "ORCA_PUSH_PUBLIC_URL",
                 "required by the auth service in split mode: the facade's public origin",
@@ -408,10 +460,10 @@ impl Config {
     /// The URL a split-mode caller uses for `service`, or an error naming the variable to set.
     pub fn require_url(&self, service: ServiceName) -> Result<String, ConfigError> {
         let url = match service {
-            ServiceName::Auth => &self.service_urls.auth,
-            ServiceName::Registry => &self.service_urls.registry,
-            ServiceName::Queue => &self.service_urls.queue,
-            ServiceName::Sender => &self.service_urls.sender,
+            ServiceName::Auth => &self.common.service_urls.auth,
+            ServiceName::Registry => &self.common.service_urls.registry,
+            ServiceName::Queue => &self.common.service_urls.queue,
+            ServiceName::Sender => &self.common.service_urls.sender,
             ServiceName::Facade => &None,
         };
         url.clone().ok_or_else(|| {
@@ -728,23 +780,23 @@ mod tests {
     #[test]
     fn defaults_are_the_embedded_sqlite_gateway() {
         let c = config(&[]).unwrap();
-        assert_eq!(c.port, 8080);
-        assert_eq!(c.public_url, None);
+        assert_eq!(c.facade.port, 8080);
+        assert_eq!(c.auth.public_url, None);
         assert_eq!(c.gateway_origin(8080), "http://127.0.0.1:8080");
         assert!(matches!(
-            &c.database,
+            &c.common.database,
             DatabaseConfig::Sqlite {
                 data_dir,
                 durability: SqliteDurability::Full,
             } if data_dir == std::path::Path::new("./data")
         ));
-        assert_eq!(c.mode, Mode::Serve);
-        assert_eq!(c.trusted_proxy_hops, 0);
-        assert_eq!(c.coalesce_ms, 3000);
-        assert_eq!(c.internal_transport, InternalTransport::InProcess);
-        assert_eq!(c.service_urls, ServiceUrls::default());
+        assert_eq!(c.common.mode, Mode::Serve);
+        assert_eq!(c.facade.trusted_proxy_hops, 0);
+        assert_eq!(c.queue.coalesce_ms, 3000);
+        assert_eq!(c.common.internal_transport, InternalTransport::InProcess);
+        assert_eq!(c.common.service_urls, ServiceUrls::default());
         assert_eq!(
-            c.http,
+            c.facade.http,
             HttpLimits {
                 header_read_timeout: std::time::Duration::from_secs(10),
                 idle_timeout: std::time::Duration::from_secs(30),
@@ -762,7 +814,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(
-            c.http,
+            c.facade.http,
             HttpLimits {
                 header_read_timeout: std::time::Duration::from_millis(500),
                 idle_timeout: std::time::Duration::from_millis(750),
@@ -794,19 +846,19 @@ mod tests {
         ])
         .unwrap();
         assert!(matches!(
-            c.database,
+            c.common.database,
             DatabaseConfig::Sqlite {
                 durability: SqliteDurability::Normal,
                 ..
             }
         ));
-        assert_eq!(c.internal_transport, InternalTransport::Loopback);
+        assert_eq!(c.common.internal_transport, InternalTransport::Loopback);
     }
 
     #[test]
     fn span_export_follows_the_standard_variables() {
         use orca_push_telemetry::OtlpProtocol;
-        let export = |vars: &[(&str, &str)]| config(vars).unwrap().otlp;
+        let export = |vars: &[(&str, &str)]| config(vars).unwrap().common.telemetry.otlp;
         assert!(export(&[]).is_none());
         let grpc = export(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4317")]).unwrap();
         assert_eq!(grpc.protocol, OtlpProtocol::Grpc);
@@ -969,10 +1021,10 @@ mod tests {
             ("ORCA_PUSH_APPLE_TEAM_ID", "T"),
         ])
         .unwrap();
-        let apns = c.providers.apns.unwrap();
+        let apns = c.sender.providers.apns.unwrap();
         assert!(secrecy::ExposeSecret::expose_secret(&apns.key_pem).contains("-----\nabc\n"));
         assert!(!format!("{apns:?}").contains("abc"), "Debug hides the key");
-        assert!(config(&[]).unwrap().providers.apns.is_none());
+        assert!(config(&[]).unwrap().sender.providers.apns.is_none());
     }
 
     #[test]

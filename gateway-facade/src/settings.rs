@@ -175,7 +175,10 @@ mod tests {
             Probe::try_parse_from(["probe", "--coalesce-ms", "250", "--log-format", "json"])
                 .unwrap();
         let config = probe.settings.config().unwrap();
-        assert_eq!(config.coalesce_ms, 250);
-        assert_eq!(config.log_format, orca_push_telemetry::LogFormat::Json);
+        assert_eq!(config.queue.coalesce_ms, 250);
+        assert_eq!(
+            config.common.telemetry.log_format,
+            orca_push_telemetry::LogFormat::Json
+        );
     }
 }

@@ -20,13 +20,13 @@ use orca_push_internal_auth::{InternalKey, LocalServer, Target};
 
 /// Applies every service's migrations.
 pub async fn migrate(config: &Config) -> anyhow::Result<()> {
-    orca_push_auth::open_and_migrate(&config.database)
+    orca_push_auth::open_and_migrate(&config.common.database)
         .await
         .context("auth migrations")?;
-    orca_push_registry::open_and_migrate(&config.database)
+    orca_push_registry::open_and_migrate(&config.common.database)
         .await
         .context("registry migrations")?;
-    orca_push_queue::open_and_migrate(&config.database)
+    orca_push_queue::open_and_migrate(&config.common.database)
         .await
         .context("queue migrations")?;
     Ok(())
@@ -40,9 +40,9 @@ pub async fn serve_all_in_one(
     listener: TcpListener,
     drain: CancellationToken,
 ) -> anyhow::Result<()> {
-    if config.mode == Mode::Validation {
+    if config.common.mode == Mode::Validation {
         let state = AppState::validation();
-        return serve_facade(listener, state, config.http, drain.clone(), drain).await;
+        return serve_facade(listener, state, config.facade.http, drain.clone(), drain).await;
     }
     // Stopped by the sender once it has drained: services stay up for its last reports.
     let stop = CancellationToken::new();
@@ -51,7 +51,7 @@ pub async fn serve_all_in_one(
     // One process talking to itself: a fresh key unless one is configured (for internal teams).
     // The internal listener is for callers outside the process: they need tokens from a known key,
     // and the address must bind, both checked before anything migrates.
-    let internal_listener = match config.grpc_addr {
+    let internal_listener = match config.common.grpc_addr {
         Some(addr) => {
             config.require_internal_key().context(
                 "ORCA_PUSH_GRPC_ADDR: internal callers need tokens signed with a known key",
@@ -61,22 +61,23 @@ pub async fn serve_all_in_one(
         None => None,
     };
     let key = config
+        .common
         .internal_key
         .clone()
         .unwrap_or_else(InternalKey::generate);
     let mut tasks = tokio::task::JoinSet::new();
     let mut expose = Exposer {
-        transport: config.internal_transport,
+        transport: config.common.internal_transport,
         key: key.clone(),
         shutdown: shutdown.clone(),
         tasks: &mut tasks,
         for_listener: internal_listener.as_ref().map(|_| Vec::new()),
     };
 
-    let auth_pool = orca_push_auth::open_and_migrate(&config.database)
+    let auth_pool = orca_push_auth::open_and_migrate(&config.common.database)
         .await
         .context("auth database")?;
-    let registry_pool = orca_push_registry::open_and_migrate(&config.database)
+    let registry_pool = orca_push_registry::open_and_migrate(&config.common.database)
         .await
         .context("registry database")?;
     let registry = orca_push_registry::routes(registry_pool, clock.clone(), shutdown.clone()).await;
@@ -93,18 +94,18 @@ pub async fn serve_all_in_one(
     )
     .await;
     let auth = expose.service(orca_push_auth::AUDIENCE, auth).await?;
-    let queue_pool = orca_push_queue::open_and_migrate(&config.database)
+    let queue_pool = orca_push_queue::open_and_migrate(&config.common.database)
         .await
         .context("queue database")?;
     let queue = orca_push_queue::routes(
         queue_pool,
         clock.clone(),
-        config.coalesce_ms,
+        config.queue.coalesce_ms,
         shutdown.clone(),
     )
     .await;
     let queue = expose.service(orca_push_queue::AUDIENCE, queue).await?;
-    let providers = orca_push_sender::Providers::new(&config.providers)
+    let providers = orca_push_sender::Providers::new(&config.sender.providers)
         .await
         .context("providers")?;
     let (sender, lanes) = orca_push_sender::start(
@@ -146,8 +147,14 @@ pub async fn serve_all_in_one(
         &key,
     )
     .context("service channels")?;
-    let state = AppState::serving(backends, Limits::new(config.trusted_proxy_hops));
-    let facade = serve_facade(listener, state, config.http, drain.clone(), stop.clone());
+    let state = AppState::serving(backends, Limits::new(config.facade.trusted_proxy_hops));
+    let facade = serve_facade(
+        listener,
+        state,
+        config.facade.http,
+        drain.clone(),
+        stop.clone(),
+    );
     tokio::pin!(facade);
     let result = loop {
         tokio::select! {
@@ -184,8 +191,8 @@ pub async fn serve_split(
     let shutdown = drain.clone();
     let key = config.require_internal_key()?;
     if service == ServiceName::Facade {
-        let listener = bind(SocketAddr::from(([0, 0, 0, 0], config.port))).await?;
-        let state = match config.mode {
+        let listener = bind(SocketAddr::from(([0, 0, 0, 0], config.facade.port))).await?;
+        let state = match config.common.mode {
             Mode::Validation => AppState::validation(),
             Mode::Serve => AppState::serving(
                 Backends::connect(
@@ -198,15 +205,16 @@ pub async fn serve_split(
                     &key,
                 )
                 .context("service channels")?,
-                Limits::new(config.trusted_proxy_hops),
+                Limits::new(config.facade.trusted_proxy_hops),
             ),
         };
-        return serve_facade(listener, state, config.http, drain.clone(), drain).await;
+        return serve_facade(listener, state, config.facade.http, drain.clone(), drain).await;
     }
-    if config.mode == Mode::Validation {
+    if config.common.mode == Mode::Validation {
         anyhow::bail!("ORCA_PUSH_MODE: validation runs the facade only (use --service facade)");
     }
     let addr = config
+        .common
         .grpc_addr
         .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], service.default_grpc_port())));
     let listener = bind(addr).await?;
@@ -214,7 +222,7 @@ pub async fn serve_split(
     tracing::info!(service = service.as_str(), addr = %bound, "gRPC service listening");
     match service {
         ServiceName::Auth => {
-            let pool = orca_push_auth::open_and_migrate(&config.database)
+            let pool = orca_push_auth::open_and_migrate(&config.common.database)
                 .await
                 .context("auth database")?;
             orca_push_auth::serve(
@@ -233,27 +241,27 @@ pub async fn serve_split(
             .await?
         }
         ServiceName::Registry => {
-            let pool = orca_push_registry::open_and_migrate(&config.database)
+            let pool = orca_push_registry::open_and_migrate(&config.common.database)
                 .await
                 .context("registry database")?;
             orca_push_registry::serve(listener, pool, Arc::new(SystemClock), key, shutdown).await?
         }
         ServiceName::Queue => {
-            let pool = orca_push_queue::open_and_migrate(&config.database)
+            let pool = orca_push_queue::open_and_migrate(&config.common.database)
                 .await
                 .context("queue database")?;
             orca_push_queue::serve(
                 listener,
                 pool,
                 Arc::new(SystemClock),
-                config.coalesce_ms,
+                config.queue.coalesce_ms,
                 key,
                 shutdown,
             )
             .await?
         }
         ServiceName::Sender => {
-            let providers = orca_push_sender::Providers::new(&config.providers)
+            let providers = orca_push_sender::Providers::new(&config.sender.providers)
                 .await
                 .context("providers")?;
             // The process ends when the lanes have drained, not at the signal itself.
