@@ -560,6 +560,8 @@ fn provider_settings(
                 "must be the .p8 key's PEM text (BEGIN PRIVATE KEY)",
             ));
         }
+        orca_push_sender::apns::check_key(&key_pem)
+            .map_err(|reason| invalid("ORCA_PUSH_APNS_KEY", reason))?;
         settings.apns = Some(orca_push_sender::ApnsCredentials {
             key_pem: key_pem.into(),
             key_id,
@@ -766,6 +768,9 @@ fn otlp_export(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A throwaway P-256 PKCS#8 key, as Apple's .p8 files are.
+    const TEST_P256_KEY: &str = "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQg6dNQ8X84qPo1BxlK\ngFH0Z34kOxwVikgR4NUgpwAV//KhRANCAARQA2m7JDnBr47v9BnUH9fkzLtBpAfd\nioa+4Tfn7lMVaSaiftdkd9n91vEKQZDVXCcOLn4hCEvXtW3j9td0r8lf\n-----END PRIVATE KEY-----";
 
     fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let vars: Vec<(String, String)> = vars
@@ -1014,16 +1019,29 @@ mod tests {
             ("ORCA_PUSH_APPLE_TEAM_ID", "T"),
         ]);
         assert_eq!(not_pem.unwrap_err().variable, "ORCA_PUSH_APNS_KEY");
-        let escaped = "-----BEGIN PRIVATE KEY-----\\nabc\\n-----END PRIVATE KEY-----";
+        let escaped = TEST_P256_KEY.replace('\n', "\\n");
         let c = config(&[
-            ("ORCA_PUSH_APNS_KEY", escaped),
+            ("ORCA_PUSH_APNS_KEY", escaped.as_str()),
             ("ORCA_PUSH_APNS_KEY_ID", "K"),
             ("ORCA_PUSH_APPLE_TEAM_ID", "T"),
         ])
         .unwrap();
         let apns = c.sender.providers.apns.unwrap();
-        assert!(secrecy::ExposeSecret::expose_secret(&apns.key_pem).contains("-----\nabc\n"));
-        assert!(!format!("{apns:?}").contains("abc"), "Debug hides the key");
+        assert_eq!(
+            secrecy::ExposeSecret::expose_secret(&apns.key_pem),
+            TEST_P256_KEY
+        );
+        assert!(!format!("{apns:?}").contains("MIGH"), "Debug hides the key");
+        // A PEM that is no signing key stops start-up, naming the variable.
+        let broken = config(&[
+            (
+                "ORCA_PUSH_APNS_KEY",
+                "-----BEGIN PRIVATE KEY-----\nabc\n-----END PRIVATE KEY-----",
+            ),
+            ("ORCA_PUSH_APNS_KEY_ID", "K"),
+            ("ORCA_PUSH_APPLE_TEAM_ID", "T"),
+        ]);
+        assert_eq!(broken.unwrap_err().variable, "ORCA_PUSH_APNS_KEY");
         assert!(config(&[]).unwrap().sender.providers.apns.is_none());
     }
 

@@ -65,6 +65,22 @@ struct ProviderClaims<'a> {
     iat: u64,
 }
 
+/// Whether `p8_pem` can sign an APNs provider token (ES256 needs an EC P-256 PKCS#8 key). Checked
+/// with the rest of the configuration, so a key of another curve, which reads as an EC key, stops
+/// start-up instead of failing every APNs send.
+pub fn check_key(p8_pem: &str) -> Result<(), String> {
+    let key = jsonwebtoken::EncodingKey::from_ec_pem(p8_pem.as_bytes())
+        .map_err(|_| "is not an EC (P-256) PKCS#8 PEM key".to_owned())?;
+    let header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+    let claims = ProviderClaims {
+        iss: "check",
+        iat: 0,
+    };
+    jsonwebtoken::encode(&header, &claims, &key)
+        .map(drop)
+        .map_err(|_| "cannot sign an ES256 token: the .p8 key must be EC P-256".to_owned())
+}
+
 impl ProviderToken {
     pub fn new(p8_pem: &str, key_id: &str, team_id: &str) -> Result<Self, ApnsError> {
         let key = jsonwebtoken::EncodingKey::from_ec_pem(p8_pem.as_bytes()).map_err(|_| {
@@ -509,6 +525,10 @@ mod tests {
         };
         // An EC key of the wrong curve reads as one, but cannot sign ES256.
         let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384).expect("P-384 key");
+        assert!(
+            check_key(&key.serialize_pem()).is_err(),
+            "refused at start-up"
+        );
         let token = ProviderToken::new(&key.serialize_pem(), "KEYID12345", "TEAMID1234")
             .expect("an EC PKCS#8 key");
         assert!(token.bearer().is_err());
