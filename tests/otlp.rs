@@ -323,6 +323,7 @@ async fn json_logs_lead_to_their_traces() {
         created["spans"]
             .as_array()
             .unwrap()
-            .contains(&serde_json::json!("http.server"))
+            .contains(&serde_json::json!("grpc.server")),
+        "the auth service's span (in process, or across loopback: its own process's stack)"
     );
 }
