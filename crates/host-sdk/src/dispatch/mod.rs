@@ -80,6 +80,10 @@ pub struct DispatchConfig {
     pub protocol_ttl: Duration,
     /// The longest [`Dispatcher::shutdown`] waits for enqueued work before its final flush.
     pub shutdown_grace: Duration,
+    /// Enqueued dispatches running at once; beyond it an event is dropped and counted
+    /// (`overloaded`), so a long outage (each dispatch waiting out a Retry-After) cannot pile up
+    /// tasks without bound.
+    pub max_in_flight: usize,
 }
 
 impl Default for DispatchConfig {
@@ -92,6 +96,7 @@ impl Default for DispatchConfig {
             protocol_ttl: Duration::from_secs(10 * 60),
             // Room for the 2 s retry; a minutes-long Retry-After is abandoned, and counted.
             shutdown_grace: Duration::from_secs(10),
+            max_in_flight: 1024,
         }
     }
 }
@@ -254,6 +259,10 @@ impl<G: Gateway, R: RegistrationSource> Dispatcher<G, R> {
     /// Fire and forget: the work runs on a tokio task. Never panics and never fails; an event that
     /// cannot even be started (after [`Dispatcher::shutdown`], or with no runtime) is counted.
     pub fn enqueue(&self, event: DispatchEvent) {
+        if *self.inner.in_flight.borrow() >= self.inner.config.max_in_flight {
+            self.inner.failures.record_one("overloaded");
+            return;
+        }
         // Counted before the closed check, so a shutdown that saw zero in flight also sees closed.
         let guard = InFlight::start(&self.inner.in_flight);
         if self.inner.closed.load(Ordering::SeqCst) {

@@ -20,6 +20,29 @@ async fn enqueue_runs_in_the_background_and_shutdown_waits_for_it_retry_included
 }
 
 #[tokio::test(start_paused = true)]
+async fn enqueued_work_is_bounded_and_the_overflow_counted() {
+    let gateway = Arc::new(FakeGateway::new(2));
+    // Every request is answered busy with a minute's Retry-After: each dispatch waits it out.
+    for _ in 0..10 {
+        gateway.then_err(503, ErrorCode::Busy, Some(Duration::from_secs(60)));
+    }
+    let dispatcher = Dispatcher::with_clock(
+        gateway,
+        Arc::new(FakeSource::new(phones(1))),
+        DispatchConfig {
+            max_in_flight: 3,
+            ..config()
+        },
+        Arc::new(|| BASE_MS),
+    );
+    for seq in 0..5 {
+        dispatcher.enqueue(event(seq * 10_000));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(dispatcher.failure_counts()["overloaded"], 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn enqueue_after_shutdown_is_counted_and_not_sent() {
     let h = harness(phones(1), 2);
     h.dispatcher.shutdown().await;
