@@ -398,6 +398,15 @@ async fn validation_mode_is_inert() {
         (reply.status, reply.error()),
         (503, Some("validation_only"))
     );
+    // A known route with another method, and an unknown one, alike.
+    for path in ["/v1/send", "/v1/nothing-here"] {
+        let reply = raw.get(path, &[]).await;
+        assert_eq!(
+            (reply.status, reply.error()),
+            (503, Some("validation_only")),
+            "GET {path}"
+        );
+    }
     // It wrote nothing: no database files in its data folder.
     drop(dir);
     assert!(!gateway.data_dir().join("auth.sqlite").exists());

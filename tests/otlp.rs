@@ -24,6 +24,8 @@ use opentelemetry_proto::tonic::collector::metrics::v1::{
 struct Receiver {
     /// Names of the metrics received by OTLP.
     metrics: Arc<Mutex<Vec<String>>>,
+    /// The bucket bounds of each histogram received by OTLP.
+    histogram_bounds: Arc<Mutex<std::collections::HashMap<String, Vec<f64>>>>,
     spans: Arc<Mutex<Vec<(String, String)>>>,
     /// The `grpc-encoding` of each export request.
     encodings: Arc<Mutex<Vec<String>>>,
@@ -142,10 +144,21 @@ impl MetricsService for Receiver {
         &self,
         request: tonic::Request<ExportMetricsServiceRequest>,
     ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        use opentelemetry_proto::tonic::metrics::v1::metric::Data;
         let mut got = self.metrics.lock().unwrap();
         for resource in request.into_inner().resource_metrics {
             for scope in resource.scope_metrics {
-                got.extend(scope.metrics.into_iter().map(|m| m.name));
+                for metric in scope.metrics {
+                    if let Some(Data::Histogram(histogram)) = &metric.data
+                        && let Some(point) = histogram.data_points.first()
+                    {
+                        self.histogram_bounds
+                            .lock()
+                            .unwrap()
+                            .insert(metric.name.clone(), point.explicit_bounds.clone());
+                    }
+                    got.push(metric.name);
+                }
             }
         }
         Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
@@ -255,7 +268,13 @@ async fn metrics_are_exported_by_otlp_when_asked() {
             "process_open_fds",
         ];
         if wanted.iter().all(|name| got.iter().any(|m| m == name)) {
-            break;
+            // Latency histograms keep the seconds buckets Prometheus has, not the SDK's defaults.
+            let bounds = receiver.histogram_bounds.lock().unwrap().clone();
+            if let Some(http) = bounds.get("orca_push_http_request_duration_seconds") {
+                assert_eq!(http.first(), Some(&0.0005), "{http:?}");
+                assert_eq!(http.last(), Some(&30.0), "{http:?}");
+                break;
+            }
         }
         assert!(
             std::time::Instant::now() < deadline,

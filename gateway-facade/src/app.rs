@@ -113,7 +113,7 @@ pub fn router(state: AppState) -> Router {
     };
     routes
         .fallback(not_found)
-        .method_not_allowed_fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
         // Outermost first, as a request meets them: panics become a bare 500 `internal`; every
         // request gets an HTTP server span; bodies are cut off at the cap while streaming.
@@ -185,6 +185,16 @@ async fn unauthenticated_bucket(
 
 async fn not_found() -> ApiError {
     ApiError::NotFound
+}
+
+/// A known path with another method: `not_found`, as an unknown route is, except that validation
+/// mode answers every `/v1` request `validation_only`.
+async fn method_not_allowed(State(state): State<AppState>, uri: axum::http::Uri) -> ApiError {
+    if state.mode == Mode::Validation && uri.path().starts_with("/v1/") {
+        ApiError::ValidationOnly
+    } else {
+        ApiError::NotFound
+    }
 }
 
 async fn validation_only() -> ApiError {

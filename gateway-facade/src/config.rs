@@ -711,7 +711,7 @@ fn otlp_export(
             ));
         }
     };
-    let exporter = get(signal.exporter_variable());
+    let exporter = get(signal.exporter_variable()).map(|v| v.trim().to_ascii_lowercase());
     match (signal, exporter.as_deref()) {
         (_, Some("none")) => return Ok(None),
         (_, Some("otlp")) | (Signal::Traces, None) => {}

@@ -56,7 +56,7 @@ pub fn install(
         }
         Some((export, resource)) => {
             use opentelemetry::metrics::MeterProvider as _;
-            let provider = orca_push_telemetry::meter_provider(resource, export)
+            let provider = orca_push_telemetry::meter_provider(resource, export, BUCKETS)
                 .context("OTLP metric export")?;
             let otel =
                 metrics_exporter_otel::OpenTelemetryRecorder::new(provider.meter("orca-push"));

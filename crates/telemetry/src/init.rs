@@ -123,16 +123,37 @@ fn span_exporter(export: &OtlpExport) -> Result<opentelemetry_otlp::SpanExporter
 }
 
 /// A meter provider exporting every metric by OTLP to `export`, on the SDK's periodic reader
-/// (`OTEL_METRIC_EXPORT_INTERVAL`, 60 s by default). Call inside the Tokio runtime.
+/// (`OTEL_METRIC_EXPORT_INTERVAL`, 60 s by default). Histograms whose name ends in `_seconds` get
+/// `seconds_buckets`, as Prometheus gives them (the SDK's default buckets are for milliseconds).
+/// Call inside the Tokio runtime.
 pub fn meter_provider(
     resource: Resource,
     export: &OtlpExport,
+    seconds_buckets: &[f64],
 ) -> Result<opentelemetry_sdk::metrics::SdkMeterProvider, ExportError> {
+    use opentelemetry_sdk::metrics::{Aggregation, InstrumentKind, Stream};
+    // (Stream::with_aggregation is behind the SDK's spec_unstable_metrics_views feature.)
     let exporter = otlp_exporter!(opentelemetry_otlp::MetricExporter, export)?;
     let reader = opentelemetry_sdk::metrics::PeriodicReader::builder(exporter).build();
+    let boundaries = seconds_buckets.to_vec();
+    let seconds = move |instrument: &opentelemetry_sdk::metrics::Instrument| {
+        if instrument.kind() != InstrumentKind::Histogram
+            || !instrument.name().ends_with("_seconds")
+        {
+            return None;
+        }
+        Stream::builder()
+            .with_aggregation(Aggregation::ExplicitBucketHistogram {
+                boundaries: boundaries.clone(),
+                record_min_max: true,
+            })
+            .build()
+            .ok()
+    };
     Ok(opentelemetry_sdk::metrics::SdkMeterProvider::builder()
         .with_resource(resource)
         .with_reader(reader)
+        .with_view(seconds)
         .build())
 }
 
