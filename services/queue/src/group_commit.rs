@@ -128,7 +128,14 @@ impl<S: QueueStore> Writer<S> {
             for other in &group[1..] {
                 span.follows_from(&other.span);
             }
-            self.commit(group).instrument(span).await;
+            // A panic while committing (a bug, or a driver's) must not stop admission for good:
+            // the group's callers get `WriterStopped` (their answers are dropped: never a false
+            // `queued`), and this writer goes on with the next group.
+            let commit = std::panic::AssertUnwindSafe(self.commit(group).instrument(span));
+            if futures::FutureExt::catch_unwind(commit).await.is_err() {
+                tracing::error!("the admission writer panicked committing a group; it goes on");
+                metrics::counter!("orca_push_queue_writer_panics_total").increment(1);
+            }
         }
     }
 
@@ -166,5 +173,143 @@ impl<S: QueueStore> Writer<S> {
             // A caller that went away misses its answer; the admission stands.
             let _ = waiting.answer.send(result);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+    use crate::model::{AdmissionRecipient, Content, Kind, Provider};
+    use crate::store::{
+        ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Retry, RetryResult, Skip,
+    };
+
+    /// A store whose first group commit panics; every later one admits.
+    #[derive(Clone, Default)]
+    struct PanicsOnce(Arc<AtomicBool>);
+
+    impl QueueStore for PanicsOnce {
+        async fn enqueue_group(
+            &self,
+            group: &[&Admission],
+            _now: i64,
+            _coalesce_ms: i64,
+        ) -> Vec<Result<Enqueued, QueueError>> {
+            if !self.0.swap(true, Ordering::SeqCst) {
+                panic!("a bug while committing");
+            }
+            group
+                .iter()
+                .map(|_| {
+                    Ok(Enqueued {
+                        statuses: Vec::new(),
+                        next_due_at: None,
+                    })
+                })
+                .collect()
+        }
+        fn group_writers(&self) -> usize {
+            1
+        }
+        fn writer_thread(&self) -> bool {
+            true
+        }
+        async fn claim(
+            &self,
+            _: &str,
+            _: i64,
+            _: i64,
+            _: i64,
+            _: Skip,
+        ) -> Result<Vec<ClaimedBatch>, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn next_available_at(&self, _: Skip) -> Result<Option<i64>, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn renew(&self, _: &str, _: &str, _: i64) -> Result<bool, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn complete(&self, _: &[Completion], _: i64) -> Result<Vec<bool>, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn retry(
+            &self,
+            _: &str,
+            _: &str,
+            _: i64,
+            _: &str,
+            _: Retry,
+            _: i64,
+        ) -> Result<RetryResult, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn hold(&self, _: Provider, _: i64, _: i64) -> Result<u64, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn release(&self, _: Provider, _: i64, _: i64) -> Result<u64, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn event_record(
+            &self,
+            _: &str,
+            _: Kind,
+            _: &str,
+            _: i64,
+        ) -> Result<Option<EventRecord>, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn depth(&self, _: i64) -> Result<Depth, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+        async fn cleanup(&self, _: i64) -> Result<Cleaned, QueueError> {
+            unimplemented!("not used by the writer")
+        }
+    }
+
+    fn admission(seq: i64) -> Admission {
+        Admission {
+            host_fingerprint: "host".into(),
+            kind: Kind::Alert,
+            notification_epoch: "e".into(),
+            notification_seq: seq,
+            content: Content {
+                notification_id: Some(format!("n-{seq}")),
+                source: "plugin".into(),
+                agent_state: None,
+                title: "t".into(),
+                body: "b".into(),
+                worktree_id: None,
+            },
+            expires_at_ms: None,
+            recipients: vec![AdmissionRecipient {
+                registration_id: "r".into(),
+                silent: false,
+                provider: Provider::Fcm,
+            }],
+            trace_parent: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panicking_commit_fails_its_group_only_and_the_writer_goes_on() {
+        let groups = GroupCommit::start(
+            PanicsOnce::default(),
+            Arc::new(orca_push_storage::SystemClock),
+            3000,
+            Arc::new(Notify::new()),
+        );
+        let first = groups.admit(admission(1)).await;
+        assert!(
+            matches!(first, Err(QueueError::WriterStopped)),
+            "never a false queued"
+        );
+        let second = groups.admit(admission(2)).await;
+        assert!(
+            second.is_ok(),
+            "the writer admits the next group: {second:?}"
+        );
     }
 }
