@@ -186,6 +186,9 @@ mod tests {
         ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Retry, RetryResult, Skip,
     };
 
+    /// What the store answers to everything but admission, which is all a writer asks of it.
+    const ONLY_ADMITS: QueueError = QueueError::InvalidRequest("this store only admits");
+
     /// A store whose first group commit panics; every later one admits.
     #[derive(Clone, Default)]
     struct PanicsOnce(Arc<AtomicBool>);
@@ -224,16 +227,16 @@ mod tests {
             _: i64,
             _: Skip,
         ) -> Result<Vec<ClaimedBatch>, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn next_available_at(&self, _: Skip) -> Result<Option<i64>, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn renew(&self, _: &str, _: &str, _: i64) -> Result<bool, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn complete(&self, _: &[Completion], _: i64) -> Result<Vec<bool>, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn retry(
             &self,
@@ -244,13 +247,13 @@ mod tests {
             _: Retry,
             _: i64,
         ) -> Result<RetryResult, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn hold(&self, _: Provider, _: i64, _: i64) -> Result<u64, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn release(&self, _: Provider, _: i64, _: i64) -> Result<u64, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn event_record(
             &self,
@@ -259,13 +262,13 @@ mod tests {
             _: &str,
             _: i64,
         ) -> Result<Option<EventRecord>, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn depth(&self, _: i64) -> Result<Depth, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
         async fn cleanup(&self, _: i64) -> Result<Cleaned, QueueError> {
-            unimplemented!("not used by the writer")
+            Err(ONLY_ADMITS)
         }
     }
 
