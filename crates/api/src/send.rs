@@ -151,6 +151,16 @@ impl SendRequest {
 
     /// Every bound of the contract on a send.
     pub fn validate(&self) -> Result<(), Invalid> {
+        self.validate_parsed()?;
+        if self.notification.json_len() > MAX_NOTIFICATION_BYTES {
+            return Err(Invalid("notification over 3000 bytes of JSON"));
+        }
+        Ok(())
+    }
+
+    /// Every bound but the size, for a request read from JSON: deserializing measured the
+    /// notification as sent (and the typed form is never longer), so it is not serialized again.
+    pub fn validate_parsed(&self) -> Result<(), Invalid> {
         if self.registration_ids.is_empty() || self.registration_ids.len() > MAX_REGISTRATION_IDS {
             return Err(Invalid("1 to 20 registrationIds"));
         }
@@ -161,11 +171,7 @@ impl SendRequest {
         {
             return Err(Invalid("registrationId: 1 to 128 characters"));
         }
-        self.notification.validate()?;
-        if self.notification.json_len() > MAX_NOTIFICATION_BYTES {
-            return Err(Invalid("notification over 3000 bytes of JSON"));
-        }
-        Ok(())
+        self.notification.validate()
     }
 
     /// The distinct ids, in first-seen order: what the gateway answers for.

@@ -31,7 +31,9 @@ pub struct SendRequest {
 
 /// Validates a whole send body (the API crate's rules); any failure is `invalid_request`.
 pub fn parse_send(body: SendBody) -> Result<SendRequest, ApiError> {
-    body.validate().map_err(|_| ApiError::InvalidRequest)?;
+    // The size was measured as the body was read (`SendRequest`'s deserializer).
+    body.validate_parsed()
+        .map_err(|_| ApiError::InvalidRequest)?;
     let registration_ids = body.distinct_ids();
     let silent = body.notification.is_silent();
     Ok(SendRequest {
