@@ -95,17 +95,28 @@ fn path_segment(value: &str) -> String {
     out
 }
 
+/// The process's HTTP client, built once and shared by every [`GatewayClient`] (a reqwest client is
+/// a handle to one connection pool). Building one reads the operating system's certificate store,
+/// milliseconds of work that a client per host would repeat.
+fn shared_http() -> Result<reqwest::Client, GatewayError> {
+    static SHARED: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    if let Some(http) = SHARED.get() {
+        return Ok(http.clone());
+    }
+    // reqwest's rustls trusts the bundled roots and, with `rustls-tls-native-roots`, the operating
+    // system's store: a desktop behind TLS inspection trusts the inspecting CA.
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(20))
+        .user_agent(concat!("orca-push-host/", env!("CARGO_PKG_VERSION")))
+        .build()?;
+    Ok(SHARED.get_or_init(|| http).clone())
+}
+
 impl GatewayClient {
     pub fn new(base_url: &str, key: HostKey) -> Result<Self, GatewayError> {
         let origin = crate::origin_of(base_url)?;
-        // reqwest's rustls trusts the bundled roots and, with `rustls-tls-native-roots`, the
-        // operating system's store: a desktop behind TLS inspection trusts the inspecting CA.
-        let http = reqwest::Client::builder()
-            .timeout(std::time::Duration::from_secs(20))
-            .user_agent(concat!("orca-push-host/", env!("CARGO_PKG_VERSION")))
-            .build()?;
         Ok(Self {
-            http,
+            http: shared_http()?,
             base: base_url.trim_end_matches('/').to_owned(),
             origin,
             key,
