@@ -7,6 +7,7 @@ pub mod device;
 mod error;
 mod grpc;
 mod registry;
+pub mod resolve_cache;
 pub mod store;
 
 use std::sync::Arc;

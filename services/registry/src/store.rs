@@ -11,6 +11,7 @@ use crate::device::{
     ApnsEnvironment, DeviceFilter, LIST_LIMIT, MAX_DEVICES_PER_HOST, Platform, Registration,
 };
 use crate::error::RegistryError;
+use crate::resolve_cache::ResolveCache;
 
 static SQLITE_MIGRATIONS: sqlx::migrate::Migrator =
     sqlx::migrate!("../../migrations/registry/sqlite");
@@ -93,6 +94,9 @@ pub trait RegistryStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<String>, RegistryError>> + Send;
 }
 
+const HOST_REGISTRATIONS_SQL: &str =
+    "SELECT registration_id, platform, dead_at FROM push_devices WHERE host_fingerprint = $1";
+
 fn platform_of(value: &str) -> Result<Platform, sqlx::Error> {
     Platform::parse(value)
         .ok_or_else(|| sqlx::Error::Decode(format!("unknown platform {value:?}").into()))
@@ -111,6 +115,33 @@ fn environment_of(value: Option<String>) -> Result<Option<ApnsEnvironment>, sqlx
 /// SQL shared by both backends; each expands it over its own pool and row types.
 macro_rules! registry_store {
     ($store:ident) => {
+        impl $store {
+            /// Every registration of `host` (at most 64, by the device cap): one static statement,
+            /// whatever ids a send names.
+            async fn host_registrations(&self, host: &str) -> Result<Vec<ResolvedRow>, RegistryError> {
+                let rows = sqlx::query(HOST_REGISTRATIONS_SQL)
+                    .bind(host)
+                    .fetch_all(self.reader())
+                    .await?;
+                rows.iter()
+                    .map(|row| {
+                        Ok(ResolvedRow {
+                            registration_id: row.try_get("registration_id")?,
+                            platform: platform_of(row.try_get("platform")?)?,
+                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
+                        })
+                    })
+                    .collect::<Result<_, sqlx::Error>>()
+                    .map_err(Into::into)
+            }
+
+            fn changed(&self, host: &str) {
+                if let Some(cache) = self.resolve_cache() {
+                    cache.invalidate(host);
+                }
+            }
+        }
+
         impl RegistryStore for $store {
             async fn register(
                 &self,
@@ -178,6 +209,7 @@ macro_rules! registry_store {
                     }
                 };
                 tx.commit().await?;
+                self.changed(&r.host_fingerprint);
                 Ok(id)
             }
 
@@ -214,34 +246,20 @@ macro_rules! registry_store {
                 .bind(host)
                 .execute(&self.pool)
                 .await?;
+                self.changed(host);
                 Ok(deleted.rows_affected() == 1)
             }
 
             async fn resolve(&self, host: &str, ids: &[String]) -> Result<Vec<ResolvedRow>, RegistryError> {
-                // One read of the host's registrations (at most 64, by the device cap) rather than
-                // one per id: the SQL stays static and a send costs one statement here.
-                let rows = sqlx::query(
-                    "SELECT registration_id, platform, dead_at FROM push_devices \
-                     WHERE host_fingerprint = $1",
-                )
-                .bind(host)
-                .fetch_all(self.reader())
-                .await?;
-                let mut owned = std::collections::HashMap::with_capacity(rows.len());
-                for row in rows {
-                    owned.insert(row.try_get::<String, _>("registration_id")?, row);
-                }
-                let mut out = Vec::with_capacity(ids.len());
-                for id in ids {
-                    if let Some(row) = owned.get(id) {
-                        out.push(ResolvedRow {
-                            registration_id: id.clone(),
-                            platform: platform_of(row.try_get("platform")?)?,
-                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
-                        });
-                    }
-                }
-                Ok(out)
+                let owned = match self.resolve_cache() {
+                    Some(cache) => cache.host(host, || self.host_registrations(host)).await?,
+                    None => self.host_registrations(host).await?.into(),
+                };
+                // In the order asked; ids the host does not own are left out.
+                Ok(ids
+                    .iter()
+                    .filter_map(|id| owned.iter().find(|row| row.registration_id == *id).cloned())
+                    .collect())
             }
 
             async fn for_delivery(&self, ids: &[String]) -> Result<Vec<DeliveryRow>, RegistryError> {
@@ -286,19 +304,23 @@ macro_rules! registry_store {
                 apns_environment: Option<ApnsEnvironment>,
                 now_ms: i64,
             ) -> Result<bool, RegistryError> {
-                let marked = sqlx::query(
+                let marked: Option<String> = sqlx::query_scalar(
                     "UPDATE push_devices SET dead_at = $5 \
                      WHERE registration_id = $1 AND token = $2 AND platform = $3 \
-                     AND COALESCE(apns_environment, '') = COALESCE($4, '') AND dead_at IS NULL",
+                     AND COALESCE(apns_environment, '') = COALESCE($4, '') AND dead_at IS NULL \
+                     RETURNING host_fingerprint",
                 )
                 .bind(registration_id)
                 .bind(token)
                 .bind(platform.as_str())
                 .bind(apns_environment.map(ApnsEnvironment::as_str))
                 .bind(now_ms)
-                .execute(&self.pool)
+                .fetch_optional(&self.pool)
                 .await?;
-                Ok(marked.rows_affected() == 1)
+                if let Some(host) = &marked {
+                    self.changed(host);
+                }
+                Ok(marked.is_some())
             }
 
             async fn hosts_with_devices(&self, hosts: &[String]) -> Result<Vec<String>, RegistryError> {
@@ -326,12 +348,22 @@ macro_rules! registry_store {
 pub struct SqliteRegistryStore {
     pool: sqlx::SqlitePool,
     readers: sqlx::SqlitePool,
+    /// This process alone writes the file, so what a host resolves to can be kept exactly.
+    resolves: std::sync::Arc<ResolveCache>,
 }
 
 impl SqliteRegistryStore {
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
-        Self { pool, readers }
+        Self {
+            pool,
+            readers,
+            resolves: Default::default(),
+        }
+    }
+
+    fn resolve_cache(&self) -> Option<&ResolveCache> {
+        Some(&self.resolves)
     }
 
     /// Where reads outside a transaction go.
@@ -359,6 +391,11 @@ impl PgRegistryStore {
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
         Self { pool, readers }
+    }
+
+    /// Replicas share the table: another one's write would not drop this one's entries.
+    fn resolve_cache(&self) -> Option<&ResolveCache> {
+        None
     }
 
     /// Where reads outside a transaction go.
