@@ -4,6 +4,12 @@
 //! [`TRUST_VALID_FOR`], so a replaced or expired session stops working within a second; concurrent
 //! requests for one uncached token share one look-up.
 //!
+//! Where auth can name every session it mints (one process on SQLite), the facade also follows
+//! auth's `WatchSessions` stream: a host given a new session has its older verdicts dropped as the
+//! event arrives, and while the stream is heard from (a heartbeat every 200 ms), a verdict looked
+//! up under it is trusted for [`WATCHED_TRUST_FOR`] instead of a second. Silence for
+//! [`WATCH_SILENCE`], a lag or a reconnection puts every verdict back on the one-second rule.
+//!
 //! It must never hold a token in plaintext (entries are keyed by its sha256) nor log one or the key.
 
 use std::future::Future;
@@ -20,6 +26,17 @@ use crate::error::ApiError;
 
 /// How long a verified session is trusted without asking auth again.
 pub const TRUST_VALID_FOR: Duration = Duration::from_secs(1);
+/// How long a verified session is trusted while auth's session watch vouches for it: long enough
+/// that a busy host costs a look-up twice a minute, short enough that auth still refreshes the
+/// host's last contact (once a minute) about as often as before.
+pub const WATCHED_TRUST_FOR: Duration = Duration::from_secs(30);
+/// The watch vouches only while heard from this recently (auth's heartbeat is every 200 ms).
+pub const WATCH_SILENCE: Duration = Duration::from_millis(600);
+/// How long to wait before opening the watch again after it ended or was refused.
+const WATCH_RETRY: Duration = Duration::from_secs(1);
+/// How long to wait before asking again an auth that does not offer the watch.
+const WATCH_UNOFFERED_RETRY: Duration = Duration::from_secs(60);
+
 /// How long a refusal of a tagged token (replaced, unknown or expired) is remembered. A refused
 /// token never becomes valid again, so this only bounds memory, not correctness.
 pub const REMEMBER_REFUSAL_FOR: Duration = Duration::from_secs(60);
@@ -48,6 +65,75 @@ struct Entry {
     verdict: Verdict,
     /// When the look-up that produced it started: nothing it read is older than this.
     checked_at: Instant,
+    /// The session watch's stream that was live when the look-up started, if one was: the entry
+    /// may be trusted longer while that same stream still is.
+    watched_by: Option<u64>,
+}
+
+/// What this facade knows of auth's session watch.
+struct Watch {
+    /// Which stream is open (0: none yet); every new stream takes the next number.
+    stream: std::sync::atomic::AtomicU64,
+    /// When it was last heard from, in nanoseconds after `epoch` (0: not since it opened).
+    heard_at: std::sync::atomic::AtomicU64,
+    epoch: Instant,
+    /// Hosts given a new session, and when the event arrived: a verdict on such a host looked
+    /// up before then is not trusted.
+    replaced: DashMap<String, Instant>,
+}
+
+impl Watch {
+    fn new() -> Self {
+        Self {
+            stream: Default::default(),
+            heard_at: Default::default(),
+            epoch: Instant::now(),
+            replaced: DashMap::new(),
+        }
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    /// The stream that vouches now, if one does.
+    fn live(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let stream = self.stream.load(SeqCst);
+        let heard = self.heard_at.load(SeqCst);
+        let silent_for = self.nanos(Instant::now()).saturating_sub(heard);
+        (stream != 0 && heard != 0 && silent_for < WATCH_SILENCE.as_nanos() as u64)
+            .then_some(stream)
+    }
+
+    fn opened(&self) -> u64 {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.heard_at.store(0, SeqCst);
+        self.stream.fetch_add(1, SeqCst) + 1
+    }
+
+    fn heard(&self, event: &pb::SessionEvent) {
+        if !event.replaced_host_fingerprint.is_empty() {
+            self.replaced
+                .insert(event.replaced_host_fingerprint.clone(), Instant::now());
+        }
+        // After the replacement is recorded: whoever sees this heartbeat sees the replacement.
+        self.heard_at.store(
+            self.nanos(Instant::now()),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+
+    fn closed(&self) {
+        self.heard_at.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether `host` was given a new session after a look-up that started at `checked_at`.
+    fn replaced_since(&self, host: &str, checked_at: Instant) -> bool {
+        self.replaced.get(host).is_some_and(|at| *at >= checked_at)
+    }
 }
 
 type Shared = Arc<OnceCell<Result<Verdict, ApiError>>>;
@@ -59,6 +145,7 @@ pub struct SessionCheck {
     in_flight: DashMap<TokenHash, (Instant, Shared)>,
     max_entries: usize,
     sweeps: crate::limits::SweepSpacing,
+    watch: Watch,
 }
 
 impl Default for SessionCheck {
@@ -81,6 +168,7 @@ impl SessionCheck {
             in_flight: DashMap::new(),
             max_entries,
             sweeps: crate::limits::SweepSpacing::default(),
+            watch: Watch::new(),
         }
     }
 
@@ -151,9 +239,10 @@ impl SessionCheck {
             .get_or_init(|| async {
                 metrics::counter!("orca_push_bearer_checks_total", "outcome" => "looked_up")
                     .increment(1);
+                let watched_by = self.watch.live();
                 let result = lookup().await;
                 if let Ok(verdict) = &result {
-                    self.remember(hash, verdict.clone(), started);
+                    self.remember(hash, verdict.clone(), started, watched_by);
                 }
                 result
             })
@@ -169,7 +258,19 @@ impl SessionCheck {
             Verdict::Host { expires_at_ms, .. } if now_ms >= *expires_at_ms => {
                 Some(Verdict::Expired)
             }
+            Verdict::Host { fingerprint, .. }
+                if self.watch.replaced_since(fingerprint, entry.checked_at) =>
+            {
+                None
+            }
             Verdict::Host { .. } if age < TRUST_VALID_FOR => Some(entry.verdict.clone()),
+            Verdict::Host { .. }
+                if age < WATCHED_TRUST_FOR
+                    && entry.watched_by.is_some()
+                    && entry.watched_by == self.watch.live() =>
+            {
+                Some(entry.verdict.clone())
+            }
             Verdict::Unknown | Verdict::Expired if age < REMEMBER_REFUSAL_FOR => {
                 Some(entry.verdict.clone())
             }
@@ -177,7 +278,13 @@ impl SessionCheck {
         }
     }
 
-    fn remember(&self, hash: TokenHash, verdict: Verdict, checked_at: Instant) {
+    fn remember(
+        &self,
+        hash: TokenHash,
+        verdict: Verdict,
+        checked_at: Instant,
+        watched_by: Option<u64>,
+    ) {
         if self.entries.len() >= self.max_entries && !self.entries.contains_key(&hash) {
             if self.sweeps.due() {
                 self.sweep();
@@ -191,19 +298,28 @@ impl SessionCheck {
             Entry {
                 verdict,
                 checked_at,
+                watched_by,
             },
         );
     }
 
-    /// Drops entries that are no longer trusted.
+    /// Drops entries that are no longer trusted, and replacements older than any trusted entry.
     pub fn sweep(&self) {
+        let live = self.watch.live();
         self.entries.retain(|_, entry| match entry.verdict {
+            Verdict::Host { .. } if live.is_some() && entry.watched_by == live => {
+                entry.checked_at.elapsed() < WATCHED_TRUST_FOR
+            }
             Verdict::Host { .. } => entry.checked_at.elapsed() < TRUST_VALID_FOR,
             Verdict::Unknown | Verdict::Expired => {
                 entry.checked_at.elapsed() < REMEMBER_REFUSAL_FOR
             }
         });
         self.entries.shrink_to_fit();
+        self.watch
+            .replaced
+            .retain(|_, at| at.elapsed() < WATCHED_TRUST_FOR);
+        self.watch.replaced.shrink_to_fit();
     }
 
     pub fn len(&self) -> usize {
@@ -227,11 +343,64 @@ impl SessionCheck {
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
         }
+        tokio::spawn(self.clone().follow_watch(auth, shutdown.clone()));
         let mut ticker = tokio::time::interval(Duration::from_secs(10));
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = ticker.tick() => self.sweep(),
+            }
+        }
+    }
+
+    /// Follows auth's session watch until `shutdown`, opening it again whenever it ends. An auth
+    /// that does not offer it (replicas on PostgreSQL, or an older auth) is asked again each
+    /// minute; meanwhile every verdict stays on the one-second rule.
+    async fn follow_watch(self: Arc<Self>, auth: AuthClient, shutdown: CancellationToken) {
+        use futures::StreamExt as _;
+        loop {
+            let mut client = auth.clone();
+            let wait = match client.watch_sessions(pb::WatchSessionsRequest {}).await {
+                Ok(response) => {
+                    let mut events = response.into_inner();
+                    self.watch.opened();
+                    tracing::debug!("following auth's session watch");
+                    let ended = loop {
+                        tokio::select! {
+                            _ = shutdown.cancelled() => {
+                                self.watch.closed();
+                                return;
+                            }
+                            event = events.next() => match event {
+                                Some(Ok(event)) => self.watch.heard(&event),
+                                Some(Err(status)) => break Some(status),
+                                None => break None,
+                            },
+                        }
+                    };
+                    self.watch.closed();
+                    if let Some(status) = ended {
+                        tracing::info!(code = ?status.code(), "auth's session watch ended; opening it again");
+                    }
+                    WATCH_RETRY
+                }
+                Err(status)
+                    if matches!(
+                        status.code(),
+                        tonic::Code::FailedPrecondition | tonic::Code::Unimplemented
+                    ) =>
+                {
+                    tracing::debug!(code = ?status.code(), "auth offers no session watch: sessions re-checked within 1 s");
+                    WATCH_UNOFFERED_RETRY
+                }
+                Err(status) => {
+                    tracing::info!(code = ?status.code(), "auth's session watch not opened; retrying");
+                    WATCH_RETRY
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
             }
         }
     }
@@ -385,6 +554,108 @@ mod tests {
             assert_eq!(check.in_flight.len(), 1);
         }
         assert!(check.in_flight.is_empty());
+    }
+
+    fn replaced(host: &str) -> pb::SessionEvent {
+        pb::SessionEvent {
+            replaced_host_fingerprint: host.into(),
+        }
+    }
+
+    /// Heartbeats from a watch for `how_long`, as auth's stream would.
+    async fn heartbeats(check: &SessionCheck, how_long: Duration) {
+        let until = Instant::now() + how_long;
+        while Instant::now() < until {
+            check.watch.heard(&pb::SessionEvent::default());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_session_verified_under_a_heard_watch_is_trusted_past_a_second() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let far = now_ms() + 60_000;
+        check.watch.opened();
+        check.watch.heard(&pb::SessionEvent::default());
+        counted(&check, &token, &calls, host(far)).await.unwrap();
+        heartbeats(&check, TRUST_VALID_FOR + Duration::from_millis(200)).await;
+        assert_eq!(
+            counted(&check, &token, &calls, Verdict::Unknown).await,
+            Ok(host(far))
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        // Swept only once the watched trust runs out.
+        check.sweep();
+        assert_eq!(check.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_new_session_for_the_host_drops_its_older_verdict_at_once() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let far = now_ms() + 60_000;
+        check.watch.opened();
+        check.watch.heard(&pb::SessionEvent::default());
+        counted(&check, &token, &calls, host(far)).await.unwrap();
+        // Another host's login changes nothing; this host's does.
+        check.watch.heard(&replaced("other"));
+        counted(&check, &token, &calls, host(far)).await.unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        check.watch.heard(&replaced("fp"));
+        assert_eq!(
+            counted(&check, &token, &calls, Verdict::Unknown).await,
+            Ok(Verdict::Unknown)
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_look_up_that_a_replacement_overtook_is_not_trusted() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let far = now_ms() + 60_000;
+        check.watch.opened();
+        check.watch.heard(&pb::SessionEvent::default());
+        // The look-up read the session just before the host logged in again.
+        let answered = check
+            .verify(&token, || async {
+                check.watch.heard(&replaced("fp"));
+                Ok(host(far))
+            })
+            .await;
+        assert_eq!(answered, Ok(host(far)));
+        assert_eq!(
+            counted(&check, &token, &calls, Verdict::Unknown).await,
+            Ok(Verdict::Unknown)
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_silent_or_reopened_watch_puts_verdicts_back_on_the_one_second_rule() {
+        let (check, key) = check(10);
+        let (silent, reopened) = (key.mint().unwrap(), key.mint().unwrap());
+        let calls = AtomicUsize::new(0);
+        let far = now_ms() + 60_000;
+        check.watch.opened();
+        check.watch.heard(&pb::SessionEvent::default());
+        counted(&check, &silent, &calls, host(far)).await.unwrap();
+        tokio::time::sleep(TRUST_VALID_FOR + Duration::from_millis(20)).await;
+        assert!(check.watch.live().is_none(), "silent past WATCH_SILENCE");
+        counted(&check, &silent, &calls, host(far)).await.unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+        // Events may have been lost between two streams: the first one's verdicts lose its trust.
+        check.watch.heard(&pb::SessionEvent::default());
+        counted(&check, &reopened, &calls, host(far)).await.unwrap();
+        check.watch.opened();
+        heartbeats(&check, TRUST_VALID_FOR + Duration::from_millis(100)).await;
+        counted(&check, &reopened, &calls, host(far)).await.unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
     }
 
     #[tokio::test]

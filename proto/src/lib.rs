@@ -31,6 +31,7 @@ pub const SERVICE_METHODS: &[&str] = &[
     "/orca.push.auth.v1.AuthService/CreateSession",
     "/orca.push.auth.v1.AuthService/GetSessionKey",
     "/orca.push.auth.v1.AuthService/Authenticate",
+    "/orca.push.auth.v1.AuthService/WatchSessions",
     "/orca.push.registry.v1.RegistryService/RegisterDevice",
     "/orca.push.registry.v1.RegistryService/ListDevices",
     "/orca.push.registry.v1.RegistryService/DeleteDevice",
@@ -139,6 +140,8 @@ pub mod access {
         ("/orca.push.auth.v1.AuthService/Authenticate", Write),
         // The key that tags session tokens: for the facade only.
         ("/orca.push.auth.v1.AuthService/GetSessionKey", Write),
+        // Which hosts log in, as they do: for the facade's session cache only.
+        ("/orca.push.auth.v1.AuthService/WatchSessions", Write),
         // Registry: look-ups that show platform and state, never a push token, are reads.
         (
             "/orca.push.registry.v1.RegistryService/RegisterDevice",

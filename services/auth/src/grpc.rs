@@ -3,23 +3,72 @@
 use std::sync::Arc;
 
 use orca_push_proto::auth::v1 as pb;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::host_auth::HostAuth;
+use crate::host_auth::{HostAuth, SessionNews};
 use crate::store::AuthStore;
 
 pub struct AuthGrpc<S> {
     auth: Arc<HostAuth<S>>,
+    /// Ends session watches, so a draining server is not held open by them.
+    shutdown: CancellationToken,
 }
 
 impl<S> AuthGrpc<S> {
-    pub fn new(auth: Arc<HostAuth<S>>) -> Self {
-        Self { auth }
+    pub fn new(auth: Arc<HostAuth<S>>, shutdown: CancellationToken) -> Self {
+        Self { auth, shutdown }
     }
+}
+
+type EventStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
+
+/// Session news as it comes, until `shutdown`; ABORTED (then the end) if the watcher fell behind or
+/// news was lost.
+fn session_events(
+    news: tokio::sync::broadcast::Receiver<SessionNews>,
+    shutdown: CancellationToken,
+) -> EventStream {
+    use tokio::sync::broadcast::error::RecvError;
+    let lost = || Status::aborted("session news was lost: watch again");
+    Box::pin(futures::stream::unfold(
+        Some((news, shutdown)),
+        move |state| async move {
+            let (mut news, shutdown) = state?;
+            let event = tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return None,
+                next = news.recv() => match next {
+                    Ok(SessionNews::Replaced(host)) => pb::SessionEvent {
+                        replaced_host_fingerprint: host,
+                    },
+                    Ok(SessionNews::Heard) => pb::SessionEvent::default(),
+                    Ok(SessionNews::Lost) | Err(RecvError::Lagged(_)) => {
+                        return Some((Err(lost()), None));
+                    }
+                    Err(RecvError::Closed) => return None,
+                },
+            };
+            Some((Ok(event), Some((news, shutdown))))
+        },
+    ))
 }
 
 #[tonic::async_trait]
 impl<S: AuthStore> pb::auth_service_server::AuthService for AuthGrpc<S> {
+    type WatchSessionsStream = EventStream;
+
+    async fn watch_sessions(
+        &self,
+        _request: Request<pb::WatchSessionsRequest>,
+    ) -> Result<Response<Self::WatchSessionsStream>, Status> {
+        let minted = self.auth.watch_sessions().ok_or_else(|| {
+            Status::failed_precondition("this auth offers no session watch (re-check within 1 s)")
+        })?;
+        Ok(Response::new(session_events(minted, self.shutdown.clone())))
+    }
+
     async fn issue_challenge(
         &self,
         request: Request<pb::IssueChallengeRequest>,

@@ -112,6 +112,35 @@ pub struct HostAuth<S> {
     prune_cursor: std::sync::Mutex<String>,
     /// Read (or created) once from the store, on first use.
     tagging: tokio::sync::OnceCell<SessionTagging>,
+    /// What `WatchSessions` tells its watchers, when this auth can know every new session.
+    news: Option<tokio::sync::broadcast::Sender<SessionNews>>,
+    /// Whether `create_session` announces its own sessions (one process owns the store) or the
+    /// store's commit does, to every replica (PostgreSQL, relayed by `relay_sessions`).
+    announces: Announcer,
+}
+
+/// Session news a watcher may fall behind by before it is cut off (it then trusts nothing it
+/// cached under that stream).
+pub const WATCH_BACKLOG: usize = 4096;
+
+/// What a session watcher hears.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionNews {
+    /// The host was given a new session: its older ones no longer authenticate.
+    Replaced(String),
+    /// Every session minted before this was announced.
+    Heard,
+    /// Announcements may have been lost: nothing trusted under the watch may be trusted still.
+    Lost,
+}
+
+/// Who announces a new session to the watchers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Announcer {
+    /// `create_session`, as it returns: this process alone mints the store's sessions.
+    ThisProcess,
+    /// The store, in the transaction that mints it (replicas sharing PostgreSQL).
+    TheStore,
 }
 
 impl<S: AuthStore> HostAuth<S> {
@@ -122,7 +151,30 @@ impl<S: AuthStore> HostAuth<S> {
             clock,
             prune_cursor: std::sync::Mutex::new(String::new()),
             tagging: tokio::sync::OnceCell::new(),
+            news: None,
+            announces: Announcer::ThisProcess,
         }
+    }
+
+    /// Offers `WatchSessions`, with new sessions announced by `announces`. Someone must also send
+    /// [`SessionNews::Heard`] on [`HostAuth::session_news`] regularly: a watcher trusts the watch
+    /// only while it hears from it.
+    pub fn with_session_watch(mut self, announces: Announcer) -> Self {
+        self.news = Some(tokio::sync::broadcast::channel(WATCH_BACKLOG).0);
+        self.announces = announces;
+        self
+    }
+
+    /// Where session news is published, if the watch is offered.
+    pub fn session_news(&self) -> Option<tokio::sync::broadcast::Sender<SessionNews>> {
+        self.news.clone()
+    }
+
+    /// Session news from now on, or `None` if this auth offers no watch.
+    pub fn watch_sessions(&self) -> Option<tokio::sync::broadcast::Receiver<SessionNews>> {
+        self.news
+            .as_ref()
+            .map(tokio::sync::broadcast::Sender::subscribe)
     }
 
     /// The session key and legacy window, created in the store the first time any replica asks
@@ -269,6 +321,10 @@ impl<S: AuthStore> HostAuth<S> {
             return Err(AuthError::InvalidProof(
                 "challenge consumed by a concurrent proof",
             ));
+        }
+        if let (Some(news), Announcer::ThisProcess) = (&self.news, self.announces) {
+            // No watcher is not an error: the facade may not have subscribed yet.
+            let _ = news.send(SessionNews::Replaced(challenge.host_fingerprint.clone()));
         }
         tracing::info!(
             host = fingerprint_prefix(&challenge.host_fingerprint),

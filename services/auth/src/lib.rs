@@ -9,6 +9,7 @@ mod error;
 mod grpc;
 mod host_auth;
 pub mod session_token;
+pub mod session_watch;
 pub mod store;
 
 use std::sync::Arc;
@@ -22,8 +23,8 @@ use tonic_health::ServingStatus;
 pub use error::AuthError;
 pub use grpc::AuthGrpc;
 pub use host_auth::{
-    Authenticated, DeviceDirectory, HOST_IDLE_MS, HostAuth, IssuedChallenge, LEGACY_WINDOW_MS,
-    SESSION_TTL_MS, Session, fingerprint_prefix,
+    Announcer, Authenticated, DeviceDirectory, HOST_IDLE_MS, HostAuth, IssuedChallenge,
+    LEGACY_WINDOW_MS, SESSION_TTL_MS, Session, SessionNews, WATCH_BACKLOG, fingerprint_prefix,
 };
 pub use session_token::{SESSION_TOKEN_LEN, SessionKey, SessionTagging, Tag};
 pub use store::{AnyAuthStore, AuthStore, PgAuthStore, SqliteAuthStore};
@@ -112,7 +113,22 @@ pub async fn routes(
         store.pools(),
         shutdown.clone(),
     ));
-    let auth = Arc::new(HostAuth::new(store, gateway_origin, clock));
+    let auth = HostAuth::new(store.clone(), gateway_origin, clock);
+    let auth = Arc::new(match &store {
+        // One process owns a SQLite file: it mints every session of it.
+        AnyAuthStore::Sqlite(_) => auth.with_session_watch(Announcer::ThisProcess),
+        AnyAuthStore::Postgres(_) => auth.with_session_watch(Announcer::TheStore),
+    });
+    if let Some(news) = auth.session_news() {
+        match store {
+            AnyAuthStore::Sqlite(_) => {
+                tokio::spawn(session_watch::heartbeat(news, shutdown.clone()));
+            }
+            AnyAuthStore::Postgres(store) => {
+                tokio::spawn(session_watch::relay(store, news, shutdown.clone()));
+            }
+        }
+    }
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_service_status(HEALTH_NAME, ServingStatus::Serving)
@@ -140,5 +156,5 @@ pub async fn routes(
     }
 
     orca_push_internal_auth::service_routes(health_service)
-        .add_service(AuthServiceServer::new(AuthGrpc::new(auth)))
+        .add_service(AuthServiceServer::new(AuthGrpc::new(auth, shutdown)))
 }

@@ -238,8 +238,13 @@ pub(crate) fn from_db_time(ms: i64) -> u64 {
 
 /// The SQL of every operation, written once (`$N` parameters bind the same way on SQLite and
 /// PostgreSQL) and expanded for each backend.
+/// The PostgreSQL channel that announces new sessions (payload: the host's fingerprint) and the
+/// replicas' heartbeats (empty payload) to every auth replica, for `WatchSessions`.
+pub const SESSIONS_CHANNEL: &str = "orca_push_sessions";
+const ANNOUNCE_SQL: &str = "SELECT pg_notify($1, $2)";
+
 macro_rules! auth_store {
-    ($store:ident, $pool:ty) => {
+    ($store:ident, $pool:ty, $announce:expr) => {
         #[derive(Debug, Clone)]
         pub struct $store {
             pool: $pool,
@@ -372,6 +377,15 @@ macro_rules! auth_store {
             .bind(now)
             .execute(&mut *tx)
             .await?;
+            // Delivered to every replica's watchers once (and only if) this commits.
+            let announce: Option<&str> = $announce;
+            if let Some(announce) = announce {
+                sqlx::query(announce)
+                    .bind(SESSIONS_CHANNEL)
+                    .bind(s.host_fingerprint)
+                    .execute(&mut *tx)
+                    .await?;
+            }
             tx.commit().await?;
             Ok(true)
         }
@@ -478,5 +492,22 @@ macro_rules! auth_store {
     };
 }
 
-auth_store!(SqliteAuthStore, sqlx::SqlitePool);
-auth_store!(PgAuthStore, sqlx::PgPool);
+// One process owns a SQLite file: `HostAuth` announces its sessions itself.
+auth_store!(SqliteAuthStore, sqlx::SqlitePool, None);
+auth_store!(PgAuthStore, sqlx::PgPool, Some(ANNOUNCE_SQL));
+
+impl PgAuthStore {
+    /// Tells every replica's session relay that everything committed before now was announced.
+    pub async fn announce_heartbeat(&self) -> Result<(), sqlx::Error> {
+        sqlx::query(ANNOUNCE_SQL)
+            .bind(SESSIONS_CHANNEL)
+            .bind("")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub fn pool(&self) -> &sqlx::PgPool {
+        &self.pool
+    }
+}
