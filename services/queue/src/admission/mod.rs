@@ -21,7 +21,7 @@ use crate::model::{
     Admission, AdmissionRecipient, AdmissionStatus, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS,
     Provider, QUOTA_PER_KIND, member_bytes, summary_fits,
 };
-use crate::store::{Enqueued, random_id};
+use crate::store::{Enqueued, ordered_id};
 
 mod statements;
 
@@ -186,7 +186,7 @@ pub fn plan<'a>(
         let event = plan.events.len();
         plan.events.push(NewEvent {
             admission: a,
-            event_id: random_id(),
+            event_id: ordered_id(),
             content_hash: a.content.hash(),
             deadline,
         });
@@ -208,7 +208,7 @@ pub fn plan<'a>(
                     windows.coalesce(&mut plan.batches, a, recipient, deadline, now, coalesce_ms)
                 } else {
                     let batch = NewBatch {
-                        batch_id: random_id(),
+                        batch_id: ordered_id(),
                         registration_id: &recipient.registration_id,
                         host_fingerprint: &a.host_fingerprint,
                         coalescible: false,
@@ -364,7 +364,7 @@ impl Windows {
             w.touch();
         }
         let due = now + coalesce_ms;
-        let batch_id = random_id();
+        let batch_id = ordered_id();
         self.latest.insert(key, self.all.len());
         self.all.push(Window {
             batch_id: batch_id.clone(),

@@ -237,7 +237,7 @@ macro_rules! row_by_row_admission {
                         }
                         let cap = now + MAX_LIFETIME_MS;
                         let deadline = a.expires_at_ms.map_or(cap, |at| at.min(cap));
-                        let event_id = random_id();
+                        let event_id = ordered_id();
                         sqlx::query($crate::store::admit::INSERT_EVENT_SQL)
                             .bind(&event_id)
                             .bind(&a.host_fingerprint)
@@ -359,7 +359,7 @@ macro_rules! row_by_row_admission {
                 deadline: i64,
                 now: i64,
             ) -> Result<String, sqlx::Error> {
-                let batch_id = random_id();
+                let batch_id = ordered_id();
                 sqlx::query($crate::store::admit::OPEN_BATCH_SQL)
                     .bind(&batch_id)
                     .bind(&recipient.registration_id)

@@ -50,9 +50,25 @@ pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {
 /// The channel replicas listen on for newly due work (PostgreSQL).
 pub const WAKE_CHANNEL: &str = "orca_push_queue";
 
+/// An unguessable token (a lease's): 18 random bytes, base64url (24 characters).
 pub fn random_id() -> String {
     let mut bytes = [0u8; 18];
     rand::rngs::OsRng.fill_bytes(&mut bytes);
+    URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// A new event or batch id: the current Unix millisecond (6 bytes, big-endian), then 12 random
+/// bytes, base64url (24 characters, as before). Ids made together share their first characters, so
+/// a group's rows land side by side in the id indexes (the events' and batches' keys, the
+/// recipients' key and batch index) instead of one random leaf page each: fewer pages written per
+/// commit. 96 random bits keep them unguessable; nothing relies on their order.
+pub fn ordered_id() -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let mut bytes = [0u8; 18];
+    bytes[..6].copy_from_slice(&ms.to_be_bytes()[10..]);
+    rand::rngs::OsRng.fill_bytes(&mut bytes[6..]);
     URL_SAFE_NO_PAD.encode(bytes)
 }
 
@@ -410,3 +426,29 @@ reports::report_statements!(SqliteQueueStore);
 reports::report_statements!(PgQueueStore);
 cleanup::cleanup_statements!(SqliteQueueStore);
 cleanup::cleanup_statements!(PgQueueStore);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn millis_of(id: &str) -> u64 {
+        let bytes = URL_SAFE_NO_PAD.decode(id).unwrap();
+        bytes[..6].iter().fold(0, |ms, b| ms << 8 | u64::from(*b))
+    }
+
+    #[test]
+    fn an_id_starts_with_its_millisecond_and_ends_with_random_bytes() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let (a, b) = (ordered_id(), ordered_id());
+        assert_eq!((a.len(), b.len()), (24, 24));
+        for id in [&a, &b] {
+            assert!(millis_of(id).abs_diff(now) < 5_000, "{id}");
+        }
+        // The 16 characters after the 8 of the millisecond are the random bytes.
+        assert_ne!(a[8..], b[8..]);
+        assert_eq!(random_id().len(), 24);
+    }
+}
