@@ -6,6 +6,7 @@
 //! never log more than the first 4 characters of a host fingerprint.
 
 mod error;
+mod group_writer;
 mod grpc;
 mod host_auth;
 pub mod session_token;

@@ -143,7 +143,7 @@ pub enum AnyAuthStore {
 impl AnyAuthStore {
     pub fn new(pool: Pool) -> Self {
         match pool {
-            Pool::Sqlite(p) => Self::Sqlite(SqliteAuthStore::new(p)),
+            Pool::Sqlite(p) => Self::Sqlite(SqliteAuthStore::grouped(p)),
             Pool::Postgres(p) => Self::Postgres(PgAuthStore::new(p)),
         }
     }
@@ -244,17 +244,91 @@ pub const SESSIONS_CHANNEL: &str = "orca_push_sessions";
 const ANNOUNCE_SQL: &str = "SELECT pg_notify($1, $2)";
 
 macro_rules! auth_store {
-    ($store:ident, $pool:ty, $announce:expr) => {
+    ($store:ident, $pool:ty, $conn:ty, $announce:expr) => {
         #[derive(Debug, Clone)]
         pub struct $store {
             pool: $pool,
             readers: $pool,
+            /// SQLite: the handshakes' writes, committed together (see `group_writer`).
+            writer: Option<std::sync::Arc<crate::group_writer::GroupWriter>>,
         }
 
         impl $store {
+            /// Writes straight to `pool`, one transaction per write.
             pub fn new(pool: $pool) -> Self {
                 let readers = orca_push_storage::ReadPool::readers(&pool);
-                Self { pool, readers }
+                Self {
+                    pool,
+                    readers,
+                    writer: None,
+                }
+            }
+
+            /// Inserts a challenge on `conn`.
+            pub(crate) async fn insert_challenge_on(
+                conn: &mut $conn,
+                c: &NewChallenge<'_>,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(INSERT_CHALLENGE_SQL)
+                    .bind(c.challenge_id)
+                    .bind(c.host_fingerprint)
+                    .bind(c.host_public_key)
+                    .bind(c.secret_hash)
+                    .bind(c.transcript)
+                    .bind(db_time(c.issued_at_ms))
+                    .bind(db_time(c.expires_at_ms))
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            }
+
+            /// Consumes the challenge and mints the host's one session, inside the caller's
+            /// transaction on `conn`. `false` (and nothing written) if the challenge was already
+            /// consumed or expired.
+            ///
+            /// The first statement writes: on SQLite the transaction holds the write lock (BEGIN
+            /// IMMEDIATE). On PostgreSQL (READ COMMITTED) the conditional UPDATE row-locks the
+            /// challenge, so of two racing proofs exactly one sees it unconsumed; the host upsert
+            /// then locks the host row, serialising two sessions minted for one host, and the
+            /// session upsert replaces the older one.
+            pub(crate) async fn redeem_on(
+                conn: &mut $conn,
+                s: &NewSession<'_>,
+            ) -> Result<bool, sqlx::Error> {
+                let now = db_time(s.now_ms);
+                let consumed = sqlx::query(CONSUME_CHALLENGE_SQL)
+                    .bind(now)
+                    .bind(s.challenge_id)
+                    .bind(now)
+                    .execute(&mut *conn)
+                    .await?;
+                if consumed.rows_affected() != 1 {
+                    return Ok(false);
+                }
+                sqlx::query(UPSERT_HOST_SQL)
+                    .bind(s.host_fingerprint)
+                    .bind(s.host_public_key)
+                    .bind(now)
+                    .bind(now)
+                    .execute(&mut *conn)
+                    .await?;
+                sqlx::query(UPSERT_SESSION_SQL)
+                    .bind(s.token_hash)
+                    .bind(s.host_fingerprint)
+                    .bind(db_time(s.expires_at_ms))
+                    .bind(now)
+                    .execute(&mut *conn)
+                    .await?;
+                // Delivered to every replica's watchers once (and only if) this commits.
+                let announce: Option<&str> = $announce;
+                if let Some(announce) = announce {
+                    sqlx::query(announce)
+                        .bind(SESSIONS_CHANNEL)
+                        .bind(s.host_fingerprint)
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                Ok(true)
             }
 
             /// Where reads outside a transaction go.
@@ -289,21 +363,11 @@ macro_rules! auth_store {
         }
 
         async fn insert_challenge(&self, c: &NewChallenge<'_>) -> Result<(), sqlx::Error> {
-            sqlx::query(
-                "INSERT INTO push_challenges \
-                 (challenge_id, host_fingerprint, host_public_key, secret_hash, transcript, issued_at, expires_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            )
-            .bind(c.challenge_id)
-            .bind(c.host_fingerprint)
-            .bind(c.host_public_key)
-            .bind(c.secret_hash)
-            .bind(c.transcript)
-            .bind(db_time(c.issued_at_ms))
-            .bind(db_time(c.expires_at_ms))
-            .execute(&self.pool)
-            .await?;
-            Ok(())
+            if let Some(writer) = &self.writer {
+                return writer.insert_challenge(c).await;
+            }
+            let mut conn = self.pool.acquire().await?;
+            Self::insert_challenge_on(&mut conn, c).await
         }
 
         async fn find_challenge(
@@ -332,62 +396,17 @@ macro_rules! auth_store {
         }
 
         async fn redeem_challenge(&self, s: &NewSession<'_>) -> Result<bool, sqlx::Error> {
-            let now = db_time(s.now_ms);
+            if let Some(writer) = &self.writer {
+                return writer.redeem(s).await;
+            }
             let mut tx = self.pool.begin().await?;
-            // The first statement writes: on SQLite it takes the write lock at once (waiting on the busy
-            // timeout) rather than failing a read-to-write upgrade later. On PostgreSQL (READ
-            // COMMITTED) the conditional UPDATE row-locks the challenge, so of two racing proofs exactly
-            // one sees it unconsumed; the host upsert then locks the host row, serialising two sessions
-            // minted for one host, and the session upsert replaces the older one.
-            let consumed = sqlx::query(
-                "UPDATE push_challenges SET consumed_at = $1 \
-                 WHERE challenge_id = $2 AND consumed_at IS NULL AND expires_at > $3",
-            )
-            .bind(now)
-            .bind(s.challenge_id)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-            if consumed.rows_affected() != 1 {
+            let redeemed = Self::redeem_on(&mut tx, s).await?;
+            if redeemed {
+                tx.commit().await?;
+            } else {
                 tx.rollback().await?;
-                return Ok(false);
             }
-            sqlx::query(
-                "INSERT INTO push_hosts (host_fingerprint, host_public_key, created_at, last_seen_at) \
-                 VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (host_fingerprint) DO UPDATE SET \
-                 host_public_key = excluded.host_public_key, last_seen_at = excluded.last_seen_at",
-            )
-            .bind(s.host_fingerprint)
-            .bind(s.host_public_key)
-            .bind(now)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(
-                "INSERT INTO push_sessions (token_hash, host_fingerprint, expires_at, created_at) \
-                 VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (host_fingerprint) DO UPDATE SET \
-                 token_hash = excluded.token_hash, expires_at = excluded.expires_at, \
-                 created_at = excluded.created_at",
-            )
-            .bind(s.token_hash)
-            .bind(s.host_fingerprint)
-            .bind(db_time(s.expires_at_ms))
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-            // Delivered to every replica's watchers once (and only if) this commits.
-            let announce: Option<&str> = $announce;
-            if let Some(announce) = announce {
-                sqlx::query(announce)
-                    .bind(SESSIONS_CHANNEL)
-                    .bind(s.host_fingerprint)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            tx.commit().await?;
-            Ok(true)
+            Ok(redeemed)
         }
 
         async fn find_session(&self, token_hash: &str) -> Result<Option<SessionRow>, sqlx::Error> {
@@ -492,9 +511,46 @@ macro_rules! auth_store {
     };
 }
 
+const INSERT_CHALLENGE_SQL: &str = "INSERT INTO push_challenges \
+     (challenge_id, host_fingerprint, host_public_key, secret_hash, transcript, issued_at, expires_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7)";
+const CONSUME_CHALLENGE_SQL: &str = "UPDATE push_challenges SET consumed_at = $1 \
+     WHERE challenge_id = $2 AND consumed_at IS NULL AND expires_at > $3";
+const UPSERT_HOST_SQL: &str = "INSERT INTO push_hosts \
+     (host_fingerprint, host_public_key, created_at, last_seen_at) VALUES ($1, $2, $3, $4) \
+     ON CONFLICT (host_fingerprint) DO UPDATE SET \
+     host_public_key = excluded.host_public_key, last_seen_at = excluded.last_seen_at";
+const UPSERT_SESSION_SQL: &str = "INSERT INTO push_sessions \
+     (token_hash, host_fingerprint, expires_at, created_at) VALUES ($1, $2, $3, $4) \
+     ON CONFLICT (host_fingerprint) DO UPDATE SET \
+     token_hash = excluded.token_hash, expires_at = excluded.expires_at, \
+     created_at = excluded.created_at";
+
 // One process owns a SQLite file: `HostAuth` announces its sessions itself.
-auth_store!(SqliteAuthStore, sqlx::SqlitePool, None);
-auth_store!(PgAuthStore, sqlx::PgPool, Some(ANNOUNCE_SQL));
+auth_store!(
+    SqliteAuthStore,
+    sqlx::SqlitePool,
+    sqlx::SqliteConnection,
+    None
+);
+auth_store!(
+    PgAuthStore,
+    sqlx::PgPool,
+    sqlx::PgConnection,
+    Some(ANNOUNCE_SQL)
+);
+
+impl SqliteAuthStore {
+    /// Commits the handshakes' writes that arrive together in one transaction (see
+    /// `group_writer`). Must be called inside a Tokio runtime.
+    pub fn grouped(pool: sqlx::SqlitePool) -> Self {
+        let writer = crate::group_writer::GroupWriter::spawn(pool.clone());
+        Self {
+            writer: Some(std::sync::Arc::new(writer)),
+            ..Self::new(pool)
+        }
+    }
+}
 
 impl PgAuthStore {
     /// Tells every replica's session relay that everything committed before now was announced.
