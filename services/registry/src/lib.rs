@@ -7,6 +7,7 @@ pub mod device;
 mod error;
 mod grpc;
 mod registry;
+mod relay;
 pub mod resolve_cache;
 pub mod store;
 
@@ -70,6 +71,9 @@ pub async fn routes(
         store.pools(),
         shutdown.clone(),
     ));
+    if let AnyRegistryStore::Postgres(store) = &store {
+        tokio::spawn(store.clone().relay(shutdown.clone()));
+    }
     let registry = Arc::new(DeviceRegistry::new(store, clock));
     let (health, health_service) = tonic_health::server::health_reporter();
     health

@@ -1,12 +1,19 @@
 //! The registrations of recently seen hosts, as a send resolves them, kept in memory so a send costs
-//! no database read here. Only for a store this process alone writes (SQLite: one process owns the
-//! file): every write that can change what a host resolves to goes through this process's store,
-//! which calls [`ResolveCache::invalidate`] after it commits. PostgreSQL replicas share their
-//! table, so they never cache.
+//! no database read here.
 //!
-//! A read that raced a write is never kept: every write bumps a generation after its commit, and a
-//! read is kept only if no write committed since the read began. Kept entries are exact, not merely
-//! fresh, so they need no expiry; the cap only bounds memory.
+//! - **Exact** (SQLite: one process owns the file): every write that can change what a host resolves
+//!   to goes through this process's store, which calls [`ResolveCache::invalidate`] after it
+//!   commits.
+//! - **Relayed** (PostgreSQL: replicas share the table): every replica's write announces its host
+//!   with `pg_notify` in its transaction, and each replica's relay (`relay`) invalidates on
+//!   receipt. Heartbeats through the same channel prove the relay hears everything committed up to
+//!   about then: entries are served only while it was heard within [`RELAY_SILENCE`], and only
+//!   those read under the relay's current connection (a reconnection may have lost
+//!   announcements). Otherwise every resolve reads the database, as without a cache.
+//!
+//! A read that raced a write is never kept: every invalidation bumps a generation, and a read is
+//! kept only if none happened since the read began. Kept entries are exact, not merely fresh, so
+//! they need no expiry; the cap only bounds memory.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -17,16 +24,54 @@ use crate::store::ResolvedRow;
 
 /// Hosts kept at most; when full, the cache starts again empty (a host costs about 200 bytes).
 pub const MAX_CACHED_HOSTS: usize = 50_000;
+/// A relayed cache serves entries only while its relay was heard this recently (heartbeats come
+/// about every 200 ms).
+pub const RELAY_SILENCE: std::time::Duration = std::time::Duration::from_millis(600);
 
 /// Every registration of one host: id, platform and whether it is dead.
 pub type HostRegistrations = Arc<[ResolvedRow]>;
 
 #[derive(Debug)]
 pub struct ResolveCache {
-    hosts: Mutex<HashMap<String, HostRegistrations>>,
-    /// Bumped after every committed write, before its host is dropped.
+    hosts: Mutex<HashMap<String, Kept>>,
+    /// Bumped by every invalidation, before its host is dropped.
     generation: AtomicU64,
     max_hosts: usize,
+    /// `None`: exact. Otherwise what the relay has been heard of.
+    relay: Option<Relay>,
+}
+
+#[derive(Debug, Clone)]
+struct Kept {
+    rows: HostRegistrations,
+    /// The relay connection it was read under (0 for an exact cache).
+    connection: u64,
+}
+
+#[derive(Debug)]
+struct Relay {
+    /// The relay's current connection (0: none yet); each new one takes the next number.
+    connection: AtomicU64,
+    /// When it was last heard from, in nanoseconds after `epoch` (0: not since it connected).
+    heard_at: AtomicU64,
+    epoch: std::time::Instant,
+}
+
+impl Relay {
+    fn nanos(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    /// The connection that vouches now, if one does.
+    fn live(&self) -> Option<u64> {
+        let connection = self.connection.load(Ordering::SeqCst);
+        let heard = self.heard_at.load(Ordering::SeqCst);
+        let silence = u64::try_from(RELAY_SILENCE.as_nanos()).unwrap_or(u64::MAX);
+        (connection != 0 && heard != 0 && self.nanos().saturating_sub(heard) < silence)
+            .then_some(connection)
+    }
 }
 
 impl Default for ResolveCache {
@@ -41,10 +86,54 @@ impl ResolveCache {
             hosts: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
             max_hosts,
+            relay: None,
         }
     }
 
-    fn hosts(&self) -> MutexGuard<'_, HashMap<String, HostRegistrations>> {
+    /// A cache kept by a relay of every replica's writes (see the module's documentation).
+    pub fn relayed() -> Self {
+        Self {
+            relay: Some(Relay {
+                connection: AtomicU64::new(0),
+                heard_at: AtomicU64::new(0),
+                epoch: std::time::Instant::now(),
+            }),
+            ..Self::default()
+        }
+    }
+
+    /// The relay connected anew: what was kept under an earlier connection is not served.
+    pub fn relay_connected(&self) {
+        if let Some(relay) = &self.relay {
+            relay.heard_at.store(0, Ordering::SeqCst);
+            relay.connection.fetch_add(1, Ordering::SeqCst);
+        }
+        self.hosts().clear();
+    }
+
+    /// The relay heard a heartbeat: every write committed before it was sent has been relayed.
+    pub fn relay_heard(&self) {
+        if let Some(relay) = &self.relay {
+            relay.heard_at.store(relay.nanos(), Ordering::SeqCst);
+        }
+    }
+
+    /// The relay lost its connection: nothing is served until it is back and heard from.
+    pub fn relay_lost(&self) {
+        if let Some(relay) = &self.relay {
+            relay.heard_at.store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// The connection entries may be served under now (0 for an exact cache), or `None`.
+    fn vouching(&self) -> Option<u64> {
+        match &self.relay {
+            None => Some(0),
+            Some(relay) => relay.live(),
+        }
+    }
+
+    fn hosts(&self) -> MutexGuard<'_, HashMap<String, Kept>> {
         // A panic while holding the lock leaves a map that is still consistent: keep using it.
         self.hosts.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -56,27 +145,42 @@ impl ResolveCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Vec<ResolvedRow>, E>>,
     {
-        if let Some(kept) = self.hosts().get(host) {
+        let vouching = self.vouching();
+        if let Some(connection) = vouching
+            && let Some(kept) = self.hosts().get(host)
+            && kept.connection == connection
+        {
             metrics::counter!("orca_push_registry_resolves_total", "source" => "memory")
                 .increment(1);
-            return Ok(kept.clone());
+            return Ok(kept.rows.clone());
         }
         metrics::counter!("orca_push_registry_resolves_total", "source" => "database").increment(1);
         let began = self.generation.load(Ordering::SeqCst);
         let rows: HostRegistrations = read().await?.into();
+        let Some(connection) = vouching else {
+            return Ok(rows);
+        };
         let mut hosts = self.hosts();
         // Checked under the lock that `invalidate` takes after bumping: a write that committed
-        // after this read began either shows here or drops the entry after it is inserted.
+        // (or was relayed) after this read began either shows here or drops the entry after it
+        // is inserted.
         if self.generation.load(Ordering::SeqCst) == began {
             if hosts.len() >= self.max_hosts {
                 hosts.clear();
             }
-            hosts.insert(host.to_owned(), rows.clone());
+            hosts.insert(
+                host.to_owned(),
+                Kept {
+                    rows: rows.clone(),
+                    connection,
+                },
+            );
         }
         Ok(rows)
     }
 
-    /// Called after a write that may change what `host` resolves to has committed.
+    /// Called after a write that may change what `host` resolves to has committed (or, relayed,
+    /// was announced).
     pub fn invalidate(&self, host: &str) {
         self.generation.fetch_add(1, Ordering::SeqCst);
         self.hosts().remove(host);
@@ -174,6 +278,47 @@ mod tests {
             .await;
         assert_eq!(failed.unwrap_err(), "down");
         assert!(cache.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_relayed_cache_serves_only_while_its_relay_is_heard() {
+        let cache = ResolveCache::relayed();
+        let reads = std::sync::atomic::AtomicUsize::new(0);
+        let read = || {
+            reads.fetch_add(1, Ordering::SeqCst);
+            read_ok(vec![row("a", false)])
+        };
+        // Not connected yet: every resolve reads, and nothing is kept.
+        cache.host("h", read).await.unwrap();
+        assert!(cache.is_empty());
+        cache.relay_connected();
+        cache.relay_heard();
+        cache.host("h", read).await.unwrap();
+        cache.host("h", read).await.unwrap();
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            2,
+            "the second came from memory"
+        );
+        // Silent past RELAY_SILENCE: read again.
+        tokio::time::sleep(RELAY_SILENCE + std::time::Duration::from_millis(50)).await;
+        cache.host("h", read).await.unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 3);
+        // Lost: read; reconnected: what was kept under the old connection is gone.
+        cache.relay_heard();
+        cache.relay_lost();
+        cache.host("h", read).await.unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 4);
+        cache.relay_connected();
+        cache.relay_heard();
+        cache.host("h", read).await.unwrap();
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            5,
+            "kept under the old connection: read"
+        );
+        cache.host("h", read).await.unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 5);
     }
 
     #[tokio::test]

@@ -94,6 +94,10 @@ pub trait RegistryStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<String>, RegistryError>> + Send;
 }
 
+/// The PostgreSQL channel on which every replica's device writes name their host (and relays send
+/// heartbeats, with an empty payload): see `resolve_cache`.
+pub const DEVICES_CHANNEL: &str = "orca_push_devices";
+
 const HOST_REGISTRATIONS_SQL: &str =
     "SELECT registration_id, platform, dead_at FROM push_devices WHERE host_fingerprint = $1";
 
@@ -208,6 +212,13 @@ macro_rules! registry_store {
                         new_id.to_owned()
                     }
                 };
+                if let Some(announce) = Self::ANNOUNCE_SQL {
+                    sqlx::query(announce)
+                        .bind(DEVICES_CHANNEL)
+                        .bind(&r.host_fingerprint)
+                        .execute(&mut *tx)
+                        .await?;
+                }
                 tx.commit().await?;
                 self.changed(&r.host_fingerprint);
                 Ok(id)
@@ -239,15 +250,14 @@ macro_rules! registry_store {
             }
 
             async fn delete(&self, host: &str, registration_id: &str) -> Result<bool, RegistryError> {
-                let deleted = sqlx::query(
-                    "DELETE FROM push_devices WHERE registration_id = $1 AND host_fingerprint = $2",
-                )
-                .bind(registration_id)
-                .bind(host)
-                .execute(&self.pool)
-                .await?;
+                let deleted: Option<String> = sqlx::query_scalar(Self::DELETE_SQL)
+                    .bind(registration_id)
+                    .bind(host)
+                    .bind(DEVICES_CHANNEL)
+                    .fetch_optional(&self.pool)
+                    .await?;
                 self.changed(host);
-                Ok(deleted.rows_affected() == 1)
+                Ok(deleted.is_some())
             }
 
             async fn resolve(&self, host: &str, ids: &[String]) -> Result<Vec<ResolvedRow>, RegistryError> {
@@ -304,17 +314,13 @@ macro_rules! registry_store {
                 apns_environment: Option<ApnsEnvironment>,
                 now_ms: i64,
             ) -> Result<bool, RegistryError> {
-                let marked: Option<String> = sqlx::query_scalar(
-                    "UPDATE push_devices SET dead_at = $5 \
-                     WHERE registration_id = $1 AND token = $2 AND platform = $3 \
-                     AND COALESCE(apns_environment, '') = COALESCE($4, '') AND dead_at IS NULL \
-                     RETURNING host_fingerprint",
-                )
+                let marked: Option<String> = sqlx::query_scalar(Self::MARK_DEAD_SQL)
                 .bind(registration_id)
                 .bind(token)
                 .bind(platform.as_str())
                 .bind(apns_environment.map(ApnsEnvironment::as_str))
                 .bind(now_ms)
+                .bind(DEVICES_CHANNEL)
                 .fetch_optional(&self.pool)
                 .await?;
                 if let Some(host) = &marked {
@@ -353,6 +359,17 @@ pub struct SqliteRegistryStore {
 }
 
 impl SqliteRegistryStore {
+    /// This process alone writes the file: nothing to announce (`$3` is unused).
+    const DELETE_SQL: &'static str = "DELETE FROM push_devices \
+         WHERE registration_id = $1 AND host_fingerprint = $2 AND $3 = $3 RETURNING host_fingerprint";
+    const MARK_DEAD_SQL: &'static str = concat!(
+        "UPDATE push_devices SET dead_at = $5 ",
+        "WHERE registration_id = $1 AND token = $2 AND platform = $3 ",
+        "AND COALESCE(apns_environment, '') = COALESCE($4, '') AND dead_at IS NULL ",
+        "AND $6 = $6 RETURNING host_fingerprint"
+    );
+    const ANNOUNCE_SQL: Option<&'static str> = None;
+
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
         Self {
@@ -385,17 +402,42 @@ impl SqliteRegistryStore {
 pub struct PgRegistryStore {
     pool: sqlx::PgPool,
     readers: sqlx::PgPool,
+    /// Served only while `relay` vouches for it (see `resolve_cache`).
+    resolves: std::sync::Arc<ResolveCache>,
 }
 
 impl PgRegistryStore {
+    /// Each write names its host on `DEVICES_CHANNEL` ($3 / $6), delivered to every replica's
+    /// relay if it commits.
+    const DELETE_SQL: &'static str = "WITH d AS (DELETE FROM push_devices \
+         WHERE registration_id = $1 AND host_fingerprint = $2 RETURNING host_fingerprint) \
+         SELECT d.host_fingerprint FROM d, LATERAL (SELECT pg_notify($3, d.host_fingerprint)) AS n";
+    const MARK_DEAD_SQL: &'static str = concat!(
+        "WITH m AS (UPDATE push_devices SET dead_at = $5 ",
+        "WHERE registration_id = $1 AND token = $2 AND platform = $3 ",
+        "AND COALESCE(apns_environment, '') = COALESCE($4, '') AND dead_at IS NULL ",
+        "RETURNING host_fingerprint) ",
+        "SELECT m.host_fingerprint FROM m, LATERAL (SELECT pg_notify($6, m.host_fingerprint)) AS n"
+    );
+    const ANNOUNCE_SQL: Option<&'static str> = Some("SELECT pg_notify($1, $2)");
+
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
-        Self { pool, readers }
+        Self {
+            pool,
+            readers,
+            resolves: std::sync::Arc::new(ResolveCache::relayed()),
+        }
     }
 
-    /// Replicas share the table: another one's write would not drop this one's entries.
+    /// Replicas share the table: entries are served while the relay of their writes is heard.
     fn resolve_cache(&self) -> Option<&ResolveCache> {
-        None
+        Some(&self.resolves)
+    }
+
+    /// Relays every replica's device writes into this replica's cache, until `shutdown`.
+    pub async fn relay(self, shutdown: tokio_util::sync::CancellationToken) {
+        crate::relay::relay(self.pool.clone(), self.resolves.clone(), shutdown).await;
     }
 
     /// Where reads outside a transaction go.
@@ -431,6 +473,14 @@ impl AnyRegistryStore {
         match pool {
             Pool::Sqlite(p) => Self::Sqlite(SqliteRegistryStore::new(p)),
             Pool::Postgres(p) => Self::Postgres(PgRegistryStore::new(p)),
+        }
+    }
+
+    /// Hosts whose registrations are kept in memory (see `resolve_cache`).
+    pub fn cached_hosts(&self) -> usize {
+        match self {
+            Self::Sqlite(s) => s.resolves.len(),
+            Self::Postgres(s) => s.resolves.len(),
         }
     }
 
