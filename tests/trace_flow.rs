@@ -91,9 +91,9 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
     let auth = bearer(&session);
     let token = "deadbeefcafe0042d00d";
     let id = raw.register(&auth, &json!({ "v": 1, "deviceId": "phone-marker-7", "platform": "ios", "token": token, "apnsEnvironment": "sandbox" })).await;
-    // The facade trusts a verified session for a second: wait that out, so this request's trace
-    // shows the session look-up.
-    tokio::time::sleep(orca_push::sessions::TRUST_VALID_FOR + Duration::from_millis(100)).await;
+    // The facade trusts a verified session (for 30 s while auth's session watch vouches): log in
+    // again, so this request's bearer is new to it and its trace shows the session look-up.
+    let auth = bearer(&raw.login(&key, &[]).await);
     let (title, body) = ("MARKER-TITLE-5f3e91", "MARKER-BODY-0a77c2");
     let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let reply = raw
