@@ -4,6 +4,7 @@
 
 pub mod clock;
 pub mod health;
+pub mod notify_relay;
 pub mod pool_gauges;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -553,16 +553,6 @@ impl SqliteAuthStore {
 }
 
 impl PgAuthStore {
-    /// Tells every replica's session relay that everything committed before now was announced.
-    pub async fn announce_heartbeat(&self) -> Result<(), sqlx::Error> {
-        sqlx::query(ANNOUNCE_SQL)
-            .bind(SESSIONS_CHANNEL)
-            .bind("")
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
     pub fn pool(&self) -> &sqlx::PgPool {
         &self.pool
     }
