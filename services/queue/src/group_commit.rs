@@ -8,12 +8,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use orca_push_storage::Clock;
-use tokio::sync::{Mutex, Notify, mpsc, oneshot};
+use tokio::sync::{Mutex, mpsc, oneshot};
 use tracing::Instrument as _;
 
 use crate::error::QueueError;
 use crate::model::Admission;
 use crate::store::{Enqueued, QueueStore};
+use crate::wake::Wake;
 
 /// The most admissions one transaction carries.
 pub const MAX_GROUP: usize = 128;
@@ -40,7 +41,7 @@ impl GroupCommit {
         store: S,
         clock: Arc<dyn Clock>,
         coalesce_ms: i64,
-        wake: Arc<Notify>,
+        wake: Arc<Wake>,
     ) -> Self {
         let (waiting, queue) = mpsc::channel(WAITING);
         let queue = Arc::new(Mutex::new(queue));
@@ -111,7 +112,7 @@ struct Writer<S> {
     store: S,
     clock: Arc<dyn Clock>,
     coalesce_ms: i64,
-    wake: Arc<Notify>,
+    wake: Arc<Wake>,
     queue: Arc<Mutex<mpsc::Receiver<Waiting>>>,
     groups: Arc<AtomicU64>,
 }
@@ -163,12 +164,11 @@ impl<S: QueueStore> Writer<S> {
             .store
             .enqueue_group(&admissions, now, self.coalesce_ms)
             .await;
-        if results
+        let admitted = admissions
             .iter()
-            .any(|r| r.as_ref().is_ok_and(|e| e.next_due_at.is_some()))
-        {
-            self.wake.notify_waiters();
-        }
+            .zip(&results)
+            .filter_map(|(a, r)| Some((*a, r.as_ref().ok()?)));
+        self.wake.work_for(crate::wake::providers_due(admitted));
         for (waiting, result) in group.into_iter().zip(results) {
             // A caller that went away misses its answer; the admission stands.
             let _ = waiting.answer.send(result);
@@ -302,7 +302,7 @@ mod tests {
             PanicsOnce::default(),
             Arc::new(orca_push_storage::SystemClock),
             3000,
-            Arc::new(Notify::new()),
+            Arc::new(Wake::new()),
         );
         let first = groups.admit(admission(1)).await;
         assert!(

@@ -12,13 +12,13 @@ mod grpc;
 pub mod model;
 mod queue;
 pub mod store;
+pub mod wake;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use orca_push_proto::queue::v1::queue_service_server::QueueServiceServer;
 use orca_push_storage::{Clock, DatabaseConfig, Pool, ServiceStorage};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
@@ -26,6 +26,7 @@ pub use error::QueueError;
 pub use grpc::QueueGrpc;
 pub use queue::DeliveryQueue;
 pub use store::{AnyQueueStore, QueueStore};
+pub use wake::Wake;
 
 /// The name the queue reports its health under.
 pub const HEALTH_NAME: &str = "orca.push.queue.v1.QueueService";
@@ -60,7 +61,7 @@ pub fn delivery_queue(
     coalesce_ms: u64,
     shutdown: &CancellationToken,
 ) -> Arc<DeliveryQueue<AnyQueueStore>> {
-    let wake = Arc::new(Notify::new());
+    let wake = Arc::new(Wake::new());
     if let Pool::Postgres(pg) = &pool {
         tokio::spawn(listen_for_replicas(
             pg.clone(),
@@ -160,14 +161,14 @@ pub async fn routes(
 }
 
 /// Another replica committed work that may be due: wake this replica's waiting claims.
-async fn listen_for_replicas(pool: sqlx::PgPool, wake: Arc<Notify>, shutdown: CancellationToken) {
+async fn listen_for_replicas(pool: sqlx::PgPool, wake: Arc<Wake>, shutdown: CancellationToken) {
     loop {
         let listener = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
             listener.listen(store::WAKE_CHANNEL).await?;
             loop {
-                listener.recv().await?;
-                wake.notify_waiters();
+                let notification = listener.recv().await?;
+                wake.work_for(wake::providers_named(notification.payload()));
             }
             #[allow(unreachable_code)]
             Ok::<(), sqlx::Error>(())
@@ -179,7 +180,7 @@ async fn listen_for_replicas(pool: sqlx::PgPool, wake: Arc<Notify>, shutdown: Ca
                     tracing::warn!(%error, "queue notification listener failed; reconnecting");
                 }
                 // Whatever was missed while disconnected is found by the next claim.
-                wake.notify_waiters();
+                wake.any();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }

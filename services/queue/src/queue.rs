@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use orca_push_storage::Clock;
-use tokio::sync::Notify;
 use tracing::Instrument as _;
 
 use crate::error::QueueError;
@@ -16,6 +15,7 @@ use crate::store::{
     ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry, RetryResult,
     Skip,
 };
+use crate::wake::Wake;
 
 /// Leases a lane may ask for, and claims per call.
 pub const MAX_LEASE_MS: i64 = 5 * 60 * 1000;
@@ -32,7 +32,7 @@ pub struct DeliveryQueue<S> {
     clock: Arc<dyn Clock>,
     /// Wakes waiting claims when work may have become due (this process's admissions and retries,
     /// and other replicas' through PostgreSQL notifications).
-    wake: Arc<Notify>,
+    wake: Arc<Wake>,
     /// Admissions that arrive together commit together.
     admissions: GroupCommit,
     claim_transactions: AtomicU64,
@@ -55,7 +55,7 @@ fn now(clock: &dyn Clock) -> i64 {
 
 impl<S: QueueStore> DeliveryQueue<S> {
     /// A queue over `store`; its admission writers run until it is dropped.
-    pub fn new(store: S, clock: Arc<dyn Clock>, coalesce_ms: u64, wake: Arc<Notify>) -> Self {
+    pub fn new(store: S, clock: Arc<dyn Clock>, coalesce_ms: u64, wake: Arc<Wake>) -> Self {
         let coalesce_ms = i64::try_from(coalesce_ms).unwrap_or(0);
         let admissions =
             GroupCommit::start(store.clone(), clock.clone(), coalesce_ms, wake.clone());
@@ -127,10 +127,8 @@ impl<S: QueueStore> DeliveryQueue<S> {
         }
         let give_up = tokio::time::Instant::now() + Duration::from_millis(wait_ms.min(MAX_WAIT_MS));
         loop {
-            // Register interest before looking, so work committed meanwhile is not missed.
-            let woken = self.wake.notified();
-            tokio::pin!(woken);
-            woken.as_mut().enable();
+            // Note what was heard before looking, so work committed meanwhile is not missed.
+            let heard = self.wake.heard(skip);
             let listening_since = std::time::Instant::now();
             // A read first: a claim is a write transaction, and every admission wakes every
             // waiting lane, mostly for a window that is due seconds later. Claiming on each wake
@@ -160,10 +158,11 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 tokio::task::yield_now().await;
                 continue;
             }
-            tokio::select! {
-                _ = woken => {}
-                _ = tokio::time::sleep(wait) => {}
-            }
+            // Asleep until then, or until news of work this claim takes: a held provider's new
+            // work does not wake it.
+            self.wake
+                .news(skip, heard, tokio::time::Instant::now() + wait)
+                .await;
         }
     }
 
@@ -301,7 +300,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             )
             .await?;
         if result == RetryResult::Scheduled {
-            self.wake.notify_waiters();
+            self.wake.any();
         }
         Ok(result)
     }
@@ -347,7 +346,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         {
             let released = self.store.release(provider, now, limit).await?;
             if released > 0 {
-                self.wake.notify_waiters();
+                self.wake.work_for([provider]);
                 tracing::info!(
                     provider = provider.as_str(),
                     released,

@@ -144,8 +144,9 @@ macro_rules! row_by_row_admission {
                         Self::admit_each(&mut tx, group, now, coalesce_ms).await?
                     }
                 };
-                if admitted.iter().any(|e| e.next_due_at.is_some()) {
-                    Self::wake_replicas(&mut tx).await?;
+                let due = $crate::wake::providers_due(group.iter().copied().zip(&admitted));
+                if !due.is_empty() {
+                    Self::wake_replicas(&mut tx, &$crate::wake::payload_naming(due)).await?;
                 }
                 tx.commit().await?;
                 Ok(admitted)

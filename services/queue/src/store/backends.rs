@@ -6,7 +6,7 @@ use super::WAKE_CHANNEL;
 use crate::model::Admission;
 
 /// Wakes every replica's waiting lanes once the transaction it runs in commits (PostgreSQL).
-const NOTIFY_SQL: &str = "SELECT pg_notify($1, '')";
+const NOTIFY_SQL: &str = "SELECT pg_notify($1, $2)";
 
 /// What differs between the backends.
 pub trait Backend {
@@ -68,7 +68,10 @@ impl SqliteQueueStore {
     }
 
     /// One process owns a SQLite queue: the in-process waker is enough.
-    pub(super) async fn wake_replicas(_tx: &mut <Self as Backend>::Tx) -> Result<(), sqlx::Error> {
+    pub(super) async fn wake_replicas(
+        _tx: &mut <Self as Backend>::Tx,
+        _providers: &str,
+    ) -> Result<(), sqlx::Error> {
         Ok(())
     }
 
@@ -149,9 +152,14 @@ impl PgQueueStore {
         self.pool.begin().await
     }
 
-    pub(super) async fn wake_replicas(tx: &mut <Self as Backend>::Tx) -> Result<(), sqlx::Error> {
+    /// `providers`: the payload naming whose work (`crate::wake::payload_naming`; empty: anyone's).
+    pub(super) async fn wake_replicas(
+        tx: &mut <Self as Backend>::Tx,
+        providers: &str,
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(NOTIFY_SQL)
             .bind(WAKE_CHANNEL)
+            .bind(providers)
             .execute(&mut **tx)
             .await?;
         Ok(())
@@ -161,6 +169,7 @@ impl PgQueueStore {
     pub(super) async fn wake_replicas_after_commit(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
         sqlx::query(NOTIFY_SQL)
             .bind(WAKE_CHANNEL)
+            .bind("")
             .execute(pool)
             .await?;
         Ok(())

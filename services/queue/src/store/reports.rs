@@ -285,7 +285,7 @@ macro_rules! report_statements {
                     .bind(token)
                     .execute(&mut *tx)
                     .await?;
-                Self::wake_replicas(&mut tx).await?;
+                Self::wake_replicas(&mut tx, "").await?;
                 tx.commit().await?;
                 Ok(RetryResult::Scheduled)
             }
@@ -330,7 +330,7 @@ macro_rules! report_statements {
                     .await?
                     .rows_affected();
                 if released > 0 {
-                    Self::wake_replicas(&mut tx).await?;
+                    Self::wake_replicas(&mut tx, "").await?;
                 }
                 tx.commit().await?;
                 Ok(released)

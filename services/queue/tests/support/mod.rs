@@ -10,7 +10,6 @@ use orca_push_queue::model::{
 use orca_push_queue::{AnyQueueStore, DeliveryQueue, open_and_migrate};
 use orca_push_storage::testing::{Backend, TestDbGuard, fresh};
 use orca_push_storage::{DatabaseConfig, ManualClock};
-use tokio::sync::Notify;
 
 pub const T0: u64 = 1_800_000_000_000;
 pub const HOST: &str = "hostAAAAAAAAAAAA";
@@ -36,7 +35,7 @@ pub async fn harness_with(backend: Backend, window: u64) -> Harness {
         AnyQueueStore::new(pool),
         Arc::new(clock.clone()),
         window,
-        Arc::new(Notify::new()),
+        Arc::new(orca_push_queue::Wake::new()),
     );
     Harness {
         queue: Arc::new(queue),
