@@ -155,7 +155,12 @@ pub async fn open_sqlite(
     // behind it, so `checkpoint_in_background` does it beside the writer instead.
     let writer = SqlitePoolOptions::new()
         .max_connections(1)
-        .connect_with(options.clone().pragma("wal_autocheckpoint", "0"))
+        .connect_with(
+            options
+                .clone()
+                .pragma("wal_autocheckpoint", "0")
+                .statement_cache_capacity(SQLITE_WRITER_STATEMENTS),
+        )
         .await
         .map_err(OpenError::Connect)?;
     let checkpointer = SqlitePoolOptions::new()
@@ -164,6 +169,12 @@ pub async fn open_sqlite(
     tokio::spawn(checkpoint_in_background(writer.clone(), checkpointer));
     Ok(writer)
 }
+
+/// Prepared statements a SQLite writer keeps (sqlx keeps 100). The queue's group statements differ
+/// in text with the group's size (1-128 rows, six kinds) and are kept, so a round does not prepare
+/// them again; one of 128 rows compiles to about 2,300 VDBE operations (some 70 KB), and the cache
+/// fills only as group sizes occur.
+pub const SQLITE_WRITER_STATEMENTS: usize = 1024;
 
 /// How often the WAL is copied back into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
@@ -287,6 +298,25 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(store, memory);
+    }
+
+    /// The queue keeps a prepared statement per group size and kind; sqlx's default of 100 would
+    /// evict them round after round.
+    #[tokio::test]
+    async fn the_writer_keeps_many_prepared_statements() {
+        use sqlx::Connection as _;
+        let dir = tempfile::tempdir().unwrap();
+        let writer = open_sqlite(&dir.path().join("t.db"), SqliteDurability::Full)
+            .await
+            .unwrap();
+        let mut conn = writer.acquire().await.unwrap();
+        for n in 0..300 {
+            sqlx::query(&format!("SELECT {n}"))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        }
+        assert_eq!(conn.cached_statements_size(), 300);
     }
 
     #[tokio::test]

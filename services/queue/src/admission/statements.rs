@@ -84,7 +84,11 @@ macro_rules! batched_admission {
                             .push_bind(u.deadline_at_least);
                     });
                     q.push(batch::UPDATE_WINDOWS_TAIL);
-                    let updated = q.build().persistent(false).execute(&mut **tx).await?;
+                    let updated = q
+                        .build()
+                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .execute(&mut **tx)
+                        .await?;
                     if updated.rows_affected() != plan.updates.len() as u64 {
                         return Ok(Batched::Raced);
                     }
@@ -105,7 +109,10 @@ macro_rules! batched_admission {
                             .push_bind(now)
                             .push_bind(e.deadline);
                     });
-                    q.build().persistent(false).execute(&mut **tx).await?;
+                    q.build()
+                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .execute(&mut **tx)
+                        .await?;
                 }
                 for chunk in plan.batches.chunks(batch::ROWS_PER_STATEMENT) {
                     let mut q = sqlx::QueryBuilder::new(batch::INSERT_BATCHES);
@@ -127,7 +134,10 @@ macro_rules! batched_admission {
                             .push_bind(now)
                             .push_bind(b.provider.as_str());
                     });
-                    q.build().persistent(false).execute(&mut **tx).await?;
+                    q.build()
+                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .execute(&mut **tx)
+                        .await?;
                 }
                 for chunk in plan.recipients.chunks(batch::ROWS_PER_STATEMENT) {
                     let mut q = sqlx::QueryBuilder::new(batch::INSERT_RECIPIENTS);
@@ -140,7 +150,10 @@ macro_rules! batched_admission {
                             .push_bind(now)
                             .push_bind(now);
                     });
-                    q.build().persistent(false).execute(&mut **tx).await?;
+                    q.build()
+                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .execute(&mut **tx)
+                        .await?;
                 }
                 Ok(Batched::Done(plan.results))
             }
@@ -165,7 +178,11 @@ macro_rules! batched_admission {
                 q.push(batch::READ_SEEN_MIDDLE);
                 q.push_bind(now - QUOTA_WINDOW_MS);
                 q.push(batch::READ_SEEN_TAIL);
-                let rows = q.build().persistent(false).fetch_all(&mut **tx).await?;
+                let rows = q
+                    .build()
+                    .persistent(Self::KEEP_GROUP_STATEMENTS)
+                    .fetch_all(&mut **tx)
+                    .await?;
                 let mut seen = vec![batch::Seen::default(); group.len()];
                 for row in rows {
                     let i: i64 = row.try_get("i")?;
@@ -205,7 +222,11 @@ macro_rules! batched_admission {
                     list.push_bind(id);
                 }
                 q.push(")");
-                let rows = q.build().persistent(false).fetch_all(&mut **tx).await?;
+                let rows = q
+                    .build()
+                    .persistent(Self::KEEP_GROUP_STATEMENTS)
+                    .fetch_all(&mut **tx)
+                    .await?;
                 rows.into_iter()
                     .map(|row| {
                         Ok(batch::OpenWindow {

@@ -51,6 +51,10 @@ impl SqliteQueueStore {
         &self.readers
     }
 
+    /// A group's multi-row statements stay prepared on the writer (whose cache holds
+    /// `orca_push_storage::SQLITE_WRITER_STATEMENTS`): preparing them again each round was 7% of
+    /// the queue writer's time.
+    pub(super) const KEEP_GROUP_STATEMENTS: bool = true;
     /// One writer: a second group could only wait for it.
     pub(super) const GROUP_WRITERS: usize = 1;
     /// Its statements are round trips to a thread: the writer waits for each (`group_commit`).
@@ -125,6 +129,9 @@ impl PgQueueStore {
         &self.pool
     }
 
+    /// A group's statements differ in text with its size; sixteen connections each keeping every
+    /// size would hold thousands of server-side prepared statements, so they are not kept.
+    pub(super) const KEEP_GROUP_STATEMENTS: bool = false;
     /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
     pub(super) const GROUP_WRITERS: usize = 4;
     /// Its connections belong to the main runtime's I/O driver: the writers run there.
