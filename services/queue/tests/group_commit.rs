@@ -293,3 +293,40 @@ async fn a_held_providers_new_work_does_not_wake_claims_that_skip_it(backend: Ba
         "woken by the APNs work, not by the timeout: {waited:?}"
     );
 }
+
+/// On SQLite a group's statements stay prepared, one per size and kind, so a round does not
+/// prepare them again; those of more than 128 rows are not kept, so the writer's cache cannot
+/// fill with statements of hundreds of kilobytes each.
+#[tokio::test]
+async fn group_statements_stay_prepared_up_to_a_bound() {
+    use sqlx::Connection as _;
+    let (config, _guard) = orca_push_storage::testing::fresh(Backend::Sqlite).await;
+    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+    let Pool::Sqlite(writer) = &pool else {
+        unreachable!("a SQLite configuration opens SQLite");
+    };
+    let store = orca_push_queue::AnyQueueStore::new(pool.clone());
+    let group = |from: i64, n: i64| -> Vec<_> {
+        (from..from + n)
+            .map(|seq| alert(seq, &[format!("phone-{seq}").as_str()]))
+            .collect()
+    };
+    let admit = |admissions: Vec<_>| {
+        let store = store.clone();
+        async move {
+            let refs: Vec<_> = admissions.iter().collect();
+            for result in store.enqueue_group(&refs, T0 as i64, 0).await {
+                result.unwrap();
+            }
+        }
+    };
+    let cached = || async { writer.acquire().await.unwrap().cached_statements_size() };
+    let before = cached().await;
+    admit(group(1, 10)).await;
+    let kept = cached().await;
+    assert!(kept > before, "a group's statements are kept");
+    admit(group(11, 10)).await;
+    assert_eq!(cached().await, kept, "the same size prepares nothing new");
+    admit(group(21, 129)).await;
+    assert_eq!(cached().await, kept, "statements of 129 rows are not kept");
+}

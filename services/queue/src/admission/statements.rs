@@ -52,6 +52,11 @@ pub const UPDATE_WINDOWS_TAIL: &str = ") UPDATE push_delivery_batches SET member
 macro_rules! batched_admission {
     ($store:ty) => {
         impl $store {
+            /// Whether a group statement of `rows` rows stays prepared (`KEEP_ROWS_AT_MOST`).
+            fn keep_statement(rows: usize) -> bool {
+                Self::KEEP_ROWS_AT_MOST.is_some_and(|most| rows <= most)
+            }
+
             /// Admits `group` on the batched path inside `tx` (see `crate::admission`).
             async fn admit_batched(
                 tx: &mut <$store as Backend>::Tx,
@@ -86,7 +91,7 @@ macro_rules! batched_admission {
                     q.push(batch::UPDATE_WINDOWS_TAIL);
                     let updated = q
                         .build()
-                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .persistent(Self::keep_statement(plan.updates.len()))
                         .execute(&mut **tx)
                         .await?;
                     if updated.rows_affected() != plan.updates.len() as u64 {
@@ -110,7 +115,7 @@ macro_rules! batched_admission {
                             .push_bind(e.deadline);
                     });
                     q.build()
-                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .persistent(Self::keep_statement(chunk.len()))
                         .execute(&mut **tx)
                         .await?;
                 }
@@ -135,7 +140,7 @@ macro_rules! batched_admission {
                             .push_bind(b.provider.as_str());
                     });
                     q.build()
-                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .persistent(Self::keep_statement(chunk.len()))
                         .execute(&mut **tx)
                         .await?;
                 }
@@ -151,7 +156,7 @@ macro_rules! batched_admission {
                             .push_bind(now);
                     });
                     q.build()
-                        .persistent(Self::KEEP_GROUP_STATEMENTS)
+                        .persistent(Self::keep_statement(chunk.len()))
                         .execute(&mut **tx)
                         .await?;
                 }
@@ -180,7 +185,7 @@ macro_rules! batched_admission {
                 q.push(batch::READ_SEEN_TAIL);
                 let rows = q
                     .build()
-                    .persistent(Self::KEEP_GROUP_STATEMENTS)
+                    .persistent(Self::keep_statement(group.len()))
                     .fetch_all(&mut **tx)
                     .await?;
                 let mut seen = vec![batch::Seen::default(); group.len()];
@@ -216,17 +221,14 @@ macro_rules! batched_admission {
                 if registrations.is_empty() {
                     return Ok(Vec::new());
                 }
+                let keep = Self::keep_statement(registrations.len());
                 let mut q = sqlx::QueryBuilder::new(batch::READ_WINDOWS_HEAD);
                 let mut list = q.separated(", ");
                 for id in registrations {
                     list.push_bind(id);
                 }
                 q.push(")");
-                let rows = q
-                    .build()
-                    .persistent(Self::KEEP_GROUP_STATEMENTS)
-                    .fetch_all(&mut **tx)
-                    .await?;
+                let rows = q.build().persistent(keep).fetch_all(&mut **tx).await?;
                 rows.into_iter()
                     .map(|row| {
                         Ok(batch::OpenWindow {

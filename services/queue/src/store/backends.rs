@@ -51,10 +51,13 @@ impl SqliteQueueStore {
         &self.readers
     }
 
-    /// A group's multi-row statements stay prepared on the writer (whose cache holds
-    /// `orca_push_storage::SQLITE_WRITER_STATEMENTS`): preparing them again each round was 7% of
-    /// the queue writer's time.
-    pub(super) const KEEP_GROUP_STATEMENTS: bool = true;
+    /// A group's multi-row statements of up to this many rows stay prepared on the writer (whose
+    /// cache holds `orca_push_storage::SQLITE_WRITER_STATEMENTS`): preparing them again each round
+    /// was 7% of the queue writer's time. Larger ones are not kept: a group of 128 sends to 20
+    /// phones each inserts up to 1,000 recipients in one statement (some 500 KB compiled), and a
+    /// cache of those could hold hundreds of megabytes; up to 128 rows, every size and kind
+    /// together stay under about 30 MB.
+    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(128);
     /// One writer: a second group could only wait for it.
     pub(super) const GROUP_WRITERS: usize = 1;
     /// Its statements are round trips to a thread: the writer waits for each (`group_commit`).
@@ -130,8 +133,8 @@ impl PgQueueStore {
     }
 
     /// A group's statements differ in text with its size; sixteen connections each keeping every
-    /// size would hold thousands of server-side prepared statements, so they are not kept.
-    pub(super) const KEEP_GROUP_STATEMENTS: bool = false;
+    /// size would hold thousands of server-side prepared statements, so none is kept.
+    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = None;
     /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
     pub(super) const GROUP_WRITERS: usize = 4;
     /// Its connections belong to the main runtime's I/O driver: the writers run there.
