@@ -12,6 +12,7 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 use tracing::Instrument as _;
 
 use crate::error::QueueError;
+use crate::handoff::Handoff;
 use crate::model::Admission;
 use crate::store::{Enqueued, QueueStore};
 use crate::wake::Wake;
@@ -36,12 +37,14 @@ pub struct GroupCommit {
 }
 
 impl GroupCommit {
-    /// Starts `store.group_writers()` writers, which stop when this is dropped.
+    /// Starts `store.group_writers()` writers, which stop when this is dropped. Work a group
+    /// makes due at once goes to the claims waiting in `handoff`.
     pub fn start<S: QueueStore>(
         store: S,
         clock: Arc<dyn Clock>,
         coalesce_ms: i64,
         wake: Arc<Wake>,
+        handoff: Arc<Handoff>,
     ) -> Self {
         let (waiting, queue) = mpsc::channel(WAITING);
         let queue = Arc::new(Mutex::new(queue));
@@ -52,6 +55,7 @@ impl GroupCommit {
                 clock: clock.clone(),
                 coalesce_ms,
                 wake: wake.clone(),
+                handoff: handoff.clone(),
                 queue: queue.clone(),
                 groups: groups.clone(),
             };
@@ -113,6 +117,7 @@ struct Writer<S> {
     clock: Arc<dyn Clock>,
     coalesce_ms: i64,
     wake: Arc<Wake>,
+    handoff: Arc<Handoff>,
     queue: Arc<Mutex<mpsc::Receiver<Waiting>>>,
     groups: Arc<AtomicU64>,
 }
@@ -162,7 +167,7 @@ impl<S: QueueStore> Writer<S> {
         let admissions: Vec<&Admission> = group.iter().map(|w| &w.admission).collect();
         let results = self
             .store
-            .enqueue_group(&admissions, now, self.coalesce_ms)
+            .enqueue_group(&admissions, now, self.coalesce_ms, Some(&self.handoff))
             .await;
         let admitted = admissions
             .iter()
@@ -199,6 +204,7 @@ mod tests {
             group: &[&Admission],
             _now: i64,
             _coalesce_ms: i64,
+            _handoff: Option<&Handoff>,
         ) -> Vec<Result<Enqueued, QueueError>> {
             if !self.0.swap(true, Ordering::SeqCst) {
                 panic!("a bug while committing");
@@ -303,6 +309,7 @@ mod tests {
             Arc::new(orca_push_storage::SystemClock),
             3000,
             Arc::new(Wake::new()),
+            Arc::new(Handoff::new(Box::new(drop))),
         );
         let first = groups.admit(admission(1)).await;
         assert!(

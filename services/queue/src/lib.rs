@@ -9,6 +9,7 @@ pub mod admission;
 mod error;
 pub mod group_commit;
 mod grpc;
+pub mod handoff;
 pub mod model;
 mod queue;
 pub mod store;

@@ -10,6 +10,7 @@ use tracing::Instrument as _;
 
 use crate::error::QueueError;
 use crate::group_commit::GroupCommit;
+use crate::handoff::{Handoff, hand_back};
 use crate::model::{Admission, Kind, Provider};
 use crate::store::{
     ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry, RetryResult,
@@ -35,7 +36,10 @@ pub struct DeliveryQueue<S> {
     wake: Arc<Wake>,
     /// Admissions that arrive together commit together.
     admissions: GroupCommit,
+    /// Waiting claims, answered by the admissions that make work due at once.
+    handoff: Arc<Handoff>,
     claim_transactions: AtomicU64,
+    handed_claims: AtomicU64,
     due_reads: AtomicU64,
     /// The last read of the earliest due time, shared by lanes woken together.
     due_read: tokio::sync::Mutex<Option<DueRead>>,
@@ -57,14 +61,25 @@ impl<S: QueueStore> DeliveryQueue<S> {
     /// A queue over `store`; its admission writers run until it is dropped.
     pub fn new(store: S, clock: Arc<dyn Clock>, coalesce_ms: u64, wake: Arc<Wake>) -> Self {
         let coalesce_ms = i64::try_from(coalesce_ms).unwrap_or(0);
-        let admissions =
-            GroupCommit::start(store.clone(), clock.clone(), coalesce_ms, wake.clone());
+        let handoff = Arc::new(Handoff::new(crate::handoff::give_back(
+            store.clone(),
+            clock.clone(),
+        )));
+        let admissions = GroupCommit::start(
+            store.clone(),
+            clock.clone(),
+            coalesce_ms,
+            wake.clone(),
+            handoff.clone(),
+        );
         Self {
             store,
             clock,
             wake,
             admissions,
+            handoff,
             claim_transactions: AtomicU64::new(0),
+            handed_claims: AtomicU64::new(0),
             due_reads: AtomicU64::new(0),
             due_read: tokio::sync::Mutex::new(None),
         }
@@ -158,12 +173,29 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 tokio::task::yield_now().await;
                 continue;
             }
-            // Asleep until then, or until news of work this claim takes: a held provider's new
-            // work does not wake it.
-            self.wake
-                .news(skip, heard, tokio::time::Instant::now() + wait)
-                .await;
+            // Asleep until then, or until news of work this claim takes (a held provider's new
+            // work does not wake it), or until an admission hands it work due at once.
+            let mut ticket =
+                self.handoff
+                    .wait(lane, usize::try_from(max).unwrap_or(1), lease_ms, skip);
+            let answered = tokio::select! {
+                handed = ticket.answered() => Some(handed),
+                () = self.wake.news(skip, heard, tokio::time::Instant::now() + wait) => None,
+            };
+            let handed = match answered {
+                Some(handed) => handed,
+                None => ticket.withdraw().await,
+            };
+            if !handed.is_empty() {
+                self.handed_claims.fetch_add(1, Ordering::Relaxed);
+                return Ok(handed);
+            }
         }
+    }
+
+    /// Claims answered by an admission's hand-off rather than a claim transaction.
+    pub fn handed_claims(&self) -> u64 {
+        self.handed_claims.load(Ordering::Relaxed)
     }
 
     /// When the next batch not skipped is due. Every lane woken by one commit asks at once; a read
@@ -390,33 +422,6 @@ impl<S: QueueStore> DeliveryQueue<S> {
 
     pub async fn cleanup(&self) -> Result<Cleaned, QueueError> {
         self.store.cleanup(now(&*self.clock)).await
-    }
-}
-
-/// Gives back batches claimed for a caller that went away: untried, so neither an attempt nor a
-/// retry, due again at once.
-async fn hand_back<S: QueueStore>(store: &S, batches: &[ClaimedBatch], now: i64) {
-    if batches.is_empty() {
-        return;
-    }
-    tracing::info!(
-        batches = batches.len(),
-        "the claiming lane went away; handing its batches back"
-    );
-    for batch in batches {
-        if let Err(error) = store
-            .retry(
-                &batch.batch_id,
-                &batch.lease_token,
-                now,
-                "caller_gone",
-                Retry::HandBack,
-                now,
-            )
-            .await
-        {
-            tracing::warn!(%error, "could not hand back a batch; its lease will lapse");
-        }
     }
 }
 

@@ -149,8 +149,12 @@ async fn batched_and_row_by_row_admissions_write_the_same_rows(backend: Backend)
     let mut refused = 0;
     for (now, group) in workload(7, 40) {
         let group: Vec<&Admission> = group.iter().collect();
-        let a = batched.enqueue_group(&group, now, WINDOW as i64).await;
-        let b = row_by_row.enqueue_group(&group, now, WINDOW as i64).await;
+        let a = batched
+            .enqueue_group(&group, now, WINDOW as i64, None)
+            .await;
+        let b = row_by_row
+            .enqueue_group(&group, now, WINDOW as i64, None)
+            .await;
         for (i, (a, b)) in a.iter().zip(&b).enumerate() {
             let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
             assert_eq!(a.statuses, b.statuses, "admission {i} at {now}");

@@ -59,7 +59,7 @@ async fn one_failing_admission_never_fails_its_neighbours(backend: Backend) {
     let results = h
         .queue
         .store()
-        .enqueue_group(&[&good, &bad, &also_good], T0 as i64, 0)
+        .enqueue_group(&[&good, &bad, &also_good], T0 as i64, 0, None)
         .await;
     assert_eq!(results.len(), 3);
     assert!(results[1].is_err(), "the poisoned admission fails");
@@ -315,7 +315,7 @@ async fn group_statements_stay_prepared_up_to_a_bound() {
         let store = store.clone();
         async move {
             let refs: Vec<_> = admissions.iter().collect();
-            for result in store.enqueue_group(&refs, T0 as i64, 0).await {
+            for result in store.enqueue_group(&refs, T0 as i64, 0, None).await {
                 result.unwrap();
             }
         }

@@ -76,6 +76,29 @@ pub struct NewBatch<'a> {
     pub deadline: i64,
     pub silent: bool,
     pub provider: Provider,
+    /// Written already leased to a waiting claim (`crate::handoff`): due at once, it is handed
+    /// over when the group commits instead of claimed after.
+    pub lease: Option<NewLease>,
+}
+
+/// The lease a batch is written with: a claim's token, owner and expiry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewLease {
+    pub token: String,
+    pub owner: String,
+    pub until: i64,
+}
+
+impl NewBatch<'_> {
+    /// Its stored state and `available_at`: leased until the lease ends, or an open window, or
+    /// pending (due at its window's end).
+    pub fn state(&self) -> (&'static str, i64) {
+        match &self.lease {
+            Some(lease) => ("leased", lease.until),
+            None if self.coalescible => ("open", self.window_ends_at),
+            None => ("pending", self.window_ends_at),
+        }
+    }
 }
 
 /// A stored open window the group joined or closed, in its state at the end of the group.
@@ -219,6 +242,7 @@ pub fn plan<'a>(
                         deadline,
                         silent: recipient.silent,
                         provider: recipient.provider,
+                        lease: None,
                     };
                     let id = batch.batch_id.clone();
                     plan.batches.push(batch);
@@ -388,6 +412,7 @@ impl Windows {
             deadline,
             silent: recipient.silent,
             provider: recipient.provider,
+            lease: None,
         });
         (batch_id, due)
     }
@@ -438,8 +463,8 @@ impl Window {
 /// How a group's batched admission went.
 #[derive(Debug)]
 pub enum Batched {
-    /// Written: one result per admission, in order.
-    Done(Vec<Enqueued>),
+    /// Written: one result per admission, in order, and the claims to answer once it commits.
+    Done(Vec<Enqueued>, crate::handoff::Handed),
     /// Not the common case (a dismissal, a retry, an identity twice): admit row by row instead,
     /// in the same transaction (nothing was written).
     RowByRow,

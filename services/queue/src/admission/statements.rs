@@ -31,7 +31,8 @@ pub const INSERT_EVENTS: &str = "INSERT INTO push_events (event_id, host_fingerp
 
 pub const INSERT_BATCHES: &str = "INSERT INTO push_delivery_batches (batch_id, registration_id, \
      host_fingerprint, kind, state, coalescible, window_ends_at, available_at, member_count, \
-     members_bytes, routing_bytes, deadline, silent, attempts, created_at, provider) ";
+     members_bytes, routing_bytes, deadline, silent, attempts, created_at, provider, lease_token, \
+     lease_owner) ";
 
 pub const INSERT_RECIPIENTS: &str = "INSERT INTO push_event_recipients (event_id, \
      registration_id, batch_id, status, silent, created_at, updated_at) ";
@@ -63,6 +64,7 @@ macro_rules! batched_admission {
                 group: &[&Admission],
                 now: i64,
                 coalesce_ms: i64,
+                handoff: Option<&$crate::handoff::Handoff>,
             ) -> Result<$crate::admission::Batched, sqlx::Error> {
                 use $crate::admission::{self as batch, Batched};
                 if !batch::eligible(group) {
@@ -73,7 +75,7 @@ macro_rules! batched_admission {
                     return Ok(Batched::RowByRow);
                 }
                 let windows = Self::read_windows(tx, group, coalesce_ms).await?;
-                let Some(plan) = batch::plan(group, &seen, windows, now, coalesce_ms) else {
+                let Some(mut plan) = batch::plan(group, &seen, windows, now, coalesce_ms) else {
                     return Ok(Batched::RowByRow);
                 };
                 if !plan.updates.is_empty() {
@@ -98,6 +100,10 @@ macro_rules! batched_admission {
                         return Ok(Batched::Raced);
                     }
                 }
+                // Work due at once goes to the claims waiting for it, written already leased.
+                let handed = handoff.map_or_else(Vec::new, |h| {
+                    $crate::handoff::lease_due_now(&mut plan, h, now)
+                });
                 for chunk in plan.events.chunks(batch::ROWS_PER_STATEMENT) {
                     let mut q = sqlx::QueryBuilder::new(batch::INSERT_EVENTS);
                     q.push_values(chunk, |mut row, e| {
@@ -122,14 +128,15 @@ macro_rules! batched_admission {
                 for chunk in plan.batches.chunks(batch::ROWS_PER_STATEMENT) {
                     let mut q = sqlx::QueryBuilder::new(batch::INSERT_BATCHES);
                     q.push_values(chunk, |mut row, b| {
+                        let (state, available_at) = b.state();
                         row.push_bind(b.batch_id.as_str())
                             .push_bind(b.registration_id)
                             .push_bind(b.host_fingerprint)
                             .push_bind(Kind::Alert.as_str())
-                            .push_bind(if b.coalescible { "open" } else { "pending" })
+                            .push_bind(state)
                             .push_bind(flag(b.coalescible))
                             .push_bind(b.window_ends_at)
-                            .push_bind(b.window_ends_at)
+                            .push_bind(available_at)
                             .push_bind(b.member_count)
                             .push_bind(b.members_bytes)
                             .push_bind(b.routing_bytes)
@@ -137,7 +144,9 @@ macro_rules! batched_admission {
                             .push_bind(flag(b.silent))
                             .push_bind(0_i32)
                             .push_bind(now)
-                            .push_bind(b.provider.as_str());
+                            .push_bind(b.provider.as_str())
+                            .push_bind(b.lease.as_ref().map(|l| l.token.as_str()))
+                            .push_bind(b.lease.as_ref().map(|l| l.owner.as_str()));
                     });
                     q.build()
                         .persistent(Self::keep_statement(chunk.len()))
@@ -160,7 +169,7 @@ macro_rules! batched_admission {
                         .execute(&mut **tx)
                         .await?;
                 }
-                Ok(Batched::Done(plan.results))
+                Ok(Batched::Done(plan.results, handed))
             }
 
             /// One row per admission: whether its identity is stored, its host's quota use, and

@@ -98,9 +98,10 @@ macro_rules! row_by_row_admission {
                 group: &[&Admission],
                 now: i64,
                 coalesce_ms: i64,
+                handoff: Option<&$crate::handoff::Handoff>,
             ) -> Vec<Result<Enqueued, QueueError>> {
                 if group.len() > 1 {
-                    match self.admit_together(group, now, coalesce_ms).await {
+                    match self.admit_together(group, now, coalesce_ms, handoff).await {
                         Ok(admitted) => return admitted.into_iter().map(Ok).collect(),
                         Err(error) => tracing::debug!(
                             %error,
@@ -111,37 +112,45 @@ macro_rules! row_by_row_admission {
                 }
                 let mut results = Vec::with_capacity(group.len());
                 for a in group {
-                    let one = self.admit_together(&[a], now, coalesce_ms).await;
+                    let one = self.admit_together(&[a], now, coalesce_ms, handoff).await;
                     results.push(one.map(|mut admitted| admitted.remove(0)));
                 }
                 results
             }
 
-            /// Admits a group in one transaction, or fails as a whole (nothing written).
+            /// Admits a group in one transaction, or fails as a whole (nothing written, nothing
+            /// handed to a claim).
             async fn admit_together(
                 &self,
                 group: &[&Admission],
                 now: i64,
                 coalesce_ms: i64,
+                handoff: Option<&$crate::handoff::Handoff>,
             ) -> Result<Vec<Enqueued>, QueueError> {
                 use $crate::admission::Batched;
                 let mut tx = self.begin_group_write(group).await?;
                 let batched = if self.row_by_row {
                     Batched::RowByRow
                 } else {
-                    Self::admit_batched(&mut tx, group, now, coalesce_ms).await?
+                    Self::admit_batched(&mut tx, group, now, coalesce_ms, handoff).await?
                 };
-                let admitted = match batched {
-                    Batched::Done(admitted) => {
+                let (admitted, handed) = match batched {
+                    Batched::Done(admitted, handed) => {
                         self.batched_groups
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        admitted
+                        (admitted, handed)
                     }
-                    Batched::RowByRow => Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
+                    Batched::RowByRow => (
+                        Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
+                        Vec::new(),
+                    ),
                     Batched::Raced => {
                         tx.rollback().await?;
                         tx = self.begin_group_write(group).await?;
-                        Self::admit_each(&mut tx, group, now, coalesce_ms).await?
+                        (
+                            Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
+                            Vec::new(),
+                        )
                     }
                 };
                 let due = $crate::wake::providers_due(group.iter().copied().zip(&admitted));
@@ -149,6 +158,11 @@ macro_rules! row_by_row_admission {
                     Self::wake_replicas(&mut tx, &$crate::wake::payload_naming(due)).await?;
                 }
                 tx.commit().await?;
+                if let Some(handoff) = handoff {
+                    for (offer, batches) in handed {
+                        handoff.answer(offer, batches);
+                    }
+                }
                 Ok(admitted)
             }
 

@@ -71,8 +71,9 @@ impl QueueStore for AnyQueueStore {
         group: &[&Admission],
         now: i64,
         coalesce_ms: i64,
+        handoff: Option<&crate::handoff::Handoff>,
     ) -> Vec<Result<Enqueued, QueueError>> {
-        delegate!(self, s => s.enqueue_group(group, now, coalesce_ms))
+        delegate!(self, s => s.enqueue_group(group, now, coalesce_ms, handoff))
     }
     fn writer_thread(&self) -> bool {
         match self {

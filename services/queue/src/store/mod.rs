@@ -238,11 +238,14 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     /// Admits `group` in one transaction (one commit for all); one result per admission, in order.
     /// If any of them fails, that transaction is rolled back and each is admitted again in its
     /// own, so one bad admission never fails its neighbours.
+    /// New batches due at once may be written leased to claims waiting in `handoff`, and handed
+    /// to them once their transaction commits.
     fn enqueue_group(
         &self,
         group: &[&Admission],
         now: i64,
         coalesce_ms: i64,
+        handoff: Option<&crate::handoff::Handoff>,
     ) -> impl Future<Output = Vec<Result<Enqueued, QueueError>>> + Send;
     /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
     /// whose per-host locks let groups of different hosts commit side by side.
@@ -328,8 +331,9 @@ macro_rules! queue_store {
                 group: &[&Admission],
                 now: i64,
                 coalesce_ms: i64,
+                handoff: Option<&crate::handoff::Handoff>,
             ) -> Vec<Result<Enqueued, QueueError>> {
-                self.admit_group(group, now, coalesce_ms).await
+                self.admit_group(group, now, coalesce_ms, handoff).await
             }
             fn group_writers(&self) -> usize {
                 Self::GROUP_WRITERS
