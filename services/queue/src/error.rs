@@ -11,6 +11,9 @@ pub enum QueueError {
     ClaimTask,
     #[error("the admission writer stopped")]
     WriterStopped,
+    /// A writer's round failed for every report it carried.
+    #[error("{0}")]
+    Round(std::sync::Arc<QueueError>),
 }
 
 impl From<QueueError> for tonic::Status {
@@ -30,6 +33,10 @@ impl From<QueueError> for tonic::Status {
             }
             QueueError::WriterStopped => {
                 tracing::error!("queue: the admission writer stopped");
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
+            QueueError::Round(error) => {
+                tracing::error!(%error, "queue: a writer's round failed");
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }
         }

@@ -3,6 +3,9 @@
 //! then answers each caller, so `queued` still means committed. While one group commits, the next
 //! gathers. Callers of one host that wait for each other's answers are in successive groups, in
 //! order; within a group admissions run in arrival order, so quota counts what went before.
+//!
+//! Where the store says so (`QueueStore::reports_in_rounds`: SQLite), lanes' reports wait on the
+//! same channel and are recorded in the same transaction as the admissions they arrived with.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,13 +17,29 @@ use tracing::Instrument as _;
 use crate::error::QueueError;
 use crate::handoff::Handoff;
 use crate::model::Admission;
-use crate::store::{Enqueued, QueueStore};
+use crate::store::{Completion, Enqueued, QueueStore};
 use crate::wake::Wake;
 
 /// The most admissions one transaction carries.
 pub const MAX_GROUP: usize = 128;
-/// Admissions waiting for a writer before callers wait to hand theirs over.
+/// Report rows past which a round takes no more reports.
+pub const MAX_ROUND_REPORTS: usize = 512;
+/// Admissions and reports waiting for a writer before callers wait to hand theirs over.
 const WAITING: usize = 4 * MAX_GROUP;
+
+/// What waits for a writer's round. Not boxed: the channel's slots are as large as an admission
+/// either way, and a box would cost every admission an allocation.
+#[allow(clippy::large_enum_variant)]
+enum Work {
+    Admit(Waiting),
+    Report(Reporting),
+}
+
+/// Final answers a lane reported, each against its own lease.
+struct Reporting {
+    completions: Vec<Completion>,
+    answer: oneshot::Sender<Result<Vec<bool>, QueueError>>,
+}
 
 struct Waiting {
     admission: Admission,
@@ -32,7 +51,7 @@ struct Waiting {
 
 /// Hands admissions to the writers.
 pub struct GroupCommit {
-    waiting: mpsc::Sender<Waiting>,
+    waiting: mpsc::Sender<Work>,
     groups: Arc<AtomicU64>,
 }
 
@@ -77,14 +96,56 @@ impl GroupCommit {
     pub async fn admit(&self, admission: Admission) -> Result<Enqueued, QueueError> {
         let (answer, answered) = oneshot::channel();
         self.waiting
-            .send(Waiting {
+            .send(Work::Admit(Waiting {
                 admission,
                 answer,
                 span: tracing::Span::current(),
-            })
+            }))
             .await
             .map_err(|_| QueueError::WriterStopped)?;
         answered.await.map_err(|_| QueueError::WriterStopped)?
+    }
+
+    /// Records final answers in the next round (`QueueStore::reports_in_rounds`); one flag per
+    /// answer, once the round has committed.
+    pub async fn report(&self, completions: Vec<Completion>) -> Result<Vec<bool>, QueueError> {
+        if completions.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (answer, answered) = oneshot::channel();
+        self.waiting
+            .send(Work::Report(Reporting {
+                completions,
+                answer,
+            }))
+            .await
+            .map_err(|_| QueueError::WriterStopped)?;
+        answered.await.map_err(|_| QueueError::WriterStopped)?
+    }
+}
+
+/// What one round takes: admissions (up to `MAX_GROUP`) and reports (up to about
+/// `MAX_ROUND_REPORTS` rows).
+#[derive(Default)]
+struct Batch {
+    admissions: Vec<Waiting>,
+    reports: Vec<Reporting>,
+    report_rows: usize,
+}
+
+impl Batch {
+    fn add(&mut self, work: Work) {
+        match work {
+            Work::Admit(waiting) => self.admissions.push(waiting),
+            Work::Report(reporting) => {
+                self.report_rows += reporting.completions.len();
+                self.reports.push(reporting);
+            }
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.admissions.len() >= MAX_GROUP || self.report_rows >= MAX_ROUND_REPORTS
     }
 }
 
@@ -118,26 +179,35 @@ struct Writer<S> {
     coalesce_ms: i64,
     wake: Arc<Wake>,
     handoff: Arc<Handoff>,
-    queue: Arc<Mutex<mpsc::Receiver<Waiting>>>,
+    queue: Arc<Mutex<mpsc::Receiver<Work>>>,
     groups: Arc<AtomicU64>,
 }
 
 impl<S: QueueStore> Writer<S> {
     async fn run(self) {
-        while let Some(group) = self.next_group().await {
-            let span = tracing::info_span!(
-                parent: &group[0].span,
-                "queue.group_commit",
-                otel.kind = "internal",
-                admissions = group.len(),
-            );
-            for other in &group[1..] {
+        while let Some(batch) = self.next_round().await {
+            let span = match batch.admissions.first() {
+                Some(first) => tracing::info_span!(
+                    parent: &first.span,
+                    "queue.group_commit",
+                    otel.kind = "internal",
+                    admissions = batch.admissions.len(),
+                    reports = batch.report_rows,
+                ),
+                None => tracing::info_span!(
+                    "queue.group_commit",
+                    otel.kind = "internal",
+                    admissions = 0,
+                    reports = batch.report_rows,
+                ),
+            };
+            for other in batch.admissions.iter().skip(1) {
                 span.follows_from(&other.span);
             }
             // A panic while committing (a bug, or a driver's) must not stop admission for good:
-            // the group's callers get `WriterStopped` (their answers are dropped: never a false
-            // `queued`), and this writer goes on with the next group.
-            let commit = std::panic::AssertUnwindSafe(self.commit(group).instrument(span));
+            // the round's callers get `WriterStopped` (their answers are dropped: never a false
+            // `queued`), and this writer goes on with the next round.
+            let commit = std::panic::AssertUnwindSafe(self.commit(batch).instrument(span));
             if futures::FutureExt::catch_unwind(commit).await.is_err() {
                 tracing::error!("the admission writer panicked committing a group; it goes on");
                 metrics::counter!("orca_push_queue_writer_panics_total").increment(1);
@@ -145,38 +215,75 @@ impl<S: QueueStore> Writer<S> {
         }
     }
 
-    /// Waits for one admission, then takes whatever else is already waiting. None: stopped.
-    async fn next_group(&self) -> Option<Vec<Waiting>> {
+    /// Waits for one admission or report, then takes whatever else is already waiting. None:
+    /// stopped.
+    async fn next_round(&self) -> Option<Batch> {
         let mut queue = self.queue.lock().await;
-        let first = queue.recv().await?;
-        let mut group = Vec::with_capacity(queue.len().min(MAX_GROUP - 1) + 1);
-        group.push(first);
-        while group.len() < MAX_GROUP {
+        let mut batch = Batch::default();
+        batch.add(queue.recv().await?);
+        while !batch.full() {
             match queue.try_recv() {
-                Ok(next) => group.push(next),
+                Ok(next) => batch.add(next),
                 Err(_) => break,
             }
         }
-        Some(group)
+        Some(batch)
     }
 
-    async fn commit(&self, group: Vec<Waiting>) {
-        metrics::histogram!("orca_push_queue_admission_group_size").record(group.len() as f64);
-        self.groups.fetch_add(1, Ordering::Relaxed);
+    async fn commit(&self, batch: Batch) {
+        let Batch {
+            admissions: group,
+            reports,
+            ..
+        } = batch;
+        if !group.is_empty() {
+            metrics::histogram!("orca_push_queue_admission_group_size").record(group.len() as f64);
+            self.groups.fetch_add(1, Ordering::Relaxed);
+        }
         let now = i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX);
         let admissions: Vec<&Admission> = group.iter().map(|w| &w.admission).collect();
-        let results = self
+        let completions: Vec<Completion> = reports
+            .iter()
+            .flat_map(|r| r.completions.iter().cloned())
+            .collect();
+        let round = self
             .store
-            .enqueue_group(&admissions, now, self.coalesce_ms, Some(&self.handoff))
+            .write_round(
+                &admissions,
+                &completions,
+                now,
+                self.coalesce_ms,
+                Some(&self.handoff),
+            )
             .await;
         let admitted = admissions
             .iter()
-            .zip(&results)
+            .zip(&round.admitted)
             .filter_map(|(a, r)| Some((*a, r.as_ref().ok()?)));
         self.wake.work_for(crate::wake::providers_due(admitted));
-        for (waiting, result) in group.into_iter().zip(results) {
+        for (waiting, result) in group.into_iter().zip(round.admitted) {
             // A caller that went away misses its answer; the admission stands.
             let _ = waiting.answer.send(result);
+        }
+        answer_reports(reports, round.reported);
+    }
+}
+
+/// Gives each report its own flags out of the round's, in order; or the round's error to all.
+fn answer_reports(reports: Vec<Reporting>, reported: Result<Vec<bool>, QueueError>) {
+    match reported {
+        Ok(flags) => {
+            let mut flags = flags.into_iter();
+            for report in reports {
+                let own: Vec<bool> = flags.by_ref().take(report.completions.len()).collect();
+                let _ = report.answer.send(Ok(own));
+            }
+        }
+        Err(error) => {
+            let shared = std::sync::Arc::new(error);
+            for report in reports {
+                let _ = report.answer.send(Err(QueueError::Round(shared.clone())));
+            }
         }
     }
 }
@@ -194,11 +301,40 @@ mod tests {
     /// What the store answers to everything but admission, which is all a writer asks of it.
     const ONLY_ADMITS: QueueError = QueueError::InvalidRequest("this store only admits");
 
-    /// A store whose first group commit panics; every later one admits.
+    /// A store whose first round panics (if `panic_first`); every later one admits, records
+    /// what it carried, and finds a report's lease held when its batch id ends in `held`.
     #[derive(Clone, Default)]
-    struct PanicsOnce(Arc<AtomicBool>);
+    struct PanicsOnce {
+        panic_first: bool,
+        panicked: Arc<AtomicBool>,
+        /// (admissions, reports) of each round.
+        rounds: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
+    }
 
     impl QueueStore for PanicsOnce {
+        async fn write_round(
+            &self,
+            group: &[&Admission],
+            reports: &[Completion],
+            now: i64,
+            coalesce_ms: i64,
+            handoff: Option<&Handoff>,
+        ) -> crate::store::Round {
+            self.rounds
+                .lock()
+                .unwrap()
+                .push((group.len(), reports.len()));
+            crate::store::Round {
+                admitted: self.enqueue_group(group, now, coalesce_ms, handoff).await,
+                reported: Ok(reports
+                    .iter()
+                    .map(|r| r.batch_id.ends_with("held"))
+                    .collect()),
+            }
+        }
+        fn reports_in_rounds(&self) -> bool {
+            true
+        }
         async fn enqueue_group(
             &self,
             group: &[&Admission],
@@ -206,7 +342,7 @@ mod tests {
             _coalesce_ms: i64,
             _handoff: Option<&Handoff>,
         ) -> Vec<Result<Enqueued, QueueError>> {
-            if !self.0.swap(true, Ordering::SeqCst) {
+            if self.panic_first && !self.panicked.swap(true, Ordering::SeqCst) {
                 panic!("a bug while committing");
             }
             group
@@ -223,7 +359,7 @@ mod tests {
             1
         }
         fn writer_thread(&self) -> bool {
-            true
+            self.panic_first
         }
         async fn claim(
             &self,
@@ -305,7 +441,10 @@ mod tests {
     #[tokio::test]
     async fn a_panicking_commit_fails_its_group_only_and_the_writer_goes_on() {
         let groups = GroupCommit::start(
-            PanicsOnce::default(),
+            PanicsOnce {
+                panic_first: true,
+                ..PanicsOnce::default()
+            },
             Arc::new(orca_push_storage::SystemClock),
             3000,
             Arc::new(Wake::new()),
@@ -321,5 +460,45 @@ mod tests {
             second.is_ok(),
             "the writer admits the next group: {second:?}"
         );
+    }
+
+    fn report(batch_id: &str) -> Completion {
+        Completion {
+            batch_id: batch_id.into(),
+            lease_token: "token".into(),
+            outcome: crate::store::Outcome::Sent,
+            reason: "sent".into(),
+            answered: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn reports_ride_the_admissions_round_and_each_gets_its_own_flags() {
+        let store = PanicsOnce::default();
+        let groups = GroupCommit::start(
+            store.clone(),
+            Arc::new(orca_push_storage::SystemClock),
+            0,
+            Arc::new(Wake::new()),
+            Arc::new(Handoff::new(Box::new(drop))),
+        );
+        // All three wait before the writer runs (one thread): one round carries them.
+        let (admitted, first, second) = tokio::join!(
+            groups.admit(admission(1)),
+            groups.report(vec![report("a-held"), report("b-lost")]),
+            groups.report(vec![report("c-held")]),
+        );
+        assert!(admitted.is_ok());
+        assert_eq!(first.unwrap(), vec![true, false]);
+        assert_eq!(second.unwrap(), vec![true]);
+        assert_eq!(*store.rounds.lock().unwrap(), vec![(1, 3)]);
+        assert_eq!(groups.groups(), 1);
+        // Reports alone make a round of their own.
+        assert_eq!(
+            groups.report(vec![report("d-held")]).await.unwrap(),
+            vec![true]
+        );
+        assert_eq!(store.rounds.lock().unwrap()[1], (0, 1));
+        assert!(groups.report(Vec::new()).await.unwrap().is_empty());
     }
 }

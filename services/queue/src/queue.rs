@@ -308,7 +308,11 @@ impl<S: QueueStore> DeliveryQueue<S> {
             refuse_nul(&[&c.batch_id, &c.lease_token])?;
             c.reason = bounded_reason(&c.reason);
         }
-        self.store.complete(&completions, now(&*self.clock)).await
+        if self.store.reports_in_rounds() {
+            self.admissions.report(completions).await
+        } else {
+            self.store.complete(&completions, now(&*self.clock)).await
+        }
     }
 
     pub async fn retry(

@@ -89,6 +89,76 @@ async fn one_failing_admission_never_fails_its_neighbours(backend: Backend) {
     assert_eq!(phones, ["phone-1", "phone-3"]);
 }
 
+fn sent(batch: &orca_push_queue::store::ClaimedBatch) -> orca_push_queue::store::Completion {
+    orca_push_queue::store::Completion {
+        batch_id: batch.batch_id.clone(),
+        lease_token: batch.lease_token.clone(),
+        outcome: orca_push_queue::store::Outcome::Sent,
+        reason: "sent".into(),
+        answered: true,
+    }
+}
+
+async fn status_of(h: &Harness, host: &str, seq: i64) -> String {
+    let record = h
+        .queue
+        .event_record(host, Kind::Alert, "epoch-1", seq)
+        .await
+        .unwrap()
+        .expect("stored");
+    record.recipients[0].status.clone()
+}
+
+/// A writer's round records lanes' reports in its admissions' transaction; a round that fails
+/// (here a poisoned admission) loses neither: each is done apart, the bad admission alone failing.
+async fn a_round_records_reports_with_its_admissions_or_apart_when_it_fails(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    poison(&h.config, "hostPOISONPOISON").await;
+    h.admit(&from("hostGOODGOODGOOD", 1, "phone-1")).await;
+    h.admit(&from("hostGOODGOODGOOD", 2, "phone-2")).await;
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 2);
+    let lost = orca_push_queue::store::Completion {
+        lease_token: "not-the-lease".into(),
+        ..sent(&claimed[1])
+    };
+    let bad = from("hostPOISONPOISON", 1, "phone-3");
+    let good = from("hostOTHEROTHEROT", 1, "phone-4");
+    let store = h.queue.store();
+    let round = store
+        .write_round(
+            &[&bad, &good],
+            &[sent(&claimed[0]), lost],
+            T0 as i64,
+            0,
+            None,
+        )
+        .await;
+    assert!(round.admitted[0].is_err(), "the poisoned admission fails");
+    assert!(round.admitted[1].is_ok(), "its neighbour is admitted");
+    assert_eq!(
+        round.reported.unwrap(),
+        vec![true, false],
+        "each report on its own lease"
+    );
+    assert_eq!(status_of(&h, "hostGOODGOODGOOD", 1).await, "sent");
+    assert_eq!(status_of(&h, "hostGOODGOODGOOD", 2).await, "pending");
+
+    let round = store
+        .write_round(
+            &[&from("hostOTHEROTHEROT", 2, "phone-4")],
+            &[sent(&claimed[1])],
+            T0 as i64,
+            0,
+            None,
+        )
+        .await;
+    assert!(round.admitted[0].is_ok());
+    assert_eq!(round.reported.unwrap(), vec![true]);
+    assert_eq!(status_of(&h, "hostGOODGOODGOOD", 2).await, "sent");
+    assert_eq!(status_of(&h, "hostOTHEROTHEROT", 2).await, "pending");
+}
+
 async fn concurrent_admissions_commit_in_groups_and_quota_stays_exact(backend: Backend) {
     let h = harness_with(backend, 0).await;
     let total = QUOTA_PER_KIND + 100;
@@ -154,6 +224,7 @@ async fn a_hosts_admissions_answered_in_turn_keep_their_order(backend: Backend) 
 
 on_both_backends!(
     one_failing_admission_never_fails_its_neighbours,
+    a_round_records_reports_with_its_admissions_or_apart_when_it_fails,
     concurrent_admissions_commit_in_groups_and_quota_stays_exact,
     a_hosts_admissions_answered_in_turn_keep_their_order,
     waking_lanes_claim_only_when_something_is_due,

@@ -81,6 +81,22 @@ impl QueueStore for AnyQueueStore {
             Self::Postgres(s) => s.writer_thread(),
         }
     }
+    async fn write_round(
+        &self,
+        group: &[&Admission],
+        reports: &[Completion],
+        now: i64,
+        coalesce_ms: i64,
+        handoff: Option<&crate::handoff::Handoff>,
+    ) -> Round {
+        delegate!(self, s => s.write_round(group, reports, now, coalesce_ms, handoff))
+    }
+    fn reports_in_rounds(&self) -> bool {
+        match self {
+            Self::Sqlite(s) => s.reports_in_rounds(),
+            Self::Postgres(s) => s.reports_in_rounds(),
+        }
+    }
     fn group_writers(&self) -> usize {
         match self {
             Self::Sqlite(s) => s.group_writers(),

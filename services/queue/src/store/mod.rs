@@ -15,6 +15,7 @@ mod backends;
 mod claims;
 mod cleanup;
 mod reports;
+mod rounds;
 
 pub use any::AnyQueueStore;
 pub use backends::{Backend, PgQueueStore, SqliteQueueStore};
@@ -79,6 +80,13 @@ pub struct Enqueued {
     pub statuses: Vec<(String, AdmissionStatus)>,
     /// The earliest time a batch this admission touched becomes claimable.
     pub next_due_at: Option<i64>,
+}
+
+/// What a writer's round did: one result per admission, in order, and the reports' flags.
+#[derive(Debug)]
+pub struct Round {
+    pub admitted: Vec<Result<Enqueued, QueueError>>,
+    pub reported: Result<Vec<bool>, QueueError>,
 }
 
 /// A batch handed to a lane under a lease.
@@ -247,6 +255,19 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
         coalesce_ms: i64,
         handoff: Option<&crate::handoff::Handoff>,
     ) -> impl Future<Output = Vec<Result<Enqueued, QueueError>>> + Send;
+    /// `enqueue_group` and `complete` in one transaction: one result per admission, in order, and
+    /// the reports' flags. If the transaction fails, each is done apart, as those two would.
+    fn write_round(
+        &self,
+        group: &[&Admission],
+        reports: &[Completion],
+        now: i64,
+        coalesce_ms: i64,
+        handoff: Option<&crate::handoff::Handoff>,
+    ) -> impl Future<Output = Round> + Send;
+    /// Whether reports go through the admission writers' rounds (`write_round`) rather than a
+    /// transaction of their own.
+    fn reports_in_rounds(&self) -> bool;
     /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
     /// whose per-host locks let groups of different hosts commit side by side.
     fn group_writers(&self) -> usize;
@@ -335,6 +356,20 @@ macro_rules! queue_store {
             ) -> Vec<Result<Enqueued, QueueError>> {
                 self.admit_group(group, now, coalesce_ms, handoff).await
             }
+            async fn write_round(
+                &self,
+                group: &[&Admission],
+                reports: &[Completion],
+                now: i64,
+                coalesce_ms: i64,
+                handoff: Option<&crate::handoff::Handoff>,
+            ) -> Round {
+                self.admit_and_report(group, reports, now, coalesce_ms, handoff)
+                    .await
+            }
+            fn reports_in_rounds(&self) -> bool {
+                Self::REPORTS_IN_ROUNDS
+            }
             fn group_writers(&self) -> usize {
                 Self::GROUP_WRITERS
             }
@@ -422,6 +457,8 @@ queue_store!(SqliteQueueStore);
 queue_store!(PgQueueStore);
 admit::row_by_row_admission!(SqliteQueueStore);
 admit::row_by_row_admission!(PgQueueStore);
+rounds::round_statements!(SqliteQueueStore);
+rounds::round_statements!(PgQueueStore);
 crate::admission::batched_admission!(SqliteQueueStore);
 crate::admission::batched_admission!(PgQueueStore);
 claims::claim_statements!(SqliteQueueStore);

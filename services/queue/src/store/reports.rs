@@ -141,7 +141,7 @@ macro_rules! report_statements {
                 update.push($crate::store::reports::FINISH_BATCHES_TAIL);
                 let ended: std::collections::HashSet<String> = update
                     .build()
-                    .persistent(false)
+                    .persistent(Self::keep_statement(rows.len()))
                     .fetch_all(&mut **tx)
                     .await?
                     .iter()
@@ -210,6 +210,18 @@ macro_rules! report_statements {
                     return Ok(Vec::new());
                 }
                 let mut tx = self.begin_claim().await?;
+                let recorded = Self::finish_reported(&mut tx, completions, now).await?;
+                tx.commit().await?;
+                Ok(recorded)
+            }
+
+            /// Final answers, each against its own lease, inside `tx`: a lost lease writes
+            /// nothing, so the others can still commit. One flag per answer, in order.
+            async fn finish_reported(
+                tx: &mut <$store as Backend>::Tx,
+                completions: &[Completion],
+                now: i64,
+            ) -> Result<Vec<bool>, sqlx::Error> {
                 let batches: Vec<_> = completions
                     .iter()
                     .map(|c| {
@@ -222,10 +234,7 @@ macro_rules! report_statements {
                         )
                     })
                     .collect();
-                // A lost lease writes nothing, so the others can still commit.
-                let recorded = Self::finish_batches(&mut tx, &batches, now).await?;
-                tx.commit().await?;
-                Ok(recorded)
+                Self::finish_batches(tx, &batches, now).await
             }
 
             /// `QueueStore::retry`.
