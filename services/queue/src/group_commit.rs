@@ -39,6 +39,8 @@ enum Work {
 struct Reporting {
     completions: Vec<Completion>,
     answer: oneshot::Sender<Result<Vec<bool>, QueueError>>,
+    /// The caller's span, as an admission's.
+    span: tracing::Span,
 }
 
 struct Waiting {
@@ -117,6 +119,7 @@ impl GroupCommit {
             .send(Work::Report(Reporting {
                 completions,
                 answer,
+                span: tracing::Span::current(),
             }))
             .await
             .map_err(|_| QueueError::WriterStopped)?;
@@ -186,23 +189,23 @@ struct Writer<S> {
 impl<S: QueueStore> Writer<S> {
     async fn run(self) {
         while let Some(batch) = self.next_round().await {
-            let span = match batch.admissions.first() {
-                Some(first) => tracing::info_span!(
-                    parent: &first.span,
-                    "queue.group_commit",
-                    otel.kind = "internal",
-                    admissions = batch.admissions.len(),
-                    reports = batch.report_rows,
-                ),
-                None => tracing::info_span!(
-                    "queue.group_commit",
-                    otel.kind = "internal",
-                    admissions = 0,
-                    reports = batch.report_rows,
-                ),
-            };
-            for other in batch.admissions.iter().skip(1) {
-                span.follows_from(&other.span);
+            // Traced under the first caller's span (an admission's if any), linked from the
+            // others'.
+            let mut callers = batch
+                .admissions
+                .iter()
+                .map(|w| &w.span)
+                .chain(batch.reports.iter().map(|r| &r.span));
+            let first = callers.next().cloned().unwrap_or_else(tracing::Span::none);
+            let span = tracing::info_span!(
+                parent: &first,
+                "queue.group_commit",
+                otel.kind = "internal",
+                admissions = batch.admissions.len(),
+                reports = batch.report_rows,
+            );
+            for other in callers {
+                span.follows_from(other);
             }
             // A panic while committing (a bug, or a driver's) must not stop admission for good:
             // the round's callers get `WriterStopped` (their answers are dropped: never a false
@@ -253,7 +256,7 @@ impl<S: QueueStore> Writer<S> {
                 &completions,
                 now,
                 self.coalesce_ms,
-                Some(&self.handoff),
+                self.store.hands_off().then_some(&*self.handoff),
             )
             .await;
         let admitted = admissions
@@ -334,6 +337,9 @@ mod tests {
         }
         fn reports_in_rounds(&self) -> bool {
             true
+        }
+        fn hands_off(&self) -> bool {
+            false
         }
         async fn enqueue_group(
             &self,

@@ -175,12 +175,16 @@ impl<S: QueueStore> DeliveryQueue<S> {
             }
             // Asleep until then, or until news of work this claim takes (a held provider's new
             // work does not wake it), or until an admission hands it work due at once.
-            let mut ticket =
-                self.handoff
-                    .wait(lane, usize::try_from(max).unwrap_or(1), lease_ms, skip);
+            let until = tokio::time::Instant::now() + wait;
+            if !self.store.hands_off() {
+                self.wake.news(skip, heard, until).await;
+                continue;
+            }
+            let max = usize::try_from(max).unwrap_or(1);
+            let mut ticket = self.handoff.wait(lane, max, lease_ms, skip);
             let answered = tokio::select! {
                 handed = ticket.answered() => Some(handed),
-                () = self.wake.news(skip, heard, tokio::time::Instant::now() + wait) => None,
+                () = self.wake.news(skip, heard, until) => None,
             };
             let handed = match answered {
                 Some(handed) => handed,

@@ -97,6 +97,12 @@ impl QueueStore for AnyQueueStore {
             Self::Postgres(s) => s.reports_in_rounds(),
         }
     }
+    fn hands_off(&self) -> bool {
+        match self {
+            Self::Sqlite(s) => s.hands_off(),
+            Self::Postgres(s) => s.hands_off(),
+        }
+    }
     fn group_writers(&self) -> usize {
         match self {
             Self::Sqlite(s) => s.group_writers(),

@@ -268,6 +268,8 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     /// Whether reports go through the admission writers' rounds (`write_round`) rather than a
     /// transaction of their own.
     fn reports_in_rounds(&self) -> bool;
+    /// Whether admissions hand new work due at once to waiting claims (`crate::handoff`).
+    fn hands_off(&self) -> bool;
     /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
     /// whose per-host locks let groups of different hosts commit side by side.
     fn group_writers(&self) -> usize;
@@ -369,6 +371,9 @@ macro_rules! queue_store {
             }
             fn reports_in_rounds(&self) -> bool {
                 Self::REPORTS_IN_ROUNDS
+            }
+            fn hands_off(&self) -> bool {
+                Self::HANDS_OFF
             }
             fn group_writers(&self) -> usize {
                 Self::GROUP_WRITERS
