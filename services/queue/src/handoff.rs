@@ -19,6 +19,7 @@ use tokio::sync::oneshot;
 use crate::admission::{NewLease, Plan};
 use crate::model::{Kind, Member, Provider};
 use crate::store::{ClaimedBatch, QueueStore, Retry, Skip, random_id};
+use crate::wake::Wake;
 
 /// The claims a group took, each with what to answer it once the group commits.
 pub type Handed = Vec<(Offer, Vec<ClaimedBatch>)>;
@@ -275,20 +276,22 @@ impl Drop for Ticket<'_> {
 }
 
 /// `Orphans` that give the batches back to `store`, due again at once.
-pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>) -> Orphans {
+pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>) -> Orphans {
     Box::new(move |batches| {
         let store = store.clone();
+        let wake = wake.clone();
         let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
-        tokio::spawn(async move { hand_back(&store, &batches, now).await });
+        tokio::spawn(async move { hand_back(&store, &wake, &batches, now).await });
     })
 }
 
 /// Gives back batches leased for a claim whose caller went away: untried, so neither an attempt
-/// nor a retry, due again at once.
-pub async fn hand_back<S: QueueStore>(store: &S, batches: &[ClaimedBatch], now: i64) {
+/// nor a retry, due again at once; the waiting claims hear of them (they last saw them leased).
+pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[ClaimedBatch], now: i64) {
     if batches.is_empty() {
         return;
     }
+    let _woken = Woken(wake);
     tracing::info!(
         batches = batches.len(),
         "the claiming lane went away; handing its batches back"
@@ -307,6 +310,15 @@ pub async fn hand_back<S: QueueStore>(store: &S, batches: &[ClaimedBatch], now: 
         {
             tracing::warn!(%error, "could not hand back a batch; its lease will lapse");
         }
+    }
+}
+
+/// Wakes every waiting claim when dropped: after a hand-back, however it ended.
+struct Woken<'a>(&'a Wake);
+
+impl Drop for Woken<'_> {
+    fn drop(&mut self) {
+        self.0.any();
     }
 }
 

@@ -64,6 +64,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         let handoff = Arc::new(Handoff::new(crate::handoff::give_back(
             store.clone(),
             clock.clone(),
+            wake.clone(),
         )));
         let admissions = GroupCommit::start(
             store.clone(),
@@ -247,6 +248,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
         let store = self.store.clone();
         let clock = self.clock.clone();
+        let wake = self.wake.clone();
         let lane = lane.to_owned();
         let (answer, answered) = tokio::sync::oneshot::channel();
         tokio::spawn(
@@ -254,7 +256,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 let now = now(&*clock);
                 let claimed = store.claim(&lane, max, lease_ms, now, skip).await;
                 if let Err(Ok(batches)) = answer.send(claimed) {
-                    hand_back(&store, &batches, now).await;
+                    hand_back(&store, &wake, &batches, now).await;
                 }
             }
             .in_current_span(),

@@ -159,6 +159,27 @@ async fn a_round_records_reports_with_its_admissions_or_apart_when_it_fails(back
     assert_eq!(status_of(&h, "hostOTHEROTHEROT", 2).await, "pending");
 }
 
+/// Two reports of one batch together (a lane whose lease lapsed, then the lane that reclaimed it,
+/// as one round on SQLite may carry them): the stale one records nothing and does not hide the
+/// holder's.
+async fn a_stale_report_does_not_hide_the_lease_holders(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&from("hostGOODGOODGOOD", 1, "phone-1")).await;
+    let lapsed = h.claim_all().await;
+    h.clock.advance(LEASE as u64);
+    let holder = h.claim_all().await;
+    assert_eq!(holder[0].batch_id, lapsed[0].batch_id);
+    assert!(holder[0].recovered);
+    let recorded = h
+        .queue
+        .store()
+        .complete(&[sent(&lapsed[0]), sent(&holder[0])], T0 as i64 + LEASE)
+        .await
+        .unwrap();
+    assert_eq!(recorded, vec![false, true]);
+    assert_eq!(status_of(&h, "hostGOODGOODGOOD", 1).await, "sent");
+}
+
 async fn concurrent_admissions_commit_in_groups_and_quota_stays_exact(backend: Backend) {
     let h = harness_with(backend, 0).await;
     let total = QUOTA_PER_KIND + 100;
@@ -225,6 +246,7 @@ async fn a_hosts_admissions_answered_in_turn_keep_their_order(backend: Backend) 
 on_both_backends!(
     one_failing_admission_never_fails_its_neighbours,
     a_round_records_reports_with_its_admissions_or_apart_when_it_fails,
+    a_stale_report_does_not_hide_the_lease_holders,
     concurrent_admissions_commit_in_groups_and_quota_stays_exact,
     a_hosts_admissions_answered_in_turn_keep_their_order,
     waking_lanes_claim_only_when_something_is_due,

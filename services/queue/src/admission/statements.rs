@@ -1,7 +1,7 @@
 //! The batched admission's statements: what `plan` needs read, and its writes, one multi-row
 //! statement per table. The SQL is written once for both backends, as the store's is.
 
-/// Rows per multi-row statement: far below SQLite's 32,766 bound parameters at 13 per row.
+/// Rows per multi-row statement: far below SQLite's 32,766 bound parameters at 18 per row.
 pub const ROWS_PER_STATEMENT: usize = 1000;
 
 /// Before the rows of `read_seen`: each admission's index and identity.

@@ -216,25 +216,43 @@ macro_rules! report_statements {
             }
 
             /// Final answers, each against its own lease, inside `tx`: a lost lease writes
-            /// nothing, so the others can still commit. One flag per answer, in order.
+            /// nothing, so the others can still commit. One flag per answer, in order. Two answers
+            /// for one batch (a lane whose lease lapsed and the lane that reclaimed it, reporting in
+            /// the same round) go in successive statements, so the stale one cannot hide the one
+            /// holding the lease.
             async fn finish_reported(
                 tx: &mut <$store as Backend>::Tx,
                 completions: &[Completion],
                 now: i64,
             ) -> Result<Vec<bool>, sqlx::Error> {
-                let batches: Vec<_> = completions
-                    .iter()
-                    .map(|c| {
-                        (
-                            c.batch_id.as_str(),
-                            Some(c.lease_token.as_str()),
-                            c.outcome.as_str(),
-                            c.reason.as_str(),
-                            c.answered,
-                        )
-                    })
-                    .collect();
-                Self::finish_batches(tx, &batches, now).await
+                let mut recorded = vec![false; completions.len()];
+                let mut left: Vec<usize> = (0..completions.len()).collect();
+                while !left.is_empty() {
+                    let mut ids = std::collections::HashSet::with_capacity(left.len());
+                    let (now_round, later): (Vec<usize>, Vec<usize>) = left
+                        .iter()
+                        .copied()
+                        .partition(|&i| ids.insert(completions[i].batch_id.as_str()));
+                    let batches: Vec<_> = now_round
+                        .iter()
+                        .map(|&i| {
+                            let c = &completions[i];
+                            (
+                                c.batch_id.as_str(),
+                                Some(c.lease_token.as_str()),
+                                c.outcome.as_str(),
+                                c.reason.as_str(),
+                                c.answered,
+                            )
+                        })
+                        .collect();
+                    let finished = Self::finish_batches(tx, &batches, now).await?;
+                    for (&i, done) in now_round.iter().zip(finished) {
+                        recorded[i] = done;
+                    }
+                    left = later;
+                }
+                Ok(recorded)
             }
 
             /// `QueueStore::retry`.

@@ -1,6 +1,7 @@
 //! A writer's round: its admissions (and, where the backend says so, lanes' reports) in one
-//! transaction, and what happens when that transaction fails: each admission again on its own,
-//! each report apart, so one bad write never fails its neighbours.
+//! transaction, and what happens when that transaction fails: the admissions again together, then
+//! each on its own, so one bad admission never fails its neighbours; the reports in a transaction
+//! of their own, apart from the admissions.
 
 /// The rounds of one backend (`$store` implements `Backend`).
 macro_rules! round_statements {
