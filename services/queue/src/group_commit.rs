@@ -38,7 +38,7 @@ enum Work {
 /// Final answers a lane reported, each against its own lease.
 struct Reporting {
     completions: Vec<Completion>,
-    answer: oneshot::Sender<Result<Vec<bool>, QueueError>>,
+    answer: ReportAnswer,
     /// The caller's span, as an admission's.
     span: tracing::Span,
 }
@@ -245,9 +245,15 @@ impl<S: QueueStore> Writer<S> {
         }
         let now = i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX);
         let admissions: Vec<&Admission> = group.iter().map(|w| &w.admission).collect();
-        let completions: Vec<Completion> = reports
-            .iter()
-            .flat_map(|r| r.completions.iter().cloned())
+        // The reports' rows move into one list; each caller keeps how many of them are its own.
+        let mut completions: Vec<Completion> = Vec::new();
+        let reports: Vec<(ReportAnswer, usize)> = reports
+            .into_iter()
+            .map(|r| {
+                let rows = r.completions.len();
+                completions.extend(r.completions);
+                (r.answer, rows)
+            })
             .collect();
         let round = self
             .store
@@ -272,20 +278,24 @@ impl<S: QueueStore> Writer<S> {
     }
 }
 
-/// Gives each report its own flags out of the round's, in order; or the round's error to all.
-fn answer_reports(reports: Vec<Reporting>, reported: Result<Vec<bool>, QueueError>) {
+/// Where a report's flags go.
+type ReportAnswer = oneshot::Sender<Result<Vec<bool>, QueueError>>;
+
+/// Gives each report (its answer, its row count) its own flags out of the round's, in order; or
+/// the round's error to all.
+fn answer_reports(reports: Vec<(ReportAnswer, usize)>, reported: Result<Vec<bool>, QueueError>) {
     match reported {
         Ok(flags) => {
             let mut flags = flags.into_iter();
-            for report in reports {
-                let own: Vec<bool> = flags.by_ref().take(report.completions.len()).collect();
-                let _ = report.answer.send(Ok(own));
+            for (answer, rows) in reports {
+                let own: Vec<bool> = flags.by_ref().take(rows).collect();
+                let _ = answer.send(Ok(own));
             }
         }
         Err(error) => {
             let shared = std::sync::Arc::new(error);
-            for report in reports {
-                let _ = report.answer.send(Err(QueueError::Round(shared.clone())));
+            for (answer, _) in reports {
+                let _ = answer.send(Err(QueueError::Round(shared.clone())));
             }
         }
     }
