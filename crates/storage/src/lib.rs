@@ -2,6 +2,7 @@
 //! file per service) or PostgreSQL (one schema per service in the shared database), and a clock that
 //! tests can drive. Services embed and run their own migrations; this crate never touches a table.
 
+mod checkpoint;
 pub mod clock;
 pub mod health;
 pub mod notify_relay;
@@ -151,23 +152,31 @@ pub async fn open_sqlite(
     // One writer: SQLite takes one write transaction at a time, and a second connection that
     // tries only sleeps in SQLite's busy handler (the benchmark saw p99 over a second with 16).
     // Writes queue in the pool instead, in order; reads use `sqlite_readers`. The writer never
-    // checkpoints: a checkpoint in its commit path (with its fsync) stalled every write queued
-    // behind it, so `checkpoint_in_background` does it beside the writer instead.
-    let writer = SqlitePoolOptions::new()
-        .max_connections(1)
+    // checkpoints in its commits: a checkpoint in its commit path (with its fsync) stalled every
+    // write queued behind it, so `checkpoint::in_background` does it beside the writer instead.
+    let writer = sqlite_pool_options(1)
         .connect_with(
             options
                 .clone()
                 .pragma("wal_autocheckpoint", "0")
+                .pragma("journal_size_limit", checkpoint::WAL_BYTES_KEPT)
                 .statement_cache_capacity(SQLITE_WRITER_STATEMENTS),
         )
         .await
         .map_err(OpenError::Connect)?;
-    let checkpointer = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_lazy_with(options);
-    tokio::spawn(checkpoint_in_background(writer.clone(), checkpointer));
+    let checkpointer = sqlite_pool_options(1).connect_lazy_with(options);
+    tokio::spawn(checkpoint::in_background(writer.clone(), checkpointer));
     Ok(writer)
+}
+
+/// A pool of connections to a SQLite file. Its connections are never pinged when taken from the
+/// pool (sqlx's default): a ping checks that a server is still there, while a SQLite connection is
+/// a thread in this process, and each ping was one more round trip to that thread before every
+/// transaction of the one writer.
+fn sqlite_pool_options(max_connections: u32) -> SqlitePoolOptions {
+    SqlitePoolOptions::new()
+        .max_connections(max_connections)
+        .test_before_acquire(false)
 }
 
 /// Prepared statements a SQLite writer keeps (sqlx keeps 100). The queue's group statements differ
@@ -175,31 +184,6 @@ pub async fn open_sqlite(
 /// them again; one of 128 rows compiles to about 2,300 VDBE operations (some 70 KB), and the cache
 /// fills only as group sizes occur.
 pub const SQLITE_WRITER_STATEMENTS: usize = 1024;
-
-/// How often the WAL is copied back into the database file.
-const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
-
-/// Copies the WAL into the database file every `CHECKPOINT_EVERY` on a connection of its own. A
-/// PASSIVE checkpoint never waits for the writer or readers, so writes go on meanwhile; once a
-/// checkpoint has caught up, the writer starts the WAL over, which keeps it small. Stops when the
-/// writer's pool is closed.
-async fn checkpoint_in_background(writer: SqlitePool, checkpointer: SqlitePool) {
-    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        if writer.is_closed() {
-            checkpointer.close().await;
-            return;
-        }
-        if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
-            .execute(&checkpointer)
-            .await
-        {
-            tracing::warn!(%error, "SQLite checkpoint failed; retrying in a second");
-        }
-    }
-}
 
 /// Read connections per SQLite database.
 pub const SQLITE_READERS: u32 = 4;
@@ -225,9 +209,7 @@ impl ReadPool for PgPool {
 /// Connections to the same SQLite file as `writer`, for reads outside a transaction: WAL lets
 /// them run beside the writer, each seeing every transaction committed before it started.
 pub fn sqlite_readers(writer: &SqlitePool, max_connections: u32) -> SqlitePool {
-    SqlitePoolOptions::new()
-        .max_connections(max_connections)
-        .connect_lazy_with((*writer.connect_options()).clone())
+    sqlite_pool_options(max_connections).connect_lazy_with((*writer.connect_options()).clone())
 }
 
 async fn open_postgres(url: &str, service: &ServiceStorage) -> Result<PgPool, OpenError> {
@@ -357,6 +339,9 @@ mod tests {
         assert_eq!(writer.options().get_max_connections(), 1);
         let readers = writer.readers();
         assert_eq!(readers.options().get_max_connections(), SQLITE_READERS);
+        // Nothing to ping in a connection that lives in this process.
+        assert!(!writer.options().get_test_before_acquire());
+        assert!(!readers.options().get_test_before_acquire());
         sqlx::query("CREATE TABLE t (v INTEGER)")
             .execute(&writer)
             .await
