@@ -18,12 +18,18 @@ pub const READ_SEEN_TAIL: &str = ") AS used, \
        ON e.host_fingerprint = a.host AND e.kind = a.kind \
        AND e.notification_epoch = a.epoch AND e.notification_seq = a.seq";
 
-/// The open windows of a list of registrations, then the list and `)`. Which of them a member may
-/// join (before its end, not full) is decided in `plan`.
+/// The open windows of a list of registrations that end after a time (then that time,
+/// `READ_WINDOWS_FULL`, `MAX_BATCH_MEMBERS`, `READ_WINDOWS_LIST`, the list and `)`): only those
+/// a member may join, which `plan` checks again. A window that has ended stays open until a lane
+/// takes it, and while a provider is held none does: in the admission benchmark (providers
+/// refusing connections) each phone had some four ended windows, and sending them all, a row at
+/// a time from sqlx's SQLite thread, made this read the slowest statement of a round.
 pub const READ_WINDOWS_HEAD: &str = "SELECT batch_id, registration_id, host_fingerprint, \
      member_count, members_bytes, routing_bytes, window_ends_at, created_at \
      FROM push_delivery_batches \
-     WHERE kind = 'alert' AND state = 'open' AND coalescible = 1 AND registration_id IN (";
+     WHERE kind = 'alert' AND state = 'open' AND coalescible = 1 AND window_ends_at > ";
+pub const READ_WINDOWS_FULL: &str = " AND member_count < ";
+pub const READ_WINDOWS_LIST: &str = " AND registration_id IN (";
 
 pub const INSERT_EVENTS: &str = "INSERT INTO push_events (event_id, host_fingerprint, kind, \
      notification_epoch, notification_seq, notification_id, content_hash, payload_json, \
@@ -74,7 +80,7 @@ macro_rules! batched_admission {
                 if seen.iter().any(|s| s.stored) {
                     return Ok(Batched::RowByRow);
                 }
-                let windows = Self::read_windows(tx, group, coalesce_ms).await?;
+                let windows = Self::read_windows(tx, group, now, coalesce_ms).await?;
                 let Some(mut plan) = batch::plan(group, &seen, windows, now, coalesce_ms) else {
                     return Ok(Batched::RowByRow);
                 };
@@ -219,6 +225,7 @@ macro_rules! batched_admission {
             async fn read_windows(
                 tx: &mut <$store as Backend>::Tx,
                 group: &[&Admission],
+                now: i64,
                 coalesce_ms: i64,
             ) -> Result<Vec<$crate::admission::OpenWindow>, sqlx::Error> {
                 use $crate::admission as batch;
@@ -232,6 +239,10 @@ macro_rules! batched_admission {
                 }
                 let keep = Self::keep_statement(registrations.len());
                 let mut q = sqlx::QueryBuilder::new(batch::READ_WINDOWS_HEAD);
+                q.push_bind(now)
+                    .push(batch::READ_WINDOWS_FULL)
+                    .push_bind($crate::model::MAX_BATCH_MEMBERS)
+                    .push(batch::READ_WINDOWS_LIST);
                 let mut list = q.separated(", ");
                 for id in registrations {
                     list.push_bind(id);
