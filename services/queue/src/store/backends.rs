@@ -69,6 +69,8 @@ impl SqliteQueueStore {
     pub(super) const HANDS_OFF: bool = true;
     /// Its statements are round trips to a thread: the writer waits for each (`group_commit`).
     pub(super) const WRITER_THREAD: bool = true;
+    /// A group's writes go as one query of several statements (`crate::admission::Writes`).
+    pub(super) const JOINS_STATEMENTS: bool = true;
 
     pub(super) async fn begin_group_write(
         &self,
@@ -154,6 +156,8 @@ impl PgQueueStore {
     pub(super) const HANDS_OFF: bool = false;
     /// Its connections belong to the main runtime's I/O driver: the writers run there.
     pub(super) const WRITER_THREAD: bool = false;
+    /// One statement per prepared query (`crate::admission::Writes`).
+    pub(super) const JOINS_STATEMENTS: bool = false;
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
     /// hosts never each hold what the other waits for.
     const LOCK_HOSTS_SQL: &'static str = "SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
