@@ -42,12 +42,19 @@ impl Checkpointed {
         Ok(Self { log, checkpointed })
     }
 
-    /// Whether the writer has to finish the checkpoint: the WAL changed since the last one, so
-    /// frames may have been committed while this one ran, or some were left behind.
+    /// Whether the writer finishes the checkpoint: the WAL changed since the last one, so frames
+    /// may have been committed while this one ran, or some were left behind; and what this one
+    /// left behind (a reader of an older snapshot limits how far it copies) is small, since the
+    /// writer waits for all of it. More left behind waits for the next tick's copy beside it.
     fn writer_finishes(self, last: Self) -> bool {
-        self.log != last.log || self.checkpointed < self.log
+        let left = self.log - self.checkpointed;
+        (self.log != last.log || left > 0) && left <= WRITER_COPIES_AT_MOST
     }
 }
+
+/// Frames (of a page each, 4 KiB) the writer's step may have to copy beyond what was committed
+/// while the copy beside it ran.
+const WRITER_COPIES_AT_MOST: i64 = 1024;
 
 /// Checkpoints every `CHECKPOINT_EVERY` until the writer's pool is closed (see the module's doc).
 pub(crate) async fn in_background(writer: SqlitePool, checkpointer: SqlitePool) {
@@ -62,15 +69,20 @@ pub(crate) async fn in_background(writer: SqlitePool, checkpointer: SqlitePool) 
         }
         match checkpoint(&writer, &checkpointer, last).await {
             Ok(done) => last = done,
+            // Closed while the writer's step waited for its connection: shutting down.
+            Err(sqlx::Error::PoolClosed) => {
+                checkpointer.close().await;
+                return;
+            }
             Err(error) => tracing::warn!(%error, "SQLite checkpoint failed; retrying in a second"),
         }
     }
 }
 
 /// One checkpoint after `last`: the bulk beside the writer (a PASSIVE checkpoint never waits for
-/// the writer or readers), then, if the WAL changed, what the writer committed meanwhile, on the
-/// writer's connection. That second step holds the writer back only while it copies the last
-/// frames and syncs the database file; an idle WAL skips it.
+/// the writer or readers), then, if the WAL changed (`writer_finishes`), the rest on the writer's
+/// connection. That second step holds the writer back while it copies what the first left and
+/// what was committed meanwhile, and syncs the database file; an idle WAL skips it.
 async fn checkpoint(
     writer: &SqlitePool,
     checkpointer: &SqlitePool,
@@ -88,6 +100,19 @@ async fn checkpoint(
 mod tests {
     use super::*;
     use crate::{SqliteDurability, open_sqlite};
+
+    #[test]
+    fn the_writer_finishes_a_checkpoint_when_the_wal_changed_and_little_is_left() {
+        let at = |log, checkpointed| Checkpointed { log, checkpointed };
+        // Idle: nothing new since the last checkpoint, everything copied.
+        assert!(!at(500, 500).writer_finishes(at(500, 500)));
+        // Frames committed since: they may have come in during this copy.
+        assert!(at(800, 800).writer_finishes(at(500, 500)));
+        // A reader held this copy back a little: the writer copies the rest.
+        assert!(at(500, 400).writer_finishes(at(500, 500)));
+        // Held back a lot: the writer would wait for all of it; the next tick copies it beside.
+        assert!(!at(5_000, 100).writer_finishes(at(500, 500)));
+    }
 
     async fn wal_frames(pool: &SqlitePool) -> i64 {
         Checkpointed::passive(pool).await.unwrap().log
