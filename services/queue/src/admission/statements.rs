@@ -60,8 +60,10 @@ pub const UPDATE_WINDOWS_TAIL: &str = ") UPDATE push_delivery_batches SET member
 /// which the group writer waits for; timed inside a round at 64 connections, some 0.3-0.6 ms
 /// each, the three inserts alone about 1 ms), else a query each (PostgreSQL runs one statement
 /// per prepared query). A joined query's text differs with each mix of row counts; the writer
-/// keeps it prepared while it has at most `KEEP_ROWS_AT_MOST` rows in all, as it kept each
-/// statement before.
+/// keeps it prepared while it has at most `KEEP_ROWS_AT_MOST` rows in all, and compiles a larger
+/// one again each round: joining only up to that many rows, so that each text stayed kept, was
+/// slower at 256 connections (docs/benchmarks.md, round 8), a round trip costing more than the
+/// compiling.
 ///
 /// Only INSERT and UPDATE statements may be joined: the rows changed are summed over the
 /// statements, and sqlx would count a statement of another kind as the one before it again.
