@@ -119,8 +119,10 @@ async fn a_lane_waits_for_the_window_without_polling_and_takes_the_batch_when_du
         let (config, _guard) = fresh(backend).await;
         let shutdown = CancellationToken::new();
         let queue = replica(&config, 300, &shutdown).await;
-        queue.enqueue(&alert(1, "phone")).await.unwrap();
+        // The window is counted from the admission, inside `enqueue`: timed from before it, so
+        // that a slow admission (a loaded machine) does not look like a claim that came early.
         let started = Instant::now();
+        queue.enqueue(&alert(1, "phone")).await.unwrap();
         let claimed = queue.claim("lane", 8, 30_000, 10_000).await.unwrap();
         let waited = started.elapsed();
         assert_eq!(claimed.len(), 1);

@@ -43,10 +43,27 @@ pub const IN_FLIGHT_PER_PROVIDER: usize = IN_FLIGHT_PER_LANE * 3 / 4;
 const HELD_FOR: Duration = Duration::from_secs(60);
 /// A batch handed back because its provider's share of the lane was full waits this long.
 const SATURATED_RETRY: Duration = Duration::from_secs(1);
-/// Batches one claim takes at most. A claim is one write transaction with a few statements per
-/// batch; at 64 it held SQLite's writer (and PostgreSQL's row locks) long enough to stall
-/// admissions, and the benchmark measured 20-50% more accepted sends at 16.
+/// Batches one claim takes at first, and again whenever a claim comes back with less than it
+/// asked for. A claim is one write transaction with a few statements per batch; at 64 it held
+/// SQLite's writer (and PostgreSQL's row locks) long enough to stall admissions, and the benchmark
+/// measured 20-50% more accepted sends at 16.
 const CLAIM_BATCHES: usize = 16;
+/// Batches one claim takes at most, once claims keep coming back full: the work waiting is then
+/// more than the lanes' claims of 16 could take (at 1,000 end-to-end flows, sends waited some
+/// 400 ms between `queued` and the provider), and a claim costs a wait for the writer however
+/// much it takes (docs/benchmarks.md, round 9).
+const CLAIM_BATCHES_BACKLOGGED: usize = 64;
+
+/// How many batches the lane's next claim asks for at most, after one that asked for `asked` and
+/// got `got`: twice as many (up to `CLAIM_BATCHES_BACKLOGGED`) while claims come back full, else
+/// back to `CLAIM_BATCHES`.
+fn next_claim_size(asked: usize, got: usize) -> usize {
+    if got >= asked {
+        (asked * 2).clamp(CLAIM_BATCHES, CLAIM_BATCHES_BACKLOGGED)
+    } else {
+        CLAIM_BATCHES
+    }
+}
 /// After the hard stop, how long a lane still lets its reporter send the reports already made.
 /// The drain grace (8 s) plus this stays under the platform's 10 s.
 const REPORT_GRACE: Duration = Duration::from_secs(1);
@@ -199,6 +216,7 @@ impl Sender {
         let capacity = Arc::new(Semaphore::new(IN_FLIGHT_PER_LANE));
         let provider_room = ProviderRoom::new();
         let mut in_flight = tokio::task::JoinSet::new();
+        let mut claim_size = CLAIM_BATCHES;
         loop {
             // Wait for room before asking for more work.
             let room = tokio::select! {
@@ -208,7 +226,7 @@ impl Sender {
                     Err(_) => break,
                 },
             };
-            let want = (capacity.available_permits() + 1).min(CLAIM_BATCHES) as u32;
+            let want = (capacity.available_permits() + 1).min(claim_size);
             // A held provider's work stays in the queue until its probe is due: claiming it
             // would only hand it back (a claim and a retry per new send during an outage).
             let (skip_providers, hold_ends) = self.breakers.held(std::time::Instant::now());
@@ -220,14 +238,18 @@ impl Sender {
                 _ = stop.cancelled() => break,
                 r = queue.claim(queue_pb::ClaimRequest {
                     lane: name.clone(),
-                    max_batches: want,
+                    max_batches: want as u32,
                     lease_ms: self.lease_ms,
                     wait_ms,
                     skip_providers,
                 }) => r,
             };
             let batches = match claimed {
-                Ok(r) => r.into_inner().batches,
+                Ok(r) => {
+                    let batches = r.into_inner().batches;
+                    claim_size = next_claim_size(want, batches.len());
+                    batches
+                }
                 Err(status) => {
                     tracing::warn!(lane = index, code = ?status.code(), "claim failed; retrying shortly");
                     tokio::select! {
@@ -669,5 +691,29 @@ async fn renew_lease(
             tracing::warn!("lost the lease of a batch in flight");
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claims_grow_while_they_come_back_full_and_start_over_when_not() {
+        assert_eq!(next_claim_size(16, 16), 32);
+        assert_eq!(next_claim_size(32, 32), 64);
+        assert_eq!(
+            next_claim_size(64, 64),
+            64,
+            "never past the backlog's bound"
+        );
+        assert_eq!(
+            next_claim_size(64, 63),
+            CLAIM_BATCHES,
+            "less than asked: back to 16"
+        );
+        assert_eq!(next_claim_size(16, 0), CLAIM_BATCHES);
+        // A lane short of room asked for less; a full answer still does not shrink the next one.
+        assert_eq!(next_claim_size(3, 3), CLAIM_BATCHES);
     }
 }
