@@ -54,12 +54,12 @@ const CLAIM_BATCHES: usize = 16;
 /// much it takes (docs/benchmarks.md, round 9).
 const CLAIM_BATCHES_BACKLOGGED: usize = 64;
 
-/// How many batches the lane's next claim asks for at most, after one that asked for `asked` and
-/// got `got`: twice as many (up to `CLAIM_BATCHES_BACKLOGGED`) while claims come back full, else
-/// back to `CLAIM_BATCHES`.
-fn next_claim_size(asked: usize, got: usize) -> usize {
+/// How many batches the lane's claims ask for at most (never more than it has room for), after
+/// one that could ask for `size`, asked for `asked` and got `got`: twice as many (up to
+/// `CLAIM_BATCHES_BACKLOGGED`) while claims come back full, else back to `CLAIM_BATCHES`.
+fn next_claim_size(size: usize, asked: usize, got: usize) -> usize {
     if got >= asked {
-        (asked * 2).clamp(CLAIM_BATCHES, CLAIM_BATCHES_BACKLOGGED)
+        (size * 2).clamp(CLAIM_BATCHES, CLAIM_BATCHES_BACKLOGGED)
     } else {
         CLAIM_BATCHES
     }
@@ -247,10 +247,11 @@ impl Sender {
             let batches = match claimed {
                 Ok(r) => {
                     let batches = r.into_inner().batches;
-                    claim_size = next_claim_size(want, batches.len());
+                    claim_size = next_claim_size(claim_size, want, batches.len());
                     batches
                 }
                 Err(status) => {
+                    claim_size = CLAIM_BATCHES;
                     tracing::warn!(lane = index, code = ?status.code(), "claim failed; retrying shortly");
                     tokio::select! {
                         _ = stop.cancelled() => break,
@@ -700,20 +701,21 @@ mod tests {
 
     #[test]
     fn claims_grow_while_they_come_back_full_and_start_over_when_not() {
-        assert_eq!(next_claim_size(16, 16), 32);
-        assert_eq!(next_claim_size(32, 32), 64);
+        assert_eq!(next_claim_size(16, 16, 16), 32);
+        assert_eq!(next_claim_size(32, 32, 32), 64);
         assert_eq!(
-            next_claim_size(64, 64),
+            next_claim_size(64, 64, 64),
             64,
             "never past the backlog's bound"
         );
         assert_eq!(
-            next_claim_size(64, 63),
+            next_claim_size(64, 64, 63),
             CLAIM_BATCHES,
-            "less than asked: back to 16"
+            "short: back to 16"
         );
-        assert_eq!(next_claim_size(16, 0), CLAIM_BATCHES);
-        // A lane short of room asked for less; a full answer still does not shrink the next one.
-        assert_eq!(next_claim_size(3, 3), CLAIM_BATCHES);
+        assert_eq!(next_claim_size(16, 16, 0), CLAIM_BATCHES);
+        // Short of room, the lane asked for less than it could: a full answer still grows it.
+        assert_eq!(next_claim_size(64, 20, 20), 64);
+        assert_eq!(next_claim_size(16, 3, 3), 32);
     }
 }
