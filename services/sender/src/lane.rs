@@ -53,6 +53,11 @@ const CLAIM_BATCHES: usize = 16;
 /// 400 ms between `queued` and the provider), and a claim costs a wait for the writer however
 /// much it takes (docs/benchmarks.md, round 9).
 const CLAIM_BATCHES_BACKLOGGED: usize = 64;
+/// After the hard stop, how long a lane still lets its reporter send the reports already made.
+/// The drain grace (8 s) plus this stays under the platform's 10 s.
+const REPORT_GRACE: Duration = Duration::from_secs(1);
+/// How long a claim waits for due work before asking again.
+const CLAIM_WAIT_MS: u32 = 10_000;
 
 /// How many batches the lane's claims ask for at most (never more than it has room for), after
 /// one that could ask for `size`, asked for `asked` and got `got`: twice as many (up to
@@ -64,11 +69,6 @@ fn next_claim_size(size: usize, asked: usize, got: usize) -> usize {
         CLAIM_BATCHES
     }
 }
-/// After the hard stop, how long a lane still lets its reporter send the reports already made.
-/// The drain grace (8 s) plus this stays under the platform's 10 s.
-const REPORT_GRACE: Duration = Duration::from_secs(1);
-/// How long a claim waits for due work before asking again.
-const CLAIM_WAIT_MS: u32 = 10_000;
 
 /// Aggregate counters (no labels that could carry personal data).
 #[derive(Debug, Default)]
