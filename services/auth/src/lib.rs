@@ -9,6 +9,7 @@ mod error;
 mod group_writer;
 mod grpc;
 mod host_auth;
+mod pg_group;
 pub mod session_token;
 pub mod session_watch;
 pub mod store;

@@ -144,7 +144,7 @@ impl AnyAuthStore {
     pub fn new(pool: Pool) -> Self {
         match pool {
             Pool::Sqlite(p) => Self::Sqlite(SqliteAuthStore::grouped(p)),
-            Pool::Postgres(p) => Self::Postgres(PgAuthStore::new(p)),
+            Pool::Postgres(p) => Self::Postgres(PgAuthStore::grouped(p)),
         }
     }
 
@@ -249,7 +249,8 @@ macro_rules! auth_store {
         pub struct $store {
             pool: $pool,
             readers: $pool,
-            /// SQLite: the handshakes' writes, committed together (see `group_writer`).
+            /// The handshakes' writes, committed together (see `group_writer`); `None` writes each
+            /// in a transaction of its own.
             writer: Option<std::sync::Arc<crate::group_writer::GroupWriter>>,
         }
 
@@ -544,7 +545,9 @@ impl SqliteAuthStore {
     /// Commits the handshakes' writes that arrive together in one transaction (see
     /// `group_writer`). Must be called inside a Tokio runtime.
     pub fn grouped(pool: sqlx::SqlitePool) -> Self {
-        let writer = crate::group_writer::GroupWriter::spawn(pool.clone());
+        let writer = crate::group_writer::GroupWriter::spawn(crate::group_writer::SqliteGroups(
+            pool.clone(),
+        ));
         Self {
             writer: Some(std::sync::Arc::new(writer)),
             ..Self::new(pool)
@@ -553,6 +556,18 @@ impl SqliteAuthStore {
 }
 
 impl PgAuthStore {
+    /// Commits the handshakes' writes that arrive together in one transaction of a few
+    /// multi-row statements (see `pg_group`). Must be called inside a Tokio runtime.
+    pub fn grouped(pool: sqlx::PgPool) -> Self {
+        let alone = Self::new(pool);
+        let writer =
+            crate::group_writer::GroupWriter::spawn(crate::pg_group::PgGroups(alone.clone()));
+        Self {
+            writer: Some(std::sync::Arc::new(writer)),
+            ..alone
+        }
+    }
+
     pub fn pool(&self) -> &sqlx::PgPool {
         &self.pool
     }
