@@ -10,8 +10,9 @@ use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 
 use crate::error::AuthError;
+use crate::recent_challenges::RecentChallenges;
 use crate::session_token::{SessionKey, SessionTagging, Tag};
-use crate::store::{AuthStore, NewChallenge, NewSession};
+use crate::store::{AuthStore, ChallengeRow, NewChallenge, NewSession};
 
 /// Who still has registrations: the registry, asked over gRPC.
 pub trait DeviceDirectory: Send + Sync {
@@ -110,6 +111,8 @@ pub struct HostAuth<S> {
     clock: Arc<dyn Clock>,
     /// The fingerprint the host prune stopped after.
     prune_cursor: std::sync::Mutex<String>,
+    /// Challenges issued here and not yet redeemed here, so their proofs need no read.
+    recent: std::sync::Mutex<RecentChallenges>,
     /// Read (or created) once from the store, on first use.
     tagging: tokio::sync::OnceCell<SessionTagging>,
     /// What `WatchSessions` tells its watchers, when this auth can know every new session.
@@ -150,6 +153,7 @@ impl<S: AuthStore> HostAuth<S> {
             gateway_origin,
             clock,
             prune_cursor: std::sync::Mutex::new(String::new()),
+            recent: std::sync::Mutex::default(),
             tagging: tokio::sync::OnceCell::new(),
             news: None,
             announces: Announcer::ThisProcess,
@@ -235,17 +239,29 @@ impl<S: AuthStore> HostAuth<S> {
             &ephemeral_secret,
         );
         let expected_proof = proof::proof(&secret, &encoded);
+        let secret_hash = sha256_hex(&expected_proof);
         self.store
             .insert_challenge(&NewChallenge {
                 challenge_id: &transcript.challenge_id,
                 host_fingerprint: &transcript.host_fingerprint,
                 host_public_key: &host_public_key,
-                secret_hash: &sha256_hex(&expected_proof),
+                secret_hash: &secret_hash,
                 transcript: &encoded,
                 issued_at_ms,
                 expires_at_ms: transcript.expires_at_ms,
             })
             .await?;
+        self.recent.lock().expect("recent challenges").insert(
+            transcript.challenge_id.clone(),
+            ChallengeRow {
+                host_fingerprint: transcript.host_fingerprint.clone(),
+                host_public_key: host_public_key.to_vec(),
+                secret_hash,
+                expires_at_ms: transcript.expires_at_ms,
+                consumed_at_ms: None,
+            },
+            issued_at_ms,
+        );
         tracing::debug!(
             host = fingerprint_prefix(&transcript.host_fingerprint),
             "challenge issued"
@@ -279,11 +295,19 @@ impl<S: AuthStore> HostAuth<S> {
             return Err(AuthError::InvalidRequest("proof must be 32 bytes"));
         }
         let now = self.clock.now_ms();
-        let challenge = self
-            .store
-            .find_challenge(challenge_id)
-            .await?
-            .ok_or(AuthError::InvalidChallenge)?;
+        let issued_here = self
+            .recent
+            .lock()
+            .expect("recent challenges")
+            .get(challenge_id, now);
+        let challenge = match issued_here {
+            Some(challenge) => challenge,
+            None => self
+                .store
+                .find_challenge(challenge_id)
+                .await?
+                .ok_or(AuthError::InvalidChallenge)?,
+        };
         if challenge.consumed_at_ms.is_some() {
             return Err(AuthError::InvalidProof("challenge already used"));
         }
@@ -317,6 +341,11 @@ impl<S: AuthStore> HostAuth<S> {
                 expires_at_ms,
             })
             .await?;
+        // Consumed now, by this proof or another: later proofs read the store.
+        self.recent
+            .lock()
+            .expect("recent challenges")
+            .remove(challenge_id);
         if !redeemed {
             return Err(AuthError::InvalidProof(
                 "challenge consumed by a concurrent proof",

@@ -10,6 +10,7 @@ mod group_writer;
 mod grpc;
 mod host_auth;
 mod pg_group;
+mod recent_challenges;
 pub mod session_token;
 pub mod session_watch;
 pub mod store;
