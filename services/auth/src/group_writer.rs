@@ -101,6 +101,16 @@ pub(crate) enum Write {
     Redemption(Redemption, oneshot::Sender<Result<bool, sqlx::Error>>),
 }
 
+impl Write {
+    /// Whether the caller stopped waiting for the answer.
+    fn caller_gone(&self) -> bool {
+        match self {
+            Self::Challenge(_, to) => to.is_closed(),
+            Self::Redemption(_, to) => to.is_closed(),
+        }
+    }
+}
+
 /// What one write did, before its group commits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Done {
@@ -176,6 +186,12 @@ async fn write_groups<S: GroupStore>(
 ) {
     let mut group = Vec::with_capacity(MAX_GROUP);
     while queued.recv_many(&mut group, MAX_GROUP).await > 0 {
+        // A caller that gave up (its client timed out) is not written for later: its redemption
+        // could otherwise replace a session the host has since minted elsewhere.
+        group.retain(|write| !write.caller_gone());
+        if group.is_empty() {
+            continue;
+        }
         // Their ratio is the mean group size.
         metrics::counter!("orca_push_auth_group_commits_total").increment(1);
         metrics::counter!("orca_push_auth_grouped_writes_total").increment(group.len() as u64);
@@ -188,11 +204,22 @@ async fn write_groups<S: GroupStore>(
                     answer(write, Ok(done));
                 }
             }
-            Err(error) => {
+            // A statement failed: one write may be to blame, so each is tried alone.
+            Err(sqlx::Error::Database(error)) => {
                 tracing::debug!(%error, writes = group.len(), "auth group failed; writing it one by one");
                 for write in group.drain(..) {
-                    let done = store.write_alone(&write).await;
-                    answer(write, done);
+                    if !write.caller_gone() {
+                        let done = store.write_alone(&write).await;
+                        answer(write, done);
+                    }
+                }
+            }
+            // The database could not be reached or the connection failed: every write would
+            // fail (or wait) alone just the same, so each caller is told now.
+            Err(error) => {
+                tracing::debug!(%error, writes = group.len(), "auth group failed");
+                for write in group.drain(..) {
+                    answer(write, Err(std::io::Error::other(error.to_string()).into()));
                 }
             }
         }
@@ -329,12 +356,39 @@ mod tests {
     }
 
     on_both_backends!(
+        a_write_whose_caller_gave_up_is_not_written,
         a_failing_write_fails_alone_and_its_neighbours_commit,
         of_two_proofs_for_one_challenge_in_a_group_exactly_one_redeems_it,
         of_two_logins_of_one_host_in_a_group_the_later_session_stands,
         a_spent_challenge_fails_its_proof_and_not_the_group,
         writes_waiting_together_share_one_commit,
     );
+
+    async fn a_write_whose_caller_gave_up_is_not_written(backend: Backend) {
+        use futures::FutureExt as _;
+        let (writer, pool, _db) = writer(backend).await;
+        let (abandoned, kept) = (challenge("abandoned"), challenge("kept"));
+        // Queued, then dropped before the writer ran (as a client that timed out).
+        assert!(
+            writer
+                .insert_challenge(&abandoned.borrowed())
+                .now_or_never()
+                .is_none()
+        );
+        writer.insert_challenge(&kept.borrowed()).await.unwrap();
+        assert_eq!(
+            count(
+                &pool,
+                "SELECT COUNT(*) FROM push_challenges WHERE challenge_id = 'kept'"
+            )
+            .await,
+            1
+        );
+        assert_eq!(
+            count(&pool, "SELECT COUNT(*) FROM push_challenges").await,
+            1
+        );
+    }
 
     async fn a_failing_write_fails_alone_and_its_neighbours_commit(backend: Backend) {
         let (writer, pool, _db) = writer(backend).await;

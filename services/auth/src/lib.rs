@@ -43,7 +43,7 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     postgres_schema: "push_auth",
     create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_auth",
     max_connections: 16,
-    // Challenges live a minute and a session can be minted again by logging in: a power loss
+    // Challenges live 10 s and a session can be minted again by logging in: a power loss
     // that drops the last of them costs a host one login, and no host was promised more. Syncing
     // each handshake's two commits halved handshakes per second (1,261/s with NORMAL, 583/s with
     // FULL, back to back).

@@ -11,8 +11,10 @@
 //!   a row twice, so only the last of each host is written: the earlier ones would have been
 //!   replaced within the same transaction).
 //!
-//! Hosts are written in fingerprint order, so two groups written side by side lock the rows they
-//! share in the same order.
+//! Challenges are consumed in id order and hosts written in fingerprint order, so two groups
+//! written side by side (two replicas) lock the rows they share in the same order. A deadlock
+//! with another writer (the prune's delete of long-expired sessions) is still possible: PostgreSQL
+//! aborts one side after `deadlock_timeout`, and the group is then written one write at a time.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -132,7 +134,9 @@ async fn redeem_all(conn: &mut sqlx::PgConnection, group: &[Write]) -> sqlx::Res
             Write::Redemption(..) => Done::Redemption(false),
         })
         .collect();
-    let tries = first_per_challenge(&redemptions);
+    let mut tries = first_per_challenge(&redemptions);
+    // Challenges are locked in id order, as hosts are in fingerprint order below.
+    tries.sort_unstable_by(|(_, a), (_, b)| a.challenge_id.cmp(&b.challenge_id));
     if tries.is_empty() {
         return Ok(done);
     }
