@@ -25,7 +25,9 @@ pub const BODY_LIMIT_BYTES: usize = 16 * 1024;
 #[derive(Clone)]
 pub struct AppState {
     pub mode: Mode,
-    pub backends: Option<Backends>,
+    /// Behind an `Arc`: axum clones the state for every request (each `State` extractor and
+    /// middleware), and the clients and endpoints here are many boxed services and a `Vec`.
+    pub backends: Option<Arc<Backends>>,
     pub limits: Arc<Limits>,
     /// The session key and the verified-session cache.
     pub sessions: Arc<SessionCheck>,
@@ -38,7 +40,7 @@ impl AppState {
     pub fn serving(backends: Backends, limits: Arc<Limits>) -> Self {
         Self {
             mode: Mode::Serve,
-            backends: Some(backends),
+            backends: Some(Arc::new(backends)),
             limits,
             sessions: Arc::default(),
             ready_cache: Arc::default(),
@@ -58,11 +60,11 @@ impl AppState {
     }
 
     pub fn backends(&self) -> Result<&Backends, ApiError> {
-        self.backends.as_ref().ok_or(ApiError::ValidationOnly)
+        self.backends.as_deref().ok_or(ApiError::ValidationOnly)
     }
 
     pub fn backends_for_ready(&self) -> Option<&Backends> {
-        self.backends.as_ref()
+        self.backends.as_deref()
     }
 }
 
