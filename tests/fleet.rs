@@ -120,10 +120,10 @@ async fn killing_one_replica_of_each_service_loses_nothing() {
         accepted.len(),
         delivered.len()
     );
-    for collapse_ids in delivered.values() {
+    for (id, collapse_ids) in &delivered {
         assert!(
             collapse_ids.iter().all(|c| c == &collapse_ids[0]),
-            "a repeat keeps its collapse id"
+            "a repeat keeps its collapse id: {id:?} delivered with {collapse_ids:?}"
         );
     }
 }
