@@ -357,11 +357,11 @@ async fn handle(
     goaway: &tokio::sync::Notify,
 ) -> Response<Full<Bytes>> {
     let (parts, body) = request.into_parts();
-    let body = body
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    // A body cut short (the sender killed mid-request) is no request: APNs delivers nothing of
+    // it, so it is not recorded as a call (it once was, with no payload, and read as a delivery).
+    let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
+        return reply(400, None, Some("BadRequest"));
+    };
     let jwt = parts
         .headers
         .get("authorization")
