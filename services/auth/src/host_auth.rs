@@ -169,6 +169,14 @@ impl<S: AuthStore> HostAuth<S> {
         self
     }
 
+    /// The challenges issued here (a poisoned lock still holds a consistent map: no method of it
+    /// panics midway).
+    fn recent(&self) -> std::sync::MutexGuard<'_, RecentChallenges> {
+        self.recent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Where session news is published, if the watch is offered.
     pub fn session_news(&self) -> Option<tokio::sync::broadcast::Sender<SessionNews>> {
         self.news.clone()
@@ -251,7 +259,7 @@ impl<S: AuthStore> HostAuth<S> {
                 expires_at_ms: transcript.expires_at_ms,
             })
             .await?;
-        self.recent.lock().expect("recent challenges").insert(
+        self.recent().insert(
             transcript.challenge_id.clone(),
             ChallengeRow {
                 host_fingerprint: transcript.host_fingerprint.clone(),
@@ -295,11 +303,7 @@ impl<S: AuthStore> HostAuth<S> {
             return Err(AuthError::InvalidRequest("proof must be 32 bytes"));
         }
         let now = self.clock.now_ms();
-        let issued_here = self
-            .recent
-            .lock()
-            .expect("recent challenges")
-            .get(challenge_id, now);
+        let issued_here = self.recent().get(challenge_id, now);
         let challenge = match issued_here {
             Some(challenge) => challenge,
             None => self
@@ -342,10 +346,7 @@ impl<S: AuthStore> HostAuth<S> {
             })
             .await?;
         // Consumed now, by this proof or another: later proofs read the store.
-        self.recent
-            .lock()
-            .expect("recent challenges")
-            .remove(challenge_id);
+        self.recent().remove(challenge_id);
         if !redeemed {
             return Err(AuthError::InvalidProof(
                 "challenge consumed by a concurrent proof",

@@ -16,7 +16,7 @@
 //! with another writer (the prune's delete of long-expired sessions) is still possible: PostgreSQL
 //! aborts one side after `deadlock_timeout`, and the group is then written one write at a time.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use crate::group_writer::{Done, GroupStore, Redemption, Write};
 use crate::store::{PgAuthStore, SESSIONS_CHANNEL, db_time};
@@ -169,42 +169,27 @@ async fn redeem_all(conn: &mut sqlx::PgConnection, group: &[Write]) -> sqlx::Res
     }
     let sessions = last_per_host(&redeemed);
     let hosts: Vec<&str> = sessions.keys().copied().collect();
+    let keys: Vec<&[u8]> = sessions
+        .values()
+        .map(|r| r.host_public_key.as_slice())
+        .collect();
+    let now: Vec<i64> = sessions.values().map(|r| db_time(r.now_ms)).collect();
+    let tokens: Vec<&str> = sessions.values().map(|r| r.token_hash.as_str()).collect();
+    let expires: Vec<i64> = sessions
+        .values()
+        .map(|r| db_time(r.expires_at_ms))
+        .collect();
     sqlx::query(UPSERT_HOSTS_SQL)
         .bind(&hosts)
-        .bind(
-            sessions
-                .values()
-                .map(|r| r.host_public_key.as_slice())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            sessions
-                .values()
-                .map(|r| db_time(r.now_ms))
-                .collect::<Vec<_>>(),
-        )
+        .bind(keys)
+        .bind(&now)
         .execute(&mut *conn)
         .await?;
     sqlx::query(UPSERT_SESSIONS_SQL)
-        .bind(
-            sessions
-                .values()
-                .map(|r| r.token_hash.as_str())
-                .collect::<Vec<_>>(),
-        )
+        .bind(tokens)
         .bind(&hosts)
-        .bind(
-            sessions
-                .values()
-                .map(|r| db_time(r.expires_at_ms))
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            sessions
-                .values()
-                .map(|r| db_time(r.now_ms))
-                .collect::<Vec<_>>(),
-        )
+        .bind(expires)
+        .bind(&now)
         .execute(&mut *conn)
         .await?;
     sqlx::query(ANNOUNCE_ALL_SQL)
@@ -221,10 +206,10 @@ async fn redeem_all(conn: &mut sqlx::PgConnection, group: &[Write]) -> sqlx::Res
 fn first_per_challenge<'a>(
     redemptions: &[(usize, &'a Redemption)],
 ) -> Vec<(usize, &'a Redemption)> {
-    let mut seen: HashMap<&str, ()> = HashMap::with_capacity(redemptions.len());
+    let mut seen: HashSet<&str> = HashSet::with_capacity(redemptions.len());
     redemptions
         .iter()
-        .filter(|(_, r)| seen.insert(r.challenge_id.as_str(), ()).is_none())
+        .filter(|(_, r)| seen.insert(r.challenge_id.as_str()))
         .copied()
         .collect()
 }
