@@ -240,18 +240,25 @@ where
             ),
             None,
         ),
-        LogFormat::Json => (
-            None,
-            Some(
-                tracing_subscriber::fmt::layer()
-                    .with_writer(writer)
-                    .event_format(crate::json_log::JsonLines),
-            ),
-        ),
+        LogFormat::Json => (None, Some(json_layer(writer))),
     };
     tracing_subscriber::registry()
         .with(filter)
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
         .with(text)
         .with(json)
+}
+
+/// The fmt layer writing JSON lines (`LogFormat::Json`) to `writer`.
+pub(crate) fn json_layer<S, W>(
+    writer: W,
+) -> tracing_subscriber::fmt::Layer<S, crate::json_log::NoSpanFields, crate::json_log::JsonLines, W>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + 'static,
+{
+    tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        .fmt_fields(crate::json_log::NoSpanFields)
+        .event_format(crate::json_log::JsonLines)
 }
