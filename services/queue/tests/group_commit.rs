@@ -423,3 +423,51 @@ async fn group_statements_stay_prepared_up_to_a_bound() {
     admit(group(21, 129)).await;
     assert_eq!(cached().await, kept, "statements of 129 rows are not kept");
 }
+
+/// On PostgreSQL a group's statements stay prepared and are planned once per connection, not on
+/// every call: profiled, planning the seen read cost the server seven times its execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgresql_plans_a_groups_reads_once_per_connection() {
+    let (config, _db) = orca_push_storage::testing::fresh(Backend::Postgres).await;
+    orca_push_queue::open_and_migrate(&config)
+        .await
+        .expect("open and migrate");
+    // One connection, so that its session's prepared statements are the ones the groups used.
+    let one = orca_push_storage::ServiceStorage {
+        max_connections: 1,
+        ..orca_push_queue::STORAGE
+    };
+    let pool = orca_push_storage::open(&config, &one).await.expect("open");
+    let clock = orca_push_storage::ManualClock::new(T0);
+    let queue = orca_push_queue::DeliveryQueue::new(
+        orca_push_queue::AnyQueueStore::new(pool.clone()),
+        std::sync::Arc::new(clock),
+        WINDOW,
+        std::sync::Arc::new(orca_push_queue::Wake::new()),
+    );
+    for seq in 1..=8 {
+        let phone = format!("phone-{seq}");
+        let admitted = queue.enqueue(&alert(seq, &[phone.as_str()])).await.unwrap();
+        let statuses: Vec<AdmissionStatus> =
+            admitted.statuses.into_iter().map(|(_, s)| s).collect();
+        assert_eq!(statuses, vec![AdmissionStatus::Queued]);
+    }
+    let Pool::Postgres(pg) = pool else {
+        unreachable!("a PostgreSQL pool")
+    };
+    let plans: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements \
+         WHERE statement LIKE 'WITH a (i, host%' OR statement LIKE 'SELECT batch_id, registration_id%'",
+    )
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    assert_eq!(plans.len(), 2, "both reads kept prepared: {plans:?}");
+    for (statement, generic, custom) in plans {
+        assert_eq!(
+            (generic, custom),
+            (8, 0),
+            "one generic plan, used by every group: {statement}"
+        );
+    }
+}

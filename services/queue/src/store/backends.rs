@@ -143,9 +143,12 @@ impl PgQueueStore {
         &self.pool
     }
 
-    /// A group's statements differ in text with its size; sixteen connections each keeping every
-    /// size would hold thousands of server-side prepared statements, so none is kept.
-    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = None;
+    /// A group's statements differ in text with its size. Those of up to 16 rows stay prepared,
+    /// and the group's transaction plans each once (`LOCK_HOSTS_SQL`): profiled at 8 connections,
+    /// the server planned the seen read on every call, 0.22 ms of planning against 0.03 ms of
+    /// executing, and the windows read 0.10 against 0.02 ms. sqlx keeps at most 100 statements per
+    /// connection (the least used are closed), so a larger bound only churns.
+    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(16);
     /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
     pub(super) const GROUP_WRITERS: usize = 4;
     /// Reports keep transactions of their own: in a round they would take batch row locks after
@@ -161,10 +164,17 @@ impl PgQueueStore {
     /// One statement per prepared query (`crate::admission::Writes`).
     pub(super) const JOINS_STATEMENTS: bool = false;
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
-    /// hosts never each hold what the other waits for.
-    const LOCK_HOSTS_SQL: &'static str = "SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
-         (SELECT DISTINCT hashtextextended('push_events:' || h, 0) AS k FROM UNNEST($1::text[]) AS h \
-          ORDER BY k) AS keys";
+    /// hosts never each hold what the other waits for. In the same round trip, the rest of the
+    /// transaction uses generic plans: a kept statement is then planned once per connection, where
+    /// PostgreSQL's own choice re-planned the group's reads on every call (its generic estimate
+    /// for a list of rows is worse than the custom plan for one row). Their generic plans use the
+    /// same indexes. `set_config(.., true)` lasts until the transaction ends, so claims, reports
+    /// and clean-up on the same connection plan as before.
+    const LOCK_HOSTS_SQL: &'static str = "SELECT \
+         set_config('plan_cache_mode', 'force_generic_plan', true), \
+         (SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
+          (SELECT DISTINCT hashtextextended('push_events:' || h, 0) AS k \
+           FROM UNNEST($1::text[]) AS h ORDER BY k) AS keys)";
 
     pub(super) async fn begin_group_write(
         &self,
