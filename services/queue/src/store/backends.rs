@@ -143,12 +143,14 @@ impl PgQueueStore {
         &self.pool
     }
 
-    /// A group's statements differ in text with its size. Those of up to 16 rows stay prepared,
+    /// A group's statements differ in text with its size. Those of up to 8 rows stay prepared,
     /// and the group's transaction plans each once (`LOCK_HOSTS_SQL`): profiled at 8 connections,
     /// the server planned the seen read on every call, 0.22 ms of planning against 0.03 ms of
-    /// executing, and the windows read 0.10 against 0.02 ms. sqlx keeps at most 100 statements per
-    /// connection (the least used are closed), so a larger bound only churns.
-    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(16);
+    /// executing, and the windows read 0.10 against 0.02 ms. sqlx keeps 100 statements per
+    /// connection and closes the least recently used past that, each miss then costing a prepare
+    /// and a close: six kinds of group statement and the reports' finish at 8 sizes each (56),
+    /// beside the store's fixed statements (about 35), still fit; at 16 sizes they did not.
+    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(8);
     /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
     pub(super) const GROUP_WRITERS: usize = 4;
     /// Reports keep transactions of their own: in a round they would take batch row locks after
