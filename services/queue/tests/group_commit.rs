@@ -493,3 +493,76 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
         );
     }
 }
+
+/// On PostgreSQL a group's writes and the replicas' wake-up are one statement: at 8 connections a
+/// group was nine round trips with the server's CPU the bound. The wake-up still reaches the
+/// listening replicas once the group commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgresql_writes_a_group_and_wakes_replicas_in_one_statement() {
+    let (config, _db) = orca_push_storage::testing::fresh(Backend::Postgres).await;
+    orca_push_queue::open_and_migrate(&config)
+        .await
+        .expect("open and migrate");
+    let one = orca_push_storage::ServiceStorage {
+        max_connections: 1,
+        ..orca_push_queue::STORAGE
+    };
+    let pool = orca_push_storage::open(&config, &one).await.expect("open");
+    let Pool::Postgres(pg) = pool.clone() else {
+        unreachable!("a PostgreSQL pool")
+    };
+    // The listener's connection is its own, as another replica's would be.
+    let Pool::Postgres(other) = orca_push_storage::open(&config, &one).await.expect("open") else {
+        unreachable!("a PostgreSQL pool")
+    };
+    let mut listener = sqlx::postgres::PgListener::connect_with(&other)
+        .await
+        .expect("listen");
+    listener
+        .listen(orca_push_queue::store::WAKE_CHANNEL)
+        .await
+        .unwrap();
+    let store = orca_push_queue::AnyQueueStore::new(pool);
+    // Due at once (no coalescing window): the group wakes the lanes.
+    let admissions: Vec<_> = (1..=3)
+        .map(|seq| alert(seq, &[format!("phone-{seq}").as_str()]))
+        .collect();
+    let refs: Vec<_> = admissions.iter().collect();
+    for result in store.enqueue_group(&refs, T0 as i64, 0, None).await {
+        let statuses: Vec<_> = result
+            .unwrap()
+            .statuses
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
+        assert_eq!(statuses, vec![AdmissionStatus::Queued]);
+    }
+    assert_eq!(store.batched_groups(), 1, "admitted on the batched path");
+    let woke = tokio::time::timeout(std::time::Duration::from_secs(5), listener.recv())
+        .await
+        .expect("woken after the commit")
+        .unwrap();
+    assert_eq!(woke.payload(), "apns");
+    let prepared: Vec<String> = sqlx::query_scalar(
+        "SELECT statement FROM pg_prepared_statements \
+         WHERE (statement LIKE '%INSERT INTO push_event%' OR statement LIKE '%pg_notify%') \
+         AND statement NOT LIKE '%pg_prepared_statements%'",
+    )
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    assert_eq!(prepared.len(), 1, "one write statement: {prepared:#?}");
+    for part in [
+        "INSERT INTO push_events",
+        "INSERT INTO push_delivery_batches",
+        "INSERT INTO push_event_recipients",
+        "pg_notify",
+    ] {
+        assert!(prepared[0].contains(part), "{part} in {}", prepared[0]);
+    }
+    let stored: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM push_event_recipients")
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    assert_eq!(stored, 3);
+}

@@ -96,15 +96,20 @@ macro_rules! round_statements {
                 } else {
                     Self::admit_batched(&mut tx, group, now, coalesce_ms, handoff).await?
                 };
-                let (admitted, handed) = match batched {
-                    Batched::Done(admitted, handed) => {
+                let (admitted, handed, woken) = match batched {
+                    Batched::Done {
+                        admitted,
+                        handed,
+                        woken,
+                    } => {
                         self.batched_groups
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        (admitted, handed)
+                        (admitted, handed, woken)
                     }
                     Batched::RowByRow => (
                         Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                         Vec::new(),
+                        false,
                     ),
                     Batched::Raced => {
                         tx.rollback().await?;
@@ -112,6 +117,7 @@ macro_rules! round_statements {
                         (
                             Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                             Vec::new(),
+                            false,
                         )
                     }
                 };
@@ -121,7 +127,7 @@ macro_rules! round_statements {
                     Self::finish_reported(&mut tx, reports, now).await?
                 };
                 let due = $crate::wake::providers_due(group.iter().copied().zip(&admitted));
-                if !due.is_empty() {
+                if !woken && !due.is_empty() {
                     Self::wake_replicas(&mut tx, &$crate::wake::payload_naming(due)).await?;
                 }
                 tx.commit().await?;
