@@ -243,7 +243,65 @@ async fn a_hosts_admissions_answered_in_turn_keep_their_order(backend: Backend) 
     assert_eq!(statuses.get("phone-2"), Some(&"cancelled"));
 }
 
+/// Lanes that find work due at the same moment: on SQLite (one writer) they take turns, and the
+/// first claims it all, so the others do not each spend an empty write transaction in the
+/// writer's way; while claims come back full, the next lane claims what is left. On PostgreSQL
+/// they claim side by side. Either way each batch goes to one lane.
+async fn lanes_finding_work_together_claim_it_once(backend: Backend) {
+    let h = harness(backend).await;
+    for seq in 1..=3 {
+        let phone = format!("phone-{seq}");
+        h.admit(&alert(seq, &[phone.as_str()])).await;
+    }
+    h.clock.advance(WINDOW);
+    let lanes: Vec<_> = (0..4)
+        .map(|i| {
+            let queue = h.queue.clone();
+            tokio::spawn(async move { queue.claim(&format!("lane-{i}"), 64, 30_000, 300).await })
+        })
+        .collect();
+    let mut claimed = Vec::new();
+    for lane in lanes {
+        claimed.extend(lane.await.unwrap().unwrap());
+    }
+    let mut ids: Vec<_> = claimed.iter().map(|b| b.batch_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(
+        (claimed.len(), ids.len()),
+        (3, 3),
+        "each batch claimed once"
+    );
+    if backend == Backend::Sqlite {
+        assert_eq!(h.queue.claim_transactions(), 1, "one claim took it all");
+    }
+    // A claim that comes back full leaves more due: the next lane claims it, none goes empty.
+    for seq in 4..=7 {
+        let phone = format!("phone-{seq}");
+        h.admit(&alert(seq, &[phone.as_str()])).await;
+    }
+    h.clock.advance(WINDOW);
+    let before = h.queue.claim_transactions();
+    let lanes: Vec<_> = (0..4)
+        .map(|i| {
+            let queue = h.queue.clone();
+            tokio::spawn(async move { queue.claim(&format!("lane-{i}"), 1, 30_000, 300).await })
+        })
+        .collect();
+    for lane in lanes {
+        assert_eq!(lane.await.unwrap().unwrap().len(), 1, "each lane its one");
+    }
+    if backend == Backend::Sqlite {
+        assert_eq!(
+            h.queue.claim_transactions() - before,
+            4,
+            "no claim came back empty"
+        );
+    }
+}
+
 on_both_backends!(
+    lanes_finding_work_together_claim_it_once,
     one_failing_admission_never_fails_its_neighbours,
     a_round_records_reports_with_its_admissions_or_apart_when_it_fails,
     a_stale_report_does_not_hide_the_lease_holders,
