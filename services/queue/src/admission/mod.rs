@@ -464,12 +464,7 @@ impl Window {
 #[derive(Debug)]
 pub enum Batched {
     /// Written: one result per admission, in order, and the claims to answer once it commits.
-    Done {
-        admitted: Vec<Enqueued>,
-        handed: crate::handoff::Handed,
-        /// Whether the writes also woke the replicas' lanes for the work due at once.
-        woken: bool,
-    },
+    Done(Vec<Enqueued>, crate::handoff::Handed),
     /// Not the common case (a dismissal, a retry, an identity twice): admit row by row instead,
     /// in the same transaction (nothing was written).
     RowByRow,

@@ -55,128 +55,54 @@ pub const UPDATE_WINDOWS_TAIL: &str = ") UPDATE push_delivery_batches SET member
      FROM v WHERE push_delivery_batches.batch_id = v.id \
      AND push_delivery_batches.state = 'open' AND push_delivery_batches.member_count = v.was";
 
-/// How a group's write statements go to the database.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Form {
-    /// A query per statement.
-    Apart,
-    /// One query of several statements, where the backend runs such a query in one round trip
-    /// (SQLite: a round trip to its connection's thread, which the group writer waits for; timed
-    /// inside a round at 64 connections, some 0.3-0.6 ms each, the three inserts alone about
-    /// 1 ms). Its text differs with each mix of row counts; the writer keeps it prepared while it
-    /// has at most `KEEP_ROWS_AT_MOST` rows in all, and compiles a larger one again each round:
-    /// joining only up to that many rows, so that each text stayed kept, was slower at 256
-    /// connections (docs/benchmarks.md, round 8), a round trip costing more than the compiling.
-    ///
-    /// Only INSERT and UPDATE statements may be joined: the rows changed are summed over the
-    /// statements, and sqlx would count a statement of another kind as the one before it again.
-    /// sqlx 0.8 deprecates queries of several statements (its issue 3108); an upgrade that drops
-    /// them fails `a_joined_query_writes_each_statement_with_its_own_rows`.
-    Joined,
-    /// One statement whose writes are data-modifying common table expressions, each `RETURNING`
-    /// a row per row it changed, and whose result counts them (PostgreSQL, which prepares one
-    /// statement per query; `WithCounts::finish` may add the replicas' wake-up). The inserts'
-    /// foreign keys are checked at the statement's end, so a recipient may name an event the same
-    /// statement inserts. Kept prepared while each part has at most `KEEP_ROWS_AT_MOST` rows.
-    Common,
-}
-
-/// A group's write statements, as queries in the backend's `Form`.
+/// A group's write statements, as queries: joined into one query of several statements where the
+/// backend runs such a query in one round trip (SQLite: a round trip to its connection's thread,
+/// which the group writer waits for; timed inside a round at 64 connections, some 0.3-0.6 ms
+/// each, the three inserts alone about 1 ms), else a query each (PostgreSQL runs one statement
+/// per prepared query). A joined query's text differs with each mix of row counts; the writer
+/// keeps it prepared while it has at most `KEEP_ROWS_AT_MOST` rows in all, and compiles a larger
+/// one again each round: joining only up to that many rows, so that each text stayed kept, was
+/// slower at 256 connections (docs/benchmarks.md, round 8), a round trip costing more than the
+/// compiling.
+///
+/// Only INSERT and UPDATE statements may be joined: the rows changed are summed over the
+/// statements, and sqlx would count a statement of another kind as the one before it again.
+/// sqlx 0.8 deprecates queries of several statements (its issue 3108); an upgrade that drops them
+/// fails `a_joined_query_writes_each_statement_with_its_own_rows`.
 pub struct Writes<'args, DB: sqlx::Database> {
-    form: Form,
-    /// Each query, with the rows that decide whether it stays prepared: all its rows, or in the
-    /// `Common` form its largest part's.
+    joined: bool,
+    /// Each query, with its rows in all.
     queries: Vec<(sqlx::QueryBuilder<'args, DB>, usize)>,
-    /// `Common`: the parts so far.
-    parts: usize,
 }
 
 impl<'args, DB: sqlx::Database> Writes<'args, DB> {
-    pub fn new(form: Form) -> Self {
+    pub fn new(joined: bool) -> Self {
         Self {
-            form,
+            joined,
             queries: Vec::new(),
-            parts: 0,
         }
     }
 
     /// A statement of `rows` rows that begins with `head`, for the caller to finish.
     pub fn statement(&mut self, head: &str, rows: usize) -> &mut sqlx::QueryBuilder<'args, DB> {
-        if self.form == Form::Apart || self.queries.is_empty() {
-            let start = if self.form == Form::Common {
-                "WITH "
-            } else {
-                ""
-            };
-            self.queries.push((sqlx::QueryBuilder::new(start), 0));
+        if !self.joined || self.queries.is_empty() {
+            self.queries.push((sqlx::QueryBuilder::new(""), 0));
         }
         let at = self.queries.len() - 1;
-        let (query, keep_rows) = &mut self.queries[at];
-        match self.form {
-            Form::Apart => *keep_rows = rows,
-            Form::Joined => {
-                if !query.sql().is_empty() {
-                    query.push("; ");
-                }
-                *keep_rows += rows;
-            }
-            Form::Common => {
-                if self.parts > 0 {
-                    query.push(COMMON_PART_END).push(", ");
-                }
-                query.push(format_args!("w{} AS (", self.parts));
-                self.parts += 1;
-                *keep_rows = (*keep_rows).max(rows);
-            }
+        let (query, total) = &mut self.queries[at];
+        if !query.sql().is_empty() {
+            query.push("; ");
         }
         query.push(head);
+        *total += rows;
         query
     }
 
-    /// `Common`: ends the statement with a row whose `changed` counts the rows its parts changed,
-    /// and with `wake` (a channel and its payload), notifies that channel when the transaction
-    /// commits. The other forms have nothing to end.
-    pub fn finish(&mut self, wake: Option<(&'args str, String)>)
-    where
-        &'args str: sqlx::Encode<'args, DB> + sqlx::Type<DB>,
-        String: sqlx::Encode<'args, DB> + sqlx::Type<DB>,
-    {
-        if self.form != Form::Common || self.parts == 0 {
-            return;
-        }
-        let parts = self.parts;
-        let Some((query, _)) = self.queries.last_mut() else {
-            return;
-        };
-        query.push(COMMON_PART_END).push(" SELECT ");
-        for part in 0..parts {
-            if part > 0 {
-                query.push(" + ");
-            }
-            query.push(format_args!("(SELECT COUNT(*) FROM w{part})"));
-        }
-        query.push(" AS changed");
-        if let Some((channel, payload)) = wake {
-            query.push(" FROM (SELECT pg_notify(");
-            query.push_bind(channel).push(", ").push_bind(payload);
-            query.push(")) AS woken");
-        }
-    }
-
-    /// Whether the queries' result rows count what they changed (`Common`) rather than their
-    /// rows affected.
-    pub fn counts_in_rows(&self) -> bool {
-        self.form == Form::Common
-    }
-
-    /// The queries to run in order, each with the rows that decide whether it stays prepared.
+    /// The queries to run in order, each with its rows in all.
     pub fn queries(&mut self) -> impl Iterator<Item = (&mut sqlx::QueryBuilder<'args, DB>, usize)> {
         self.queries.iter_mut().map(|(query, rows)| (query, *rows))
     }
 }
-
-/// Closes a part of a `Common` statement.
-const COMMON_PART_END: &str = " RETURNING 1)";
 
 /// The rows a plan's writes change when no window changed since the group read it: every insert
 /// writes all its rows or fails, and each window update applies to one window.
@@ -220,8 +146,8 @@ macro_rules! batched_admission {
                     $crate::handoff::lease_due_now(&mut plan, h, now)
                 });
                 // One query of several statements on SQLite (one round trip to its connection's
-                // thread), one statement with the replicas' wake-up on PostgreSQL (`Form`).
-                let mut writes = batch::Writes::new(Self::WRITES_FORM);
+                // thread), a query per statement on PostgreSQL (`Writes`).
+                let mut writes = batch::Writes::new(Self::JOINS_STATEMENTS);
                 if !plan.updates.is_empty() {
                     let q = writes.statement(batch::UPDATE_WINDOWS_HEAD, plan.updates.len());
                     q.push_values(&plan.updates, |mut row, u| {
@@ -289,30 +215,18 @@ macro_rules! batched_admission {
                             .push_bind(now);
                     });
                 }
-                // In the `Common` form the wake-up is the statement's, and it lapses with a
-                // transaction rolled back after a race.
-                let due = $crate::wake::providers_due(group.iter().copied().zip(&plan.results));
-                let woken = writes.counts_in_rows() && !due.is_empty();
-                writes.finish(woken.then(|| {
-                    (
-                        $crate::store::WAKE_CHANNEL,
-                        $crate::wake::payload_naming(due),
-                    )
-                }));
-                let counts_in_rows = writes.counts_in_rows();
                 let mut changed = 0;
                 for (i, (q, rows)) in writes.queries().enumerate() {
-                    let query = q.build().persistent(Self::keep_statement(rows));
-                    changed += if counts_in_rows {
-                        let counted: i64 = query.fetch_one(&mut **tx).await?.try_get("changed")?;
-                        u64::try_from(counted).unwrap_or(0)
-                    } else {
-                        query.execute(&mut **tx).await?.rows_affected()
-                    };
+                    changed += q
+                        .build()
+                        .persistent(Self::keep_statement(rows))
+                        .execute(&mut **tx)
+                        .await?
+                        .rows_affected();
                     // A query per statement: a window update that lost a race is known before
                     // the inserts run.
                     let raced = i == 0
-                        && Self::WRITES_FORM == batch::Form::Apart
+                        && !Self::JOINS_STATEMENTS
                         && !plan.updates.is_empty()
                         && changed != plan.updates.len() as u64;
                     if raced {
@@ -322,11 +236,7 @@ macro_rules! batched_admission {
                 if changed != batch::changes_expected(&plan) {
                     return Ok(Batched::Raced);
                 }
-                Ok(Batched::Done {
-                    admitted: plan.results,
-                    handed,
-                    woken,
-                })
+                Ok(Batched::Done(plan.results, handed))
             }
 
             /// One row per admission: whether its identity is stored, its host's quota use, and
@@ -422,7 +332,7 @@ pub(crate) use batched_admission;
 
 #[cfg(test)]
 mod tests {
-    use super::{Form, Writes};
+    use super::Writes;
 
     /// SQLite binds a joined query's parameters statement after statement, so each statement gets
     /// its own rows (sqlx runs such a query on its connection's thread in one go).
@@ -434,8 +344,7 @@ mod tests {
             .await
             .unwrap();
         for joined in [true, false] {
-            let form = if joined { Form::Joined } else { Form::Apart };
-            let mut writes = Writes::<sqlx::Sqlite>::new(form);
+            let mut writes = Writes::<sqlx::Sqlite>::new(joined);
             writes.statement("INSERT INTO a (x, y) ", 2).push_values(
                 [(1, "one"), (2, "two")],
                 |mut row, (x, y)| {

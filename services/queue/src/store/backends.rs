@@ -3,7 +3,6 @@
 //! sibling modules' macros.
 
 use super::WAKE_CHANNEL;
-use crate::admission::Form;
 use crate::model::Admission;
 
 /// Wakes every replica's waiting lanes once the transaction it runs in commits (PostgreSQL).
@@ -72,8 +71,8 @@ impl SqliteQueueStore {
     pub(super) const HANDS_OFF: bool = true;
     /// Its statements are round trips to a thread: the writer waits for each (`group_commit`).
     pub(super) const WRITER_THREAD: bool = true;
-    /// A group's writes go as one query of several statements (`crate::admission::Form`).
-    pub(super) const WRITES_FORM: Form = Form::Joined;
+    /// A group's writes go as one query of several statements (`crate::admission::Writes`).
+    pub(super) const JOINS_STATEMENTS: bool = true;
 
     pub(super) async fn begin_group_write(
         &self,
@@ -164,10 +163,8 @@ impl PgQueueStore {
     pub(super) const HANDS_OFF: bool = false;
     /// Its connections belong to the main runtime's I/O driver: the writers run there.
     pub(super) const WRITER_THREAD: bool = false;
-    /// A group's writes, and the wake-up of the replicas' lanes, go as one statement
-    /// (`crate::admission::Form`): at 8 connections a group was nine round trips (begin, the hosts'
-    /// lock, two reads, three inserts, the wake-up, commit) with the server's CPU the bound.
-    pub(super) const WRITES_FORM: Form = Form::Common;
+    /// One statement per prepared query (`crate::admission::Writes`).
+    pub(super) const JOINS_STATEMENTS: bool = false;
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
     /// hosts never each hold what the other waits for. In the same round trip, the rest of the
     /// transaction uses generic plans: a kept statement is then planned once per connection, where

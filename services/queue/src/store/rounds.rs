@@ -96,20 +96,15 @@ macro_rules! round_statements {
                 } else {
                     Self::admit_batched(&mut tx, group, now, coalesce_ms, handoff).await?
                 };
-                let (admitted, handed, woken) = match batched {
-                    Batched::Done {
-                        admitted,
-                        handed,
-                        woken,
-                    } => {
+                let (admitted, handed) = match batched {
+                    Batched::Done(admitted, handed) => {
                         self.batched_groups
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        (admitted, handed, woken)
+                        (admitted, handed)
                     }
                     Batched::RowByRow => (
                         Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                         Vec::new(),
-                        false,
                     ),
                     Batched::Raced => {
                         tx.rollback().await?;
@@ -117,7 +112,6 @@ macro_rules! round_statements {
                         (
                             Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                             Vec::new(),
-                            false,
                         )
                     }
                 };
@@ -127,7 +121,7 @@ macro_rules! round_statements {
                     Self::finish_reported(&mut tx, reports, now).await?
                 };
                 let due = $crate::wake::providers_due(group.iter().copied().zip(&admitted));
-                if !woken && !due.is_empty() {
+                if !due.is_empty() {
                     Self::wake_replicas(&mut tx, &$crate::wake::payload_naming(due)).await?;
                 }
                 tx.commit().await?;
