@@ -46,8 +46,9 @@ pub struct DeliveryQueue<S> {
     /// With one writer, this replica's claims take turns while work is not piling up (see
     /// `claim_skipping`).
     claim_turn: tokio::sync::Mutex<()>,
-    /// Whether the last claim to end came back full, and how many have ended.
+    /// Whether the last claim to end came back full, what it skipped, and how many have ended.
     last_claim_full: std::sync::atomic::AtomicBool,
+    last_claim_skip: std::sync::Mutex<Skip>,
     claims_ended: AtomicU64,
 }
 
@@ -91,6 +92,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             due_read: tokio::sync::Mutex::new(None),
             claim_turn: tokio::sync::Mutex::new(()),
             last_claim_full: std::sync::atomic::AtomicBool::new(false),
+            last_claim_skip: std::sync::Mutex::new(Skip::default()),
             claims_ended: AtomicU64::new(0),
         }
     }
@@ -181,8 +183,14 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 } else {
                     None
                 };
+                // A short claim that skipped other providers' work says nothing of this one's.
                 let gone = self.claims_ended.load(Ordering::SeqCst) != claims_before
-                    && !self.last_claim_full.load(Ordering::SeqCst);
+                    && !self.last_claim_full.load(Ordering::SeqCst)
+                    && *self
+                        .last_claim_skip
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        == skip;
                 if turn.is_some() && gone {
                     continue;
                 }
@@ -193,6 +201,10 @@ impl<S: QueueStore> DeliveryQueue<S> {
                         .as_ref()
                         .is_ok_and(|b| i64::try_from(b.len()).is_ok_and(|n| n >= max));
                     self.last_claim_full.store(full, Ordering::SeqCst);
+                    *self
+                        .last_claim_skip
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = skip;
                     self.claims_ended.fetch_add(1, Ordering::SeqCst);
                 }
                 drop(turn);
