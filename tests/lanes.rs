@@ -158,9 +158,10 @@ async fn lanes_claim_again_while_their_look_ups_are_on_the_way() {
     let sends = lanes + 2;
     for seq in 1..=sends as u64 {
         queue.enqueue(alert(seq)).await.unwrap();
-        // Each send on its own: the next goes once a lane has its look-up on the way.
+        // Each send on its own: the next goes once a lane has its look-up on the way (10 s at
+        // most: before, the fifth never came, so the test failed after 20 s).
         let want = usize::try_from(seq).unwrap();
-        for _ in 0..200 {
+        for _ in 0..1_000 {
             if look_ups.load(Ordering::SeqCst) >= want {
                 break;
             }
