@@ -259,60 +259,39 @@ impl Sender {
                     }
                 }
             };
-            if batches.is_empty() {
-                continue;
-            }
-            // Room for each batch first (a full lane waits here, as before). Then the registry
-            // look-up and the attempts run on a task of their own while the lane goes straight
-            // back to its claim: a lane waiting in a claim is one an admission can hand new work
-            // to without a claim transaction (on SQLite, `crate::handoff` in the queue), where a
-            // lane busy looking up left that work to a claim that waited for the one writer.
-            let mut permits = Vec::with_capacity(batches.len());
-            permits.push(room);
-            let mut stopping = false;
-            while permits.len() < batches.len() {
-                tokio::select! {
-                    permit = capacity.clone().acquire_owned() => match permit {
-                        Ok(p) => permits.push(p),
-                        Err(_) => { stopping = true; break; }
+            let devices = self.look_up(&batches).await;
+            let mut room = Some(room);
+            let mut batches = batches.into_iter();
+            while let Some(batch) = batches.next() {
+                // Several batches of one claim may go to the same phone.
+                let device = match &devices {
+                    Ok(found) => Ok(found.get(&batch.registration_id).cloned()),
+                    Err(code) => Err(*code),
+                };
+                let permit = match room.take() {
+                    Some(p) => p,
+                    None => tokio::select! {
+                        permit = capacity.clone().acquire_owned() => match permit {
+                            Ok(p) => p,
+                            Err(_) => break,
+                        },
+                        // Stopping: work not started yet goes back to the queue now rather than
+                        // waiting out its lease.
+                        _ = stop.cancelled() => {
+                            self.hand_back_all(std::iter::once(batch).chain(batches.by_ref())).await;
+                            break;
+                        }
                     },
-                    _ = stop.cancelled() => { stopping = true; break; }
-                }
-            }
-            let mut batches = batches;
-            if stopping {
-                // Work with no room yet goes back to the queue now rather than waiting out its
-                // lease; the rest is attempted.
-                let untried = batches.split_off(permits.len());
-                self.hand_back_all(untried.into_iter()).await;
-            }
-            let sender = self.clone();
-            let reporter = reporter.clone();
-            let provider_room = provider_room.clone();
-            in_flight.spawn(async move {
-                let devices = sender.look_up(&batches).await;
-                // Dropped with this task (the hard stop aborts it), its attempts are aborted too.
-                let mut attempts = tokio::task::JoinSet::new();
-                for (batch, permit) in batches.into_iter().zip(permits) {
-                    // Several batches of one claim may go to the same phone.
-                    let device = match &devices {
-                        Ok(found) => Ok(found.get(&batch.registration_id).cloned()),
-                        Err(code) => Err(*code),
-                    };
-                    let sender = sender.clone();
-                    let reporter = reporter.clone();
-                    let provider_room = provider_room.clone();
-                    attempts.spawn(async move {
-                        sender
-                            .deliver(Job::from_claim(batch), device, &provider_room, &reporter)
-                            .await;
-                        drop(permit);
-                    });
-                }
-                while attempts.join_next().await.is_some() {}
-            });
-            if stopping {
-                break;
+                };
+                let sender = self.clone();
+                let reporter = reporter.clone();
+                let provider_room = provider_room.clone();
+                in_flight.spawn(async move {
+                    sender
+                        .deliver(Job::from_claim(batch), device, &provider_room, &reporter)
+                        .await;
+                    drop(permit);
+                });
             }
             while in_flight.try_join_next().is_some() {}
         }
