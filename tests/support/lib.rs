@@ -363,11 +363,14 @@ impl Gateway {
         for _ in 0..replicas {
             senders.push(spawn("sender", with_backends.clone()).await);
         }
-        // The facade's origin must be known before auth starts, so its port is picked here.
-        let port = {
-            let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
-            probe.local_addr().unwrap().port()
-        };
+        // The facade's origin must be known before auth starts, so its port is picked here. The
+        // probes hold that port and one for the facade's metrics until the facade starts: released
+        // at once, the port was once handed to the facade's own metrics listener (bound first,
+        // at port 0), and the facade could not listen.
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+        let metrics_probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+        let port = probe.local_addr().unwrap().port();
+        let metrics_port = metrics_probe.local_addr().unwrap().port();
         let origin = format!("http://127.0.0.1:{port}");
         let mut auth_env = any();
         auth_env.push(("ORCA_PUSH_REGISTRY_URL".into(), registry_url.clone()));
@@ -383,7 +386,12 @@ impl Gateway {
             ("ORCA_PUSH_REGISTRY_URL".to_owned(), registry_url),
             ("ORCA_PUSH_QUEUE_URL".to_owned(), queue_url),
             ("ORCA_PUSH_SENDER_URL".to_owned(), urls(&senders)),
+            (
+                "ORCA_PUSH_METRICS_ADDR".to_owned(),
+                format!("127.0.0.1:{metrics_port}"),
+            ),
         ];
+        drop((probe, metrics_probe));
         let facade = spawn("facade", facade_env).await;
         processes.extend(registries);
         processes.extend(queues);
