@@ -46,10 +46,19 @@ pub struct DeliveryQueue<S> {
     /// With one writer, this replica's claims take turns while work is not piling up (see
     /// `claim_skipping`).
     claim_turn: tokio::sync::Mutex<()>,
-    /// Whether the last claim to end came back full, what it skipped, and how many have ended.
-    last_claim_full: std::sync::atomic::AtomicBool,
-    last_claim_skip: std::sync::Mutex<Skip>,
-    claims_ended: AtomicU64,
+    /// The last claim to end (with one writer).
+    last_claim: std::sync::Mutex<LastClaim>,
+}
+
+/// What the last claim to end says to a lane that took its turn after it.
+#[derive(Debug, Clone, Copy, Default)]
+struct LastClaim {
+    /// Claims ended so far.
+    ended: u64,
+    /// Whether it came back with all it asked for (more may be due).
+    full: bool,
+    /// The providers it left alone.
+    skip: Skip,
 }
 
 /// One read of when the next batch is due, and when that read began.
@@ -91,9 +100,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             due_reads: AtomicU64::new(0),
             due_read: tokio::sync::Mutex::new(None),
             claim_turn: tokio::sync::Mutex::new(()),
-            last_claim_full: std::sync::atomic::AtomicBool::new(false),
-            last_claim_skip: std::sync::Mutex::new(Skip::default()),
-            claims_ended: AtomicU64::new(0),
+            last_claim: std::sync::Mutex::new(LastClaim::default()),
         }
     }
 
@@ -156,7 +163,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
         loop {
             // Note what was heard before looking, so work committed meanwhile is not missed.
             let heard = self.wake.heard(skip);
-            let claims_before = self.claims_ended.load(Ordering::SeqCst);
+            let claims_before = self.last_claim().ended;
             let listening_since = std::time::Instant::now();
             // A read first: a claim is a write transaction, and every admission wakes every
             // waiting lane, mostly for a window that is due seconds later. Claiming on each wake
@@ -174,38 +181,35 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 // back full, work is piling up: a lane then claims beside the one claiming, its
                 // claim queued for the writer rather than for its turn (taking turns then cost
                 // 11-16% of the deliveries at 1,000 flows).
-                let turn = if self.store.group_writers() == 1 {
+                let one_writer = self.store.group_writers() == 1;
+                let turn = if one_writer {
                     match self.claim_turn.try_lock() {
                         Ok(turn) => Some(turn),
-                        Err(_) if self.last_claim_full.load(Ordering::SeqCst) => None,
+                        Err(_) if self.last_claim().full => None,
                         Err(_) => Some(self.claim_turn.lock().await),
                     }
                 } else {
                     None
                 };
-                // A short claim that skipped other providers' work says nothing of this one's.
-                let gone = self.claims_ended.load(Ordering::SeqCst) != claims_before
-                    && !self.last_claim_full.load(Ordering::SeqCst)
-                    && *self
-                        .last_claim_skip
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        == skip;
-                if turn.is_some() && gone {
-                    continue;
+                if turn.is_some() {
+                    // A short claim that skipped other providers' work says nothing of this one's.
+                    let last = self.last_claim();
+                    if last.ended != claims_before && !last.full && last.skip == skip {
+                        continue;
+                    }
                 }
                 self.claim_transactions.fetch_add(1, Ordering::Relaxed);
                 let claimed = self.claim_once(lane, max, lease_ms, skip).await;
-                if self.store.group_writers() == 1 {
+                if one_writer {
                     let full = claimed
                         .as_ref()
                         .is_ok_and(|b| i64::try_from(b.len()).is_ok_and(|n| n >= max));
-                    self.last_claim_full.store(full, Ordering::SeqCst);
-                    *self
-                        .last_claim_skip
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = skip;
-                    self.claims_ended.fetch_add(1, Ordering::SeqCst);
+                    let mut last = self.last_claims();
+                    *last = LastClaim {
+                        ended: last.ended + 1,
+                        full,
+                        skip,
+                    };
                 }
                 drop(turn);
                 let batches = claimed?;
@@ -253,6 +257,17 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 return Ok(handed);
             }
         }
+    }
+
+    fn last_claims(&self) -> std::sync::MutexGuard<'_, LastClaim> {
+        // A plain record: a panicking holder cannot leave it half written.
+        self.last_claim
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn last_claim(&self) -> LastClaim {
+        *self.last_claims()
     }
 
     /// Claims answered by an admission's hand-off rather than a claim transaction.
