@@ -9,6 +9,7 @@ pub mod notify_relay;
 pub mod pool_gauges;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod wal_sync;
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr as _;
@@ -21,6 +22,7 @@ use sqlx::sqlite::{
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use pool_gauges::StorePools;
+pub use wal_sync::{SyncFailed, WalSync};
 
 /// Where a service keeps its state.
 #[derive(Clone, Debug)]
@@ -99,6 +101,10 @@ pub struct ServiceStorage {
     /// `None`: the operator's `ORCA_PUSH_SQLITE_SYNCHRONOUS`. A service whose last commits may be
     /// lost to a power loss at no cost to a promise made to a host fixes its own.
     pub sqlite_durability: Option<SqliteDurability>,
+    /// Under `SqliteDurability::Full`, the writer commits at NORMAL and the service syncs the WAL
+    /// itself before it answers (`wal_sync`), so its next transaction is written while the last
+    /// is synced. For a service that answers every durable write through a [`WalSync`].
+    pub sqlite_syncs_wal: bool,
 }
 
 /// Opens (creating if needed) the service's database.
@@ -107,12 +113,20 @@ pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<P
         DatabaseConfig::Sqlite {
             data_dir,
             durability,
-        } => open_sqlite(
-            &data_dir.join(service.sqlite_file),
-            service.sqlite_durability.unwrap_or(*durability),
-        )
-        .await
-        .map(Pool::Sqlite),
+        } => {
+            let path = data_dir.join(service.sqlite_file);
+            let durability = service.sqlite_durability.unwrap_or(*durability);
+            let synced_by_service =
+                service.sqlite_syncs_wal && durability == SqliteDurability::Full;
+            let commits = if synced_by_service {
+                SqliteDurability::Normal
+            } else {
+                durability
+            };
+            let writer = open_sqlite(&path, commits).await?;
+            wal_sync::mark(&path, synced_by_service);
+            Ok(Pool::Sqlite(writer))
+        }
         DatabaseConfig::Postgres { url } => {
             use secrecy::ExposeSecret as _;
             open_postgres(url.expose_secret(), service)
@@ -314,6 +328,7 @@ mod tests {
             create_schema_sql: "unused",
             max_connections: 1,
             sqlite_durability,
+            sqlite_syncs_wal: false,
         };
         for (file, own, expected) in [
             ("configured.db", None, 2),
@@ -328,6 +343,80 @@ mod tests {
                 .unwrap();
             assert_eq!(level, expected, "{file}");
         }
+    }
+
+    /// A service that syncs the WAL itself gets a writer that commits at NORMAL only when the
+    /// operator asked for full durability, and a `WalSync` only then.
+    #[tokio::test]
+    async fn a_service_that_syncs_its_wal_gets_a_writer_that_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let open_writer = |file: &'static str, operator, sqlite_syncs_wal| {
+            let config = DatabaseConfig::Sqlite {
+                data_dir: dir.path().to_owned(),
+                durability: operator,
+            };
+            async move {
+                let service = ServiceStorage {
+                    sqlite_file: file,
+                    postgres_schema: "unused",
+                    create_schema_sql: "unused",
+                    max_connections: 1,
+                    sqlite_durability: None,
+                    sqlite_syncs_wal,
+                };
+                let Pool::Sqlite(writer) = open(&config, &service).await.unwrap() else {
+                    unreachable!("a SQLite configuration opens SQLite");
+                };
+                writer
+            }
+        };
+        for (file, operator, syncs_wal, level, synced_by_service) in [
+            ("synced.db", SqliteDurability::Full, true, 1, true),
+            ("normal.db", SqliteDurability::Normal, true, 1, false),
+            ("full.db", SqliteDurability::Full, false, 2, false),
+        ] {
+            let writer = open_writer(file, operator, syncs_wal).await;
+            let found: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                .fetch_one(&writer)
+                .await
+                .unwrap();
+            assert_eq!(found, level, "{file}");
+            assert_eq!(
+                wal_sync::for_writer(&writer).is_some(),
+                synced_by_service,
+                "{file}"
+            );
+        }
+        // A file opened for its service to sync, then opened again under NORMAL, is not synced.
+        let writer = open_writer("synced.db", SqliteDurability::Normal, true).await;
+        assert!(wal_sync::for_writer(&writer).is_none());
+    }
+
+    /// What a WAL sync covers is on disk: the commits before it are in the WAL file it synced.
+    #[tokio::test]
+    async fn a_wal_sync_covers_the_commits_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let writer = open_sqlite(&path, SqliteDurability::Normal).await.unwrap();
+        sqlx::query("CREATE TABLE t (v INTEGER)")
+            .execute(&writer)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO t VALUES (1)")
+            .execute(&writer)
+            .await
+            .unwrap();
+        let sync = WalSync::for_database(&path);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        sync.after_sync(move |r| drop(tx.send(r)));
+        rx.await.unwrap().unwrap();
+        assert_eq!(sync.syncs(), 1);
+        assert!(
+            std::fs::metadata(dir.path().join("t.db-wal"))
+                .unwrap()
+                .len()
+                > 0
+        );
     }
 
     #[tokio::test]

@@ -48,6 +48,7 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     // each handshake's two commits halved handshakes per second (1,261/s with NORMAL, 583/s with
     // FULL, back to back).
     sqlite_durability: Some(orca_push_storage::SqliteDurability::Normal),
+    sqlite_syncs_wal: false,
 };
 
 /// How often expired challenges and long-dead sessions are pruned.

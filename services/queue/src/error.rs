@@ -11,6 +11,9 @@ pub enum QueueError {
     ClaimTask,
     #[error("the admission writer stopped")]
     WriterStopped,
+    /// A round committed but could not be synced to disk (`orca_push_storage::wal_sync`).
+    #[error("{0}")]
+    NotDurable(#[from] orca_push_storage::SyncFailed),
     /// A writer's round failed for every report it carried.
     #[error("{0}")]
     Round(std::sync::Arc<QueueError>),
@@ -33,6 +36,10 @@ impl From<QueueError> for tonic::Status {
             }
             QueueError::WriterStopped => {
                 tracing::error!("queue: the admission writer stopped");
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
+            QueueError::NotDurable(error) => {
+                tracing::error!(%error, "queue: a committed round is not on disk");
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }
             QueueError::Round(error) => {

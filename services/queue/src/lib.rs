@@ -41,6 +41,8 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_queue",
     max_connections: 24,
     sqlite_durability: None,
+    // Its group commit answers admissions and reports after a sync of its own.
+    sqlite_syncs_wal: true,
 };
 
 const CLEANUP_EVERY: Duration = Duration::from_secs(60);

@@ -551,3 +551,74 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
         );
     }
 }
+
+/// On SQLite (full durability, the default) the writer commits without waiting for the disk, and
+/// an admission is answered only once a WAL sync after its commit is done. A failed sync answers
+/// it as unavailable, never as `queued`, and so does every later one.
+#[tokio::test]
+async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
+    use std::sync::Arc;
+    let (config, _guard) = orca_push_storage::testing::fresh(Backend::Sqlite).await;
+    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+    let Pool::Sqlite(writer) = &pool else {
+        unreachable!("a SQLite configuration opens SQLite");
+    };
+    let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(writer)
+        .await
+        .unwrap();
+    assert_eq!(level, 1, "the writer commits at NORMAL; the queue syncs");
+    assert!(
+        orca_push_queue::AnyQueueStore::new(pool.clone())
+            .wal_sync()
+            .is_some()
+    );
+    // A sync that waits for the test's word, and answers with it.
+    let (go, gate) = std::sync::mpsc::channel::<std::io::Result<()>>();
+    let sync =
+        orca_push_storage::WalSync::with_sync(Box::new(move || gate.recv().unwrap_or(Ok(()))));
+    let store = orca_push_queue::AnyQueueStore::new(pool.clone()).with_wal_sync(sync);
+    let queue = Arc::new(orca_push_queue::DeliveryQueue::new(
+        store,
+        Arc::new(orca_push_storage::ManualClock::new(T0)),
+        WINDOW,
+        Arc::new(orca_push_queue::Wake::new()),
+    ));
+    let admit = |seq: i64| {
+        let queue = queue.clone();
+        tokio::spawn(async move {
+            let phone = format!("phone-{seq}");
+            queue.enqueue(&alert(seq, &[phone.as_str()])).await
+        })
+    };
+    let first = admit(1);
+    // Committed (a reader finds it) yet not answered while its sync waits.
+    let mut committed = false;
+    for _ in 0..200 {
+        if queue
+            .event_record(HOST, Kind::Alert, "epoch-1", 1)
+            .await
+            .unwrap()
+            .is_some()
+        {
+            committed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(committed, "the round committed");
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(
+        !first.is_finished(),
+        "answered before its commit was synced"
+    );
+    go.send(Ok(())).unwrap();
+    let statuses = first.await.unwrap().expect("queued once synced").statuses;
+    assert_eq!(statuses[0].1, AdmissionStatus::Queued);
+    // The next sync fails: committed, but never answered as queued; nor is anything after it.
+    let second = admit(2);
+    go.send(Err(std::io::Error::other("the disk went away")))
+        .unwrap();
+    assert!(second.await.unwrap().is_err());
+    assert!(admit(3).await.unwrap().is_err());
+}

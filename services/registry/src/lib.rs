@@ -36,6 +36,7 @@ pub const STORAGE: ServiceStorage = ServiceStorage {
     create_schema_sql: "CREATE SCHEMA IF NOT EXISTS push_registry",
     max_connections: 16,
     sqlite_durability: None,
+    sqlite_syncs_wal: false,
 };
 
 pub async fn open_and_migrate(

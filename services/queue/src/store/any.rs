@@ -34,6 +34,18 @@ impl AnyQueueStore {
         counter.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Syncs the WAL of a SQLite writer that commits at NORMAL with `sync` (tests hold or fail it
+    /// there); nothing on PostgreSQL, whose commits are synced as they are made.
+    pub fn with_wal_sync(self, sync: orca_push_storage::WalSync) -> Self {
+        match self {
+            Self::Sqlite(mut s) => {
+                s.wal_sync = Some(std::sync::Arc::new(sync));
+                Self::Sqlite(s)
+            }
+            postgres => postgres,
+        }
+    }
+
     /// Admits every group one statement at a time, never on the batched path of
     /// `crate::admission`: the path the batched one must agree with, kept for the tests that
     /// compare the two and to measure against.
@@ -79,6 +91,12 @@ impl QueueStore for AnyQueueStore {
         match self {
             Self::Sqlite(s) => s.writer_thread(),
             Self::Postgres(s) => s.writer_thread(),
+        }
+    }
+    fn wal_sync(&self) -> Option<&orca_push_storage::WalSync> {
+        match self {
+            Self::Sqlite(s) => s.wal_sync.as_deref(),
+            Self::Postgres(_) => None,
         }
     }
     async fn write_round(

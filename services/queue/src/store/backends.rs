@@ -22,6 +22,9 @@ pub struct SqliteQueueStore {
     pub(super) row_by_row: bool,
     /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
     pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Syncs the WAL for a writer that commits at NORMAL under full durability: a round is
+    /// answered after the sync that covers it, while the next one is written.
+    pub(super) wal_sync: Option<std::sync::Arc<orca_push_storage::WalSync>>,
 }
 
 impl Backend for SqliteQueueStore {
@@ -38,11 +41,13 @@ impl SqliteQueueStore {
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
+        let wal_sync = orca_push_storage::wal_sync::for_writer(&pool).map(std::sync::Arc::new);
         Self {
             pool,
             readers,
             row_by_row: false,
             batched_groups: Default::default(),
+            wal_sync,
         }
     }
 

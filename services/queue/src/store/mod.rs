@@ -275,6 +275,11 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     fn group_writers(&self) -> usize;
     /// Whether each writer gets a thread of its own (see `group_commit`).
     fn writer_thread(&self) -> bool;
+    /// Where a writer's round commits without waiting for the disk, what syncs it before the
+    /// round is answered (`orca_push_storage::wal_sync`).
+    fn wal_sync(&self) -> Option<&orca_push_storage::WalSync> {
+        None
+    }
     fn claim(
         &self,
         lane: &str,
