@@ -6,6 +6,9 @@
 //!
 //! Where the store says so (`QueueStore::reports_in_rounds`: SQLite), lanes' reports wait on the
 //! same channel and are recorded in the same transaction as the admissions they arrived with.
+//! Where its commits do not wait for the disk (`QueueStore::wal_sync`: SQLite under full
+//! durability), a round is answered once a WAL sync after its commit is done: by the writer before
+//! its next round when little waits, else beside it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
