@@ -95,6 +95,11 @@ impl GroupCommit {
         Self { waiting, groups }
     }
 
+    /// Admissions and reports waiting for a writer to take them.
+    pub fn waiting(&self) -> usize {
+        self.waiting.max_capacity() - self.waiting.capacity()
+    }
+
     /// Groups handed to the store so far.
     pub fn groups(&self) -> u64 {
         self.groups.load(Ordering::Relaxed)

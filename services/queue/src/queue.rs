@@ -108,6 +108,11 @@ impl<S: QueueStore> DeliveryQueue<S> {
         &self.store
     }
 
+    /// Admissions and reports waiting for the group commit's writer to take them.
+    pub fn waiting_for_writer(&self) -> usize {
+        self.admissions.waiting()
+    }
+
     /// Admission groups committed so far (each one transaction).
     pub fn admission_groups(&self) -> u64 {
         self.admissions.groups()

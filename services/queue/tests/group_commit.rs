@@ -622,3 +622,80 @@ async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
     assert!(second.await.unwrap().is_err());
     assert!(admit(3).await.unwrap().is_err());
 }
+
+/// With work piling up behind a round, its sync runs beside the next one: a later round commits
+/// while the earlier one still waits for its sync, and neither is answered before its sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_writes_the_next_round_while_a_busy_ones_sync_runs() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    let (config, _guard) = orca_push_storage::testing::fresh(Backend::Sqlite).await;
+    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+    let (go, gate) = std::sync::mpsc::channel::<std::io::Result<()>>();
+    let sync =
+        orca_push_storage::WalSync::with_sync(Box::new(move || gate.recv().unwrap_or(Ok(()))));
+    let queue = Arc::new(orca_push_queue::DeliveryQueue::new(
+        orca_push_queue::AnyQueueStore::new(pool).with_wal_sync(sync),
+        Arc::new(orca_push_storage::ManualClock::new(T0)),
+        WINDOW,
+        Arc::new(orca_push_queue::Wake::new()),
+    ));
+    let admit = |seq: i64| {
+        let queue = queue.clone();
+        tokio::spawn(async move {
+            let admission = from(&format!("host{seq:0>12}"), 1, &format!("phone-{seq}"));
+            queue.enqueue(&admission).await
+        })
+    };
+    let committed = |seqs: std::ops::RangeInclusive<i64>| {
+        let queue = queue.clone();
+        async move {
+            for seq in seqs {
+                let host = format!("host{seq:0>12}");
+                let found = queue.event_record(&host, Kind::Alert, "epoch-1", 1).await;
+                if !matches!(found, Ok(Some(_))) {
+                    return false;
+                }
+            }
+            true
+        }
+    };
+    let until = |seqs: std::ops::RangeInclusive<i64>| async move {
+        for _ in 0..500 {
+            if committed(seqs.clone()).await {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    };
+    // The first round's sync holds the writer (little waited, so the writer syncs itself).
+    let first = admit(0);
+    assert!(until(0..=0).await);
+    // Meanwhile more than a round and the threshold pile up.
+    let rest: Vec<_> = (1..=160).map(admit).collect();
+    for _ in 0..500 {
+        if queue.waiting_for_writer() == 160 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(queue.waiting_for_writer(), 160);
+    go.send(Ok(())).unwrap();
+    first.await.unwrap().expect("queued once synced");
+    // The next round (128) is synced beside the one after it (32), which commits meanwhile.
+    assert!(
+        until(1..=160).await,
+        "the round after a busy one commits while the busy one's sync waits"
+    );
+    assert!(
+        rest.iter().all(|r| !r.is_finished()),
+        "nothing is answered before its sync"
+    );
+    go.send(Ok(())).unwrap();
+    go.send(Ok(())).unwrap();
+    for admitted in rest {
+        let statuses = admitted.await.unwrap().expect("queued").statuses;
+        assert_eq!(statuses[0].1, AdmissionStatus::Queued);
+    }
+}
