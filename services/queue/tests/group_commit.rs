@@ -552,12 +552,30 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
     }
 }
 
+/// A queue whose WAL syncs each wait for the test's word, and answer with it.
+fn gated_queue(
+    pool: Pool,
+) -> (
+    std::sync::Arc<orca_push_queue::DeliveryQueue<orca_push_queue::AnyQueueStore>>,
+    std::sync::mpsc::Sender<std::io::Result<()>>,
+) {
+    let (go, gate) = std::sync::mpsc::channel::<std::io::Result<()>>();
+    let sync =
+        orca_push_storage::WalSync::with_sync(Box::new(move || gate.recv().unwrap_or(Ok(()))));
+    let queue = orca_push_queue::DeliveryQueue::new(
+        orca_push_queue::AnyQueueStore::new(pool).with_wal_sync(sync),
+        std::sync::Arc::new(orca_push_storage::ManualClock::new(T0)),
+        WINDOW,
+        std::sync::Arc::new(orca_push_queue::Wake::new()),
+    );
+    (std::sync::Arc::new(queue), go)
+}
+
 /// On SQLite (full durability, the default) the writer commits without waiting for the disk, and
 /// an admission is answered only once a WAL sync after its commit is done. A failed sync answers
 /// it as unavailable, never as `queued`, and so does every later one.
 #[tokio::test]
 async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
-    use std::sync::Arc;
     let (config, _guard) = orca_push_storage::testing::fresh(Backend::Sqlite).await;
     let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
     let Pool::Sqlite(writer) = &pool else {
@@ -573,17 +591,7 @@ async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
             .wal_sync()
             .is_some()
     );
-    // A sync that waits for the test's word, and answers with it.
-    let (go, gate) = std::sync::mpsc::channel::<std::io::Result<()>>();
-    let sync =
-        orca_push_storage::WalSync::with_sync(Box::new(move || gate.recv().unwrap_or(Ok(()))));
-    let store = orca_push_queue::AnyQueueStore::new(pool.clone()).with_wal_sync(sync);
-    let queue = Arc::new(orca_push_queue::DeliveryQueue::new(
-        store,
-        Arc::new(orca_push_storage::ManualClock::new(T0)),
-        WINDOW,
-        Arc::new(orca_push_queue::Wake::new()),
-    ));
+    let (queue, go) = gated_queue(pool.clone());
     let admit = |seq: i64| {
         let queue = queue.clone();
         tokio::spawn(async move {
@@ -627,19 +635,10 @@ async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
 /// while the earlier one still waits for its sync, and neither is answered before its sync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_writes_the_next_round_while_a_busy_ones_sync_runs() {
-    use std::sync::Arc;
     use std::time::Duration;
     let (config, _guard) = orca_push_storage::testing::fresh(Backend::Sqlite).await;
     let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
-    let (go, gate) = std::sync::mpsc::channel::<std::io::Result<()>>();
-    let sync =
-        orca_push_storage::WalSync::with_sync(Box::new(move || gate.recv().unwrap_or(Ok(()))));
-    let queue = Arc::new(orca_push_queue::DeliveryQueue::new(
-        orca_push_queue::AnyQueueStore::new(pool).with_wal_sync(sync),
-        Arc::new(orca_push_storage::ManualClock::new(T0)),
-        WINDOW,
-        Arc::new(orca_push_queue::Wake::new()),
-    ));
+    let (queue, go) = gated_queue(pool);
     let admit = |seq: i64| {
         let queue = queue.clone();
         tokio::spawn(async move {
