@@ -41,7 +41,9 @@ pub enum DatabaseConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum SqliteDurability {
     /// `synchronous=FULL`: each commit is synced before it returns, so what was answered `queued`
-    /// survives a power loss. Group commit makes one sync cover every admission of a group.
+    /// survives a power loss. Group commit makes one sync cover every admission of a group. A
+    /// service that syncs the WAL itself (`ServiceStorage::sqlite_syncs_wal`) commits at NORMAL
+    /// instead and syncs before it answers what it promised (`wal_sync`).
     #[default]
     Full,
     /// `synchronous=NORMAL`: durable across a process crash, but a power loss (or a kernel crash)

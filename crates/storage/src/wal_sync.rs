@@ -8,7 +8,12 @@
 //! after a power loss, and syncs the WAL before every checkpoint) and hand each commit's answers
 //! to [`WalSync::after_sync`]. A thread of its own syncs the WAL and then runs every answer handed
 //! to it before that sync began: every commit made before then is on disk. One sync covers every
-//! commit that came while the one before it ran.
+//! commit that came while the one before it ran. A writer with nothing waiting can instead sync on
+//! its own thread ([`WalSync::sync_now`]) and spare its answers the hop to another.
+//!
+//! The service's other commits on that writer are not synced on their own: they reach the disk
+//! with the next sync or checkpoint, so only what the service answers through this must survive a
+//! power loss.
 //!
 //! A failed sync fails every later one too, until the process restarts: after a failed `fsync`
 //! the kernel may have dropped the pages it could not write, and a later `fsync` can succeed
