@@ -228,9 +228,6 @@ pub fn sqlite_readers(writer: &SqlitePool, max_connections: u32) -> SqlitePool {
     sqlite_pool_options(max_connections).connect_lazy_with((*writer.connect_options()).clone())
 }
 
-/// A pooled PostgreSQL connection idle at least this long is pinged before it is used.
-const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
-
 async fn open_postgres(url: &str, service: &ServiceStorage) -> Result<PgPool, OpenError> {
     let options = PgConnectOptions::from_str(url)
         .map_err(OpenError::Connect)?
@@ -238,18 +235,6 @@ async fn open_postgres(url: &str, service: &ServiceStorage) -> Result<PgPool, Op
     let pool = PgPoolOptions::new()
         .max_connections(service.max_connections)
         .acquire_timeout(Duration::from_secs(10))
-        // sqlx pings a connection when it goes back to the pool, and by default again when it is
-        // taken: a round trip before every transaction, which at 8 admission connections cost
-        // 6-13% of accepted sends (docs/benchmarks.md, round 13). Only a connection idle a while
-        // is pinged when taken; one broken since its last use fails that use, and its ping on the
-        // way back closes it.
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                use sqlx::Connection as _;
-                Ok(meta.idle_for < PING_IDLE_AFTER || conn.ping().await.is_ok())
-            })
-        })
         .connect_with(options)
         .await
         .map_err(OpenError::Connect)?;
@@ -407,64 +392,6 @@ mod tests {
         // A file opened for its service to sync, then opened again under NORMAL, is not synced.
         let writer = open_writer("synced.db", SqliteDurability::Normal, true).await;
         assert!(wal_sync::for_writer(&writer).is_none());
-    }
-
-    /// A PostgreSQL connection is not pinged when taken unless it was idle a while; one whose
-    /// server end went away is still replaced: at once if it idled, else after the one use that
-    /// finds it broken.
-    #[cfg(feature = "testing")]
-    #[tokio::test]
-    async fn postgresql_connections_broken_while_pooled_are_replaced() {
-        let (config, _db) = testing::fresh(testing::Backend::Postgres).await;
-        let service = ServiceStorage {
-            sqlite_file: "unused",
-            postgres_schema: "public",
-            create_schema_sql: "SELECT 1",
-            max_connections: 2,
-            sqlite_durability: None,
-            sqlite_syncs_wal: false,
-        };
-        let Pool::Postgres(pool) = open(&config, &service).await.unwrap() else {
-            unreachable!("a PostgreSQL configuration opens PostgreSQL");
-        };
-        assert!(!pool.options().get_test_before_acquire());
-        let DatabaseConfig::Postgres { url } = &config else {
-            unreachable!("a PostgreSQL configuration");
-        };
-        let killer = {
-            use secrecy::ExposeSecret as _;
-            PgPool::connect(url.expose_secret()).await.unwrap()
-        };
-        let kill_the_pools = || async {
-            // Both of the pool's connections in use at once, then back in the pool.
-            let (a, b) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
-            drop((a, b));
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            sqlx::query(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
-            )
-            .execute(&killer)
-            .await
-            .unwrap();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
-        // Idle past the bound: pinged when taken, and replaced before any use fails.
-        kill_the_pools().await;
-        tokio::time::sleep(PING_IDLE_AFTER).await;
-        for _ in 0..2 {
-            sqlx::query("SELECT 1").execute(&pool).await.unwrap();
-        }
-        // Taken again at once: each broken one fails one use at most, then is gone.
-        kill_the_pools().await;
-        let mut failed = 0;
-        for _ in 0..10 {
-            if sqlx::query("SELECT 1").execute(&pool).await.is_err() {
-                failed += 1;
-            }
-        }
-        assert!(failed <= 2, "{failed} uses failed");
-        sqlx::query("SELECT 1").execute(&pool).await.unwrap();
     }
 
     /// What a WAL sync covers is on disk: the commits before it are in the WAL file it synced.
