@@ -287,7 +287,9 @@ impl<S: QueueStore> Writer<S> {
             .filter_map(|(a, r)| Some((*a, r.as_ref().ok()?)));
         // Committed, and so visible to claims (a hand-off may already have given some of it to
         // one): lanes may start on it while it is synced.
-        self.wake.work_for(crate::wake::providers_due(admitted));
+        let committed = i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX);
+        self.wake
+            .work_due(&crate::wake::earliest_due(admitted), committed);
         let answers = Answers {
             admissions: group.into_iter().map(|w| w.answer).collect(),
             admitted: round.admitted,

@@ -206,15 +206,6 @@ pub fn lease_due_now(plan: &mut Plan<'_>, handoff: &Handoff, now: i64) -> Handed
     offers.into_iter().zip(handed).collect()
 }
 
-/// Whether a claim skipping `skip` takes `provider`'s work.
-fn takes(skip: Skip, provider: Provider) -> bool {
-    match provider {
-        Provider::Apns => !skip.apns,
-        Provider::Fcm => !skip.fcm,
-        Provider::Unknown => true,
-    }
-}
-
 /// Which claim each batch goes to: the first, in order, that takes the batch's provider (not in
 /// its `Skip`) and has room left under its maximum.
 pub fn assign(claims: &[(usize, Skip)], providers: &[Provider]) -> Vec<Option<usize>> {
@@ -225,7 +216,7 @@ pub fn assign(claims: &[(usize, Skip)], providers: &[Provider]) -> Vec<Option<us
             let claim = claims
                 .iter()
                 .enumerate()
-                .position(|(i, (_, skip))| room[i] > 0 && takes(*skip, provider))?;
+                .position(|(i, (_, skip))| room[i] > 0 && skip.takes(provider))?;
             room[claim] -= 1;
             Some(claim)
         })

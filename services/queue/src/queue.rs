@@ -165,8 +165,11 @@ impl<S: QueueStore> DeliveryQueue<S> {
             ));
         }
         let give_up = tokio::time::Instant::now() + Duration::from_millis(wait_ms.min(MAX_WAIT_MS));
+        let waiting = self.wake.claim(skip);
         loop {
-            // Note what was heard before looking, so work committed meanwhile is not missed.
+            // Note what was heard before looking, so work committed meanwhile is not missed; and
+            // while looking, work due at any time is news for this claim.
+            waiting.looking();
             let heard = self.wake.heard(skip);
             let claims_before = self.last_claim().ended;
             let listening_since = std::time::Instant::now();
@@ -238,9 +241,11 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 tokio::task::yield_now().await;
                 continue;
             }
-            // Asleep until then, or until news of work this claim takes (a held provider's new
-            // work does not wake it), or until an admission hands it work due at once.
+            // Asleep until then, or until news of work this claim takes that is due before then
+            // (a held provider's new work does not wake it), or until an admission hands it work
+            // due at once.
             let until = tokio::time::Instant::now() + wait;
+            waiting.asleep_until(until);
             if !self.store.hands_off() {
                 self.wake.news(skip, heard, until).await;
                 continue;

@@ -3,10 +3,19 @@
 //! admission group is news for the failing provider only, and before this each one woke every lane
 //! to read the next due time, a read that walks all of the held provider's batches (profiled: a
 //! fifth of the gateway's CPU in the admission benchmark, growing with the backlog).
+//!
+//! An admission's work due later (a coalescing window) is news only to a claim that would sleep
+//! past it: a claim asleep until the earliest due batch it read wakes by then anyway and reads
+//! again. Before this, every admission group that opened a window woke every lane to read the same
+//! next due time again (profiled: 2,000 such reads a second in the admission benchmark, until the
+//! providers' breakers opened).
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::model::{Admission, Provider};
 use crate::store::{Enqueued, Skip};
@@ -17,11 +26,30 @@ pub struct Wake {
     notify: Notify,
     /// APNs, FCM, and work of no known provider (never skipped).
     news: [AtomicU64; 3],
+    /// The claims looking for work or asleep (see [`Wake::claim`]).
+    claims: Mutex<Vec<Claim>>,
+    next_claim: AtomicU64,
+}
+
+/// A claim among those [`Wake::work_due`] considers.
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    id: u64,
+    skip: Skip,
+    /// When it wakes without news; None while it looks (it may not see work committed meanwhile).
+    asleep_until: Option<Instant>,
 }
 
 /// What a claim had heard of when it last looked (see [`Wake::heard`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Heard(u64);
+
+/// A claim's place among those news of work due later is for; it leaves when dropped.
+#[derive(Debug)]
+pub struct Waiting<'a> {
+    wake: &'a Wake,
+    id: u64,
+}
 
 impl Wake {
     pub fn new() -> Self {
@@ -40,9 +68,58 @@ impl Wake {
         }
     }
 
+    /// Work of each provider becomes due at the time given (ms on the clock that reads `now`):
+    /// news for the claims that take it and are looking, or asleep past that time. A claim asleep
+    /// until then or earlier reads again by then, and sees it.
+    pub fn work_due(&self, due: &[(Provider, i64)], now: i64) {
+        if due.is_empty() {
+            return;
+        }
+        let instant = Instant::now();
+        let news: Vec<Provider> = {
+            let claims = self.claims();
+            due.iter()
+                .filter(|(provider, at)| {
+                    let after = Duration::from_millis(u64::try_from(at - now).unwrap_or(0));
+                    let at = instant + after;
+                    claims.iter().any(|claim| {
+                        claim.skip.takes(*provider) && claim.asleep_until.is_none_or(|u| u > at)
+                    })
+                })
+                .map(|(provider, _)| *provider)
+                .collect()
+        };
+        self.work_for(news);
+    }
+
     /// Work of any provider may have become due (a retry, another replica, a lost connection).
     pub fn any(&self) {
         self.work_for([Provider::Apns, Provider::Fcm, Provider::Unknown]);
+    }
+
+    /// Counts a claim leaving `skip`'s work alone among those [`Wake::work_due`] is for, looking
+    /// until it says when it sleeps until ([`Waiting::asleep_until`]).
+    pub fn claim(&self, skip: Skip) -> Waiting<'_> {
+        let id = self.next_claim.fetch_add(1, Ordering::Relaxed);
+        self.claims().push(Claim {
+            id,
+            skip,
+            asleep_until: None,
+        });
+        Waiting { wake: self, id }
+    }
+
+    fn claims(&self) -> std::sync::MutexGuard<'_, Vec<Claim>> {
+        // A plain list: a panicking holder cannot leave it half written.
+        self.claims
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_asleep_until(&self, id: u64, until: Option<Instant>) {
+        if let Some(claim) = self.claims().iter_mut().find(|c| c.id == id) {
+            claim.asleep_until = until;
+        }
     }
 
     /// The news a claim leaving `skip`'s work alone cares about, so far. Taken before a claim
@@ -60,7 +137,7 @@ impl Wake {
     }
 
     /// Waits until there is news `skip` cares about beyond `heard`, or until `until`.
-    pub async fn news(&self, skip: Skip, heard: Heard, until: tokio::time::Instant) {
+    pub async fn news(&self, skip: Skip, heard: Heard, until: Instant) {
         loop {
             // Listen before looking, so news between the look and the wait is not missed.
             let woken = self.notify.notified();
@@ -77,22 +154,49 @@ impl Wake {
     }
 }
 
+impl Waiting<'_> {
+    /// About to look for work: news of any work due is for this claim until it sleeps.
+    pub fn looking(&self) {
+        self.wake.set_asleep_until(self.id, None);
+    }
+
+    /// Asleep until `until` unless woken: news of work due later is not for this claim.
+    pub fn asleep_until(&self, until: Instant) {
+        self.wake.set_asleep_until(self.id, Some(until));
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.wake.claims().retain(|c| c.id != self.id);
+    }
+}
+
+/// For each provider of the recipients of an admission that made work due, the earliest time
+/// such work is due.
+pub fn earliest_due<'a>(
+    admitted: impl IntoIterator<Item = (&'a Admission, &'a Enqueued)>,
+) -> Vec<(Provider, i64)> {
+    let mut due: Vec<(Provider, i64)> = Vec::with_capacity(3);
+    for (admission, enqueued) in admitted {
+        let Some(at) = enqueued.next_due_at else {
+            continue;
+        };
+        for recipient in &admission.recipients {
+            match due.iter_mut().find(|(p, _)| *p == recipient.provider) {
+                Some((_, earliest)) => *earliest = (*earliest).min(at),
+                None => due.push((recipient.provider, at)),
+            }
+        }
+    }
+    due
+}
+
 /// The providers of the recipients of every admission that made work due, each once.
 pub fn providers_due<'a>(
     admitted: impl IntoIterator<Item = (&'a Admission, &'a Enqueued)>,
 ) -> Vec<Provider> {
-    let mut providers = Vec::with_capacity(3);
-    for (admission, enqueued) in admitted {
-        if enqueued.next_due_at.is_none() {
-            continue;
-        }
-        for recipient in &admission.recipients {
-            if !providers.contains(&recipient.provider) {
-                providers.push(recipient.provider);
-            }
-        }
-    }
-    providers
+    earliest_due(admitted).into_iter().map(|(p, _)| p).collect()
 }
 
 fn slot(provider: Provider) -> usize {
@@ -203,6 +307,96 @@ mod tests {
         let began = tokio::time::Instant::now();
         wake.news(Skip::default(), heard, soon(1_000)).await;
         assert!(began.elapsed() < Duration::from_millis(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_due_later_is_news_only_to_a_claim_that_would_sleep_past_it() {
+        const NOW: i64 = 1_000_000;
+        let wake = Wake::new();
+        wake.work_due(&[(Provider::Apns, NOW)], NOW);
+        assert_eq!(
+            wake.heard(Skip::default()),
+            Heard(0),
+            "no claim waits: no news"
+        );
+        let claim = wake.claim(Skip::default());
+        let heard = wake.heard(Skip::default());
+        wake.work_due(&[(Provider::Apns, NOW + 60_000)], NOW);
+        assert_ne!(
+            wake.heard(Skip::default()),
+            heard,
+            "a claim looking may not see work committed meanwhile, whenever it is due"
+        );
+        claim.asleep_until(soon(1_000));
+        let heard = wake.heard(Skip::default());
+        wake.work_due(&[(Provider::Apns, NOW + 1_500)], NOW);
+        assert_eq!(
+            wake.heard(Skip::default()),
+            heard,
+            "due after it wakes anyway"
+        );
+        wake.work_due(&[(Provider::Fcm, NOW + 500)], NOW);
+        assert_ne!(wake.heard(Skip::default()), heard, "due before it wakes");
+        drop(claim);
+        let held = wake.claim(FCM_HELD);
+        held.asleep_until(soon(1_000));
+        let heard = wake.heard(FCM_HELD);
+        wake.work_due(&[(Provider::Fcm, NOW)], NOW);
+        assert_eq!(wake.heard(FCM_HELD), heard, "a held provider's work");
+        held.looking();
+        wake.work_due(&[(Provider::Unknown, NOW + 60_000)], NOW);
+        assert_ne!(
+            wake.heard(FCM_HELD),
+            heard,
+            "no known provider: never skipped"
+        );
+    }
+
+    #[test]
+    fn the_earliest_due_time_is_named_per_provider() {
+        use crate::model::{AdmissionRecipient, Content, Kind};
+        let to = |providers: &[Provider]| Admission {
+            host_fingerprint: "h".into(),
+            kind: Kind::Alert,
+            notification_epoch: "e".into(),
+            notification_seq: 1,
+            content: Content {
+                notification_id: None,
+                source: "s".into(),
+                agent_state: None,
+                title: String::new(),
+                body: String::new(),
+                worktree_id: None,
+            },
+            expires_at_ms: None,
+            recipients: providers
+                .iter()
+                .map(|p| AdmissionRecipient {
+                    registration_id: "r".into(),
+                    silent: false,
+                    provider: *p,
+                })
+                .collect(),
+            trace_parent: None,
+        };
+        let due = |at: Option<i64>| Enqueued {
+            statuses: Vec::new(),
+            next_due_at: at,
+        };
+        let (a, b, c) = (
+            to(&[Provider::Apns]),
+            to(&[Provider::Apns, Provider::Fcm]),
+            to(&[Provider::Fcm]),
+        );
+        let (late, early, none) = (due(Some(300)), due(Some(100)), due(None));
+        assert_eq!(
+            earliest_due([(&a, &late), (&b, &early), (&c, &none)]),
+            vec![(Provider::Apns, 100), (Provider::Fcm, 100)]
+        );
+        assert_eq!(
+            providers_due([(&c, &none), (&a, &late)]),
+            vec![Provider::Apns]
+        );
     }
 
     #[test]

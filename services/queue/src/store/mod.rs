@@ -225,6 +225,16 @@ impl Skip {
             })
     }
 
+    /// Whether a claim skipping `self` takes `provider`'s work (work of no known provider is
+    /// never skipped).
+    pub fn takes(self, provider: Provider) -> bool {
+        match provider {
+            Provider::Apns => !self.apns,
+            Provider::Fcm => !self.fcm,
+            Provider::Unknown => true,
+        }
+    }
+
     /// The two provider names `provider <> $a AND provider <> $b` excludes.
     fn binds(self) -> (&'static str, &'static str) {
         (
