@@ -522,7 +522,7 @@ pub fn channel_to(
     match target {
         Target::Url(url) => channel(url, key, subject, audience),
         Target::Local(server) => Ok(AttachToken {
-            inner: orca_push_telemetry::traced(Transport::Local(server.clone())),
+            inner: orca_push_telemetry::traced_in_process(Transport::Local(server.clone())),
             minter: minter(key, subject, audience),
             local: Some(LocalCaller {
                 subject: Arc::from(subject),

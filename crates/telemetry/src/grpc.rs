@@ -1,5 +1,8 @@
 //! Tower layers that give every gRPC call a client or server span and carry W3C trace context in
-//! the call's metadata. Span fields follow the OpenTelemetry RPC conventions.
+//! the call's metadata. Span fields follow the OpenTelemetry RPC conventions. A call to a server
+//! in this process carries the context itself, in the request's extensions, rather than written
+//! out as a `traceparent` and parsed back on every hop (profiled: 3.5% of the request threads'
+//! samples in SQLite admission at 64 connections); nothing from the network carries extensions.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -8,6 +11,10 @@ use std::task::{Context, Poll};
 use tracing::Instrument as _;
 
 use crate::{inject_current_context, set_parent_from_headers};
+
+/// The caller's trace context on a call to a server in this process.
+#[derive(Clone)]
+struct InProcessContext(opentelemetry::Context);
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
@@ -82,7 +89,8 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let caller = request.extensions_mut().remove::<InProcessContext>();
         let (service, method) = routed_names(request.uri().path(), self.known);
         let span = tracing::info_span!(
             "grpc.server",
@@ -95,7 +103,13 @@ where
             // The caller its internal token names (orca-push-internal-auth), never the token.
             enduser.id = tracing::field::Empty,
         );
-        set_parent_from_headers(&span, request.headers());
+        match caller {
+            Some(InProcessContext(caller)) => {
+                use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+                let _ = span.set_parent(caller);
+            }
+            None => set_parent_from_headers(&span, request.headers()),
+        }
         let labels = [
             ("service", service.to_owned()),
             ("method", method.to_owned()),
@@ -142,19 +156,33 @@ impl<S> tower::Layer<S> for GrpcClientLayer {
     type Service = GrpcClientService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        GrpcClientService { inner }
+        traced(inner)
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct GrpcClientService<S> {
     inner: S,
+    /// The server is in this process: the context goes in the request's extensions.
+    in_process: bool,
 }
 
-/// `transport` (a tonic channel, or a server in this process) with every call traced and carrying
-/// the caller's trace context.
+/// `transport` (a tonic channel) with every call traced and carrying the caller's trace context
+/// as `traceparent` metadata.
 pub fn traced<S>(transport: S) -> GrpcClientService<S> {
-    GrpcClientService { inner: transport }
+    GrpcClientService {
+        inner: transport,
+        in_process: false,
+    }
+}
+
+/// `transport` (a server in this process) with every call traced and carrying the caller's trace
+/// context in the request's extensions.
+pub fn traced_in_process<S>(transport: S) -> GrpcClientService<S> {
+    GrpcClientService {
+        inner: transport,
+        in_process: true,
+    }
 }
 
 impl<S, B, R> tower::Service<http::Request<B>> for GrpcClientService<S>
@@ -183,7 +211,14 @@ where
         );
         let future = {
             let _entered = span.enter();
-            inject_current_context(request.headers_mut());
+            if self.in_process {
+                use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+                request
+                    .extensions_mut()
+                    .insert(InProcessContext(span.context()));
+            } else {
+                inject_current_context(request.headers_mut());
+            }
             self.inner.call(request)
         };
         Box::pin(
@@ -201,7 +236,82 @@ where
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+    use tower::{Layer as _, Service as _};
+
     use super::*;
+
+    /// A served call's `traceparent` metadata, as it arrived.
+    #[derive(Clone, Default)]
+    struct Arrived(Arc<Mutex<Vec<Option<String>>>>);
+
+    impl tower::Service<http::Request<()>> for Arrived {
+        type Response = http::Response<()>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<http::Response<()>, std::convert::Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, request: http::Request<()>) -> Self::Future {
+            let traceparent = request
+                .headers()
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            self.0.lock().unwrap().push(traceparent);
+            std::future::ready(Ok(http::Response::new(())))
+        }
+    }
+
+    /// Both transports continue the caller's trace; only the network one writes and parses a
+    /// `traceparent` to do it.
+    #[tokio::test]
+    async fn calls_in_process_carry_the_context_without_writing_it_out() {
+        crate::install_propagator();
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = crate::init::subscriber(&provider, crate::LogFormat::Text, std::io::sink);
+        let _default = tracing::subscriber::set_default(subscriber);
+        for in_process in [true, false] {
+            exporter.reset();
+            let arrived = Arrived::default();
+            let server = GrpcServerLayer::new(|_| true).layer(arrived.clone());
+            let mut client = if in_process {
+                traced_in_process(server)
+            } else {
+                traced(server)
+            };
+            let request = http::Request::builder()
+                .uri("/orca.push.queue.v1.QueueService/Enqueue")
+                .body(())
+                .unwrap();
+            client.call(request).await.unwrap();
+            provider.force_flush().unwrap();
+            let spans = exporter.get_finished_spans().unwrap();
+            let span = |kind: opentelemetry::trace::SpanKind| {
+                spans.iter().find(|s| s.span_kind == kind).unwrap()
+            };
+            let caller = span(opentelemetry::trace::SpanKind::Client);
+            let served = span(opentelemetry::trace::SpanKind::Server);
+            assert_eq!(served.parent_span_id, caller.span_context.span_id());
+            assert_eq!(
+                served.span_context.trace_id(),
+                caller.span_context.trace_id()
+            );
+            let traceparent = arrived.0.lock().unwrap()[0].clone();
+            assert_eq!(
+                traceparent.is_some(),
+                !in_process,
+                "in process: {in_process}"
+            );
+        }
+    }
 
     fn known(path: &str) -> bool {
         path == "/orca.push.auth.v1.AuthService/Authenticate"

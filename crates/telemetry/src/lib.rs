@@ -9,7 +9,7 @@ mod grpc;
 mod init;
 mod json_log;
 
-pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced};
+pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced, traced_in_process};
 pub use init::{
     ExportError, LogFormat, OtlpExport, OtlpProtocol, TelemetryGuard, init, init_with_log_writer,
     install_propagator, meter_provider, resource, subscriber, tracer_provider,
