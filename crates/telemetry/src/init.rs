@@ -244,21 +244,22 @@ where
     };
     tracing_subscriber::registry()
         .with(filter)
-        .with(span_layer(tracer))
+        .with(span_layer(tracer, format))
         .with(text)
         .with(json)
 }
 
 /// The layer that turns tracing spans into OpenTelemetry spans, carrying only what a trace needs:
 /// the span's own fields, its parent and links, its times and status. The crate's defaults also
-/// time every poll (`busy_ns`/`idle_ns`), attach the span's context to the thread on every poll,
-/// and add the source file, line, module, target and thread (name allocated) to every span: work
-/// on every span of every request for attributes nothing here reads (the layer was a tenth of the
-/// request threads' samples in a profile of SQLite admission at 64 connections). Context is
-/// propagated from the tracing span (`OpenTelemetrySpanExt::context`), never from
-/// OpenTelemetry's thread-local current context.
+/// time every poll (`busy_ns`/`idle_ns`), attach the span's context to the thread on every poll
+/// (kept for JSON logs, below), and add the source file, line, module, target and thread (name
+/// allocated) to every span: work on every span of every request for attributes nothing here
+/// reads (the layer was a tenth of the request threads' samples in a profile of SQLite admission
+/// at 64 connections). Context is propagated from the tracing span
+/// (`OpenTelemetrySpanExt::context`), never from OpenTelemetry's thread-local current context.
 fn span_layer<S>(
     tracer: opentelemetry_sdk::trace::SdkTracer,
+    format: LogFormat,
 ) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::SdkTracer>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
@@ -269,7 +270,10 @@ where
         .with_threads(false)
         .with_target(false)
         .with_tracked_inactivity(false)
-        .with_context_activation(false)
+        // JSON lines print the ids of the span they are logged in, which the layer assigns as it
+        // starts the span: on its first entry with activation, else only once a child or a
+        // propagation asks for its context.
+        .with_context_activation(format == LogFormat::Json)
 }
 
 /// The fmt layer writing JSON lines (`LogFormat::Json`) to `writer`.
