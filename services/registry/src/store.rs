@@ -123,9 +123,11 @@ macro_rules! registry_store {
             /// Every registration of `host` (at most 64, by the device cap): one static statement,
             /// whatever ids a send names.
             async fn host_registrations(&self, host: &str) -> Result<Vec<ResolvedRow>, RegistryError> {
+                use tracing::Instrument as _;
                 let rows = sqlx::query(HOST_REGISTRATIONS_SQL)
                     .bind(host)
                     .fetch_all(self.reader())
+                    .instrument(orca_push_storage::db_span(Self::DB_SYSTEM, "resolve"))
                     .await?;
                 rows.iter()
                     .map(|row| {
@@ -359,6 +361,8 @@ pub struct SqliteRegistryStore {
 }
 
 impl SqliteRegistryStore {
+    /// `db.system` of its spans.
+    const DB_SYSTEM: &'static str = "sqlite";
     /// This process alone writes the file: nothing to announce (`$3` is unused).
     const DELETE_SQL: &'static str = "DELETE FROM push_devices \
          WHERE registration_id = $1 AND host_fingerprint = $2 AND $3 = $3 RETURNING host_fingerprint";
@@ -407,6 +411,8 @@ pub struct PgRegistryStore {
 }
 
 impl PgRegistryStore {
+    /// `db.system` of its spans.
+    const DB_SYSTEM: &'static str = "postgresql";
     /// Each write names its host on `DEVICES_CHANNEL` ($3 / $6), delivered to every replica's
     /// relay if it commits.
     const DELETE_SQL: &'static str = "WITH d AS (DELETE FROM push_devices \
@@ -522,8 +528,13 @@ impl RegistryStore for AnyRegistryStore {
     async fn delete(&self, host: &str, id: &str) -> Result<bool, RegistryError> {
         delegate!(self, s => s.delete(host, id))
     }
+    /// Mostly answered by the resolve cache: only a read of the database gets a `db` span (one
+    /// per send otherwise, for no statement).
     async fn resolve(&self, host: &str, ids: &[String]) -> Result<Vec<ResolvedRow>, RegistryError> {
-        delegate!(self, s => s.resolve(host, ids))
+        match self {
+            AnyRegistryStore::Sqlite(s) => s.resolve(host, ids).await,
+            AnyRegistryStore::Postgres(s) => s.resolve(host, ids).await,
+        }
     }
     async fn for_delivery(&self, ids: &[String]) -> Result<Vec<DeliveryRow>, RegistryError> {
         delegate!(self, s => s.for_delivery(ids))

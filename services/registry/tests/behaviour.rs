@@ -75,6 +75,7 @@ on_both_backends!(
     filter_is_stored_and_returned,
     hosts_with_devices_names_only_hosts_that_have_some,
     for_delivery_reads_many_devices_in_the_order_asked,
+    only_a_resolve_that_reads_has_a_db_span,
 );
 
 async fn for_delivery_reads_many_devices_in_the_order_asked(backend: Backend) {
@@ -367,4 +368,48 @@ async fn hosts_with_devices_names_only_hosts_that_have_some(backend: Backend) {
         .await
         .unwrap();
     assert_eq!(with, vec![HOST.to_owned()]);
+}
+
+/// Counts the `db` spans opened while it is the default subscriber.
+#[derive(Clone, Default)]
+struct DbSpans(Arc<std::sync::atomic::AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for DbSpans {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if attrs.metadata().name() == "db" {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+impl DbSpans {
+    fn taken(&self) -> usize {
+        self.0.swap(0, std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A resolve the cache answers reads nothing and has no `db` span (before, every send's resolve
+/// had one); one that reads has. On PostgreSQL without a relay the cache serves nothing.
+async fn only_a_resolve_that_reads_has_a_db_span(backend: Backend) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let h = harness(backend).await;
+    let id = h
+        .registry
+        .register(&ios(HOST, "phone-1", "aaaaaaaaaaaaaaaaaaaa"))
+        .await
+        .unwrap();
+    let spans = DbSpans::default();
+    let _default =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let ids = std::slice::from_ref(&id);
+    assert_eq!(h.registry.resolve(HOST, ids).await.unwrap().len(), 1);
+    assert_eq!(spans.taken(), 1, "the first resolve reads");
+    assert_eq!(h.registry.resolve(HOST, ids).await.unwrap().len(), 1);
+    let cached = backend == Backend::Sqlite;
+    assert_eq!(spans.taken(), usize::from(!cached), "cached: {cached}");
 }
