@@ -69,6 +69,7 @@ pub fn delivery_queue(
         tokio::spawn(listen_for_replicas(
             pg.clone(),
             wake.clone(),
+            clock.clone(),
             shutdown.clone(),
         ));
     }
@@ -163,15 +164,28 @@ pub async fn routes(
         .add_service(QueueServiceServer::new(QueueGrpc::new(queue)))
 }
 
-/// Another replica committed work that may be due: wake this replica's waiting claims.
-async fn listen_for_replicas(pool: sqlx::PgPool, wake: Arc<Wake>, shutdown: CancellationToken) {
+/// A replica (this one too) committed work that may be due: wake this replica's waiting claims
+/// that the work is news to (see `Wake::work_due`).
+async fn listen_for_replicas(
+    pool: sqlx::PgPool,
+    wake: Arc<Wake>,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) {
     loop {
         let listener = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
             listener.listen(store::WAKE_CHANNEL).await?;
             loop {
                 let notification = listener.recv().await?;
-                wake.work_for(wake::providers_named(notification.payload()));
+                match wake::news_named(notification.payload()) {
+                    (providers, Some(at)) => {
+                        let due: Vec<_> = providers.into_iter().map(|p| (p, at)).collect();
+                        let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
+                        wake.work_due(&due, now);
+                    }
+                    (providers, None) => wake.work_for(providers),
+                }
             }
             #[allow(unreachable_code)]
             Ok::<(), sqlx::Error>(())

@@ -208,7 +208,8 @@ fn slot(provider: Provider) -> usize {
 }
 
 /// The providers a PostgreSQL notification names (`apns,fcm`); an empty or unknown payload names
-/// them all.
+/// them all. An `@` element (`apns,@1800000003000`) is the earliest due time, not a provider: see
+/// [`news_named`].
 pub fn providers_named(payload: &str) -> Vec<Provider> {
     let named: Vec<Provider> = payload
         .split(',')
@@ -222,27 +223,42 @@ pub fn providers_named(payload: &str) -> Vec<Provider> {
     }
 }
 
-/// The payload naming `providers` for [`providers_named`].
-pub fn payload_naming(providers: impl IntoIterator<Item = Provider>) -> String {
+/// The providers a notification names, and the earliest time their new work is due if it says
+/// (absent: due now, as from a replica that does not say).
+pub fn news_named(payload: &str) -> (Vec<Provider>, Option<i64>) {
+    let due = payload
+        .split(',')
+        .find_map(|element| element.strip_prefix('@')?.parse().ok());
+    (providers_named(payload), due)
+}
+
+/// The payload naming `due`'s providers for [`providers_named`], then the earliest due time for
+/// [`news_named`]. A replica that reads only the names sees the time as no provider.
+pub fn payload_naming(due: &[(Provider, i64)]) -> String {
     let mut apns = false;
     let mut fcm = false;
     let mut other = false;
-    for provider in providers {
+    for (provider, _) in due {
         match provider {
             Provider::Apns => apns = true,
             Provider::Fcm => fcm = true,
             Provider::Unknown => other = true,
         }
     }
-    if other {
+    let mut elements: Vec<String> = if other {
         // Work of no known provider: every claim cares.
-        return String::new();
+        Vec::new()
+    } else {
+        [(apns, "apns"), (fcm, "fcm")]
+            .into_iter()
+            .filter(|(named, _)| *named)
+            .map(|(_, name)| name.to_owned())
+            .collect()
+    };
+    if let Some(earliest) = due.iter().map(|(_, at)| *at).min() {
+        elements.push(format!("@{earliest}"));
     }
-    [(apns, "apns"), (fcm, "fcm")]
-        .into_iter()
-        .filter_map(|(named, name)| named.then_some(name))
-        .collect::<Vec<_>>()
-        .join(",")
+    elements.join(",")
 }
 
 #[cfg(test)]
@@ -400,16 +416,31 @@ mod tests {
     }
 
     #[test]
-    fn notification_payloads_name_providers() {
-        assert_eq!(payload_naming([Provider::Fcm, Provider::Apns]), "apns,fcm");
-        assert_eq!(payload_naming([Provider::Fcm, Provider::Fcm]), "fcm");
-        assert_eq!(payload_naming([Provider::Apns, Provider::Unknown]), "");
-        assert_eq!(providers_named("fcm"), vec![Provider::Fcm]);
+    fn notification_payloads_name_providers_and_when_their_work_is_due() {
+        let fcm_apns = [(Provider::Fcm, 300), (Provider::Apns, 100)];
+        assert_eq!(payload_naming(&fcm_apns), "apns,fcm,@100");
         assert_eq!(
-            providers_named("apns,fcm"),
-            vec![Provider::Apns, Provider::Fcm]
+            payload_naming(&[(Provider::Fcm, 5), (Provider::Fcm, 7)]),
+            "fcm,@5"
         );
+        assert_eq!(
+            payload_naming(&[(Provider::Apns, 9), (Provider::Unknown, 8)]),
+            "@8"
+        );
+        assert_eq!(
+            news_named("apns,fcm,@100"),
+            (vec![Provider::Apns, Provider::Fcm], Some(100))
+        );
+        assert_eq!(news_named("fcm"), (vec![Provider::Fcm], None));
+        assert_eq!(providers_named("fcm,@5"), vec![Provider::Fcm]);
+        assert_eq!(providers_named("@8").len(), 3, "only a time names all");
+        assert_eq!(news_named("@8").1, Some(8));
         assert_eq!(providers_named("").len(), 3, "an empty payload names all");
         assert_eq!(providers_named("x").len(), 3);
+        assert_eq!(
+            news_named("apns,@soon").1,
+            None,
+            "a time it cannot read: due now"
+        );
     }
 }

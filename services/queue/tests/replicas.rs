@@ -133,3 +133,39 @@ async fn a_lane_waits_for_the_window_without_polling_and_takes_the_batch_when_du
         shutdown.cancel();
     }
 }
+
+/// A replica's notification says when its new work is due, so a lane on another replica asleep
+/// until an earlier window's end sleeps through windows that end later (each replica hears its
+/// own notifications too: without the time, every admission group woke every lane to read the
+/// same due time again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lane_sleeps_through_another_replicas_later_windows() {
+    let (config, _guard) = fresh(Backend::Postgres).await;
+    let shutdown = CancellationToken::new();
+    let admitting = replica(&config, 2_000, &shutdown).await;
+    let waiting = replica(&config, 2_000, &shutdown).await;
+    let lane = tokio::spawn({
+        let waiting = waiting.clone();
+        async move { waiting.claim("lane", 64, 30_000, 3_000).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = waiting.due_reads();
+    admitting.enqueue(&alert(1, "phone-1")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = waiting.due_reads() - before;
+    assert!(first >= 1, "the first window is news to the lane");
+    for seq in 2..=10 {
+        admitting
+            .enqueue(&alert(seq, &format!("phone-{seq}")))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        waiting.due_reads() - before,
+        first,
+        "nine later windows, no read"
+    );
+    shutdown.cancel();
+    lane.abort();
+}

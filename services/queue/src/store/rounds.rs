@@ -120,9 +120,9 @@ macro_rules! round_statements {
                 } else {
                     Self::finish_reported(&mut tx, reports, now).await?
                 };
-                let due = $crate::wake::providers_due(group.iter().copied().zip(&admitted));
+                let due = $crate::wake::earliest_due(group.iter().copied().zip(&admitted));
                 if !due.is_empty() {
-                    Self::wake_replicas(&mut tx, &$crate::wake::payload_naming(due)).await?;
+                    Self::wake_replicas(&mut tx, &$crate::wake::payload_naming(&due)).await?;
                 }
                 tx.commit().await?;
                 if let Some(handoff) = handoff {
