@@ -192,13 +192,6 @@ pub fn earliest_due<'a>(
     due
 }
 
-/// The providers of the recipients of every admission that made work due, each once.
-pub fn providers_due<'a>(
-    admitted: impl IntoIterator<Item = (&'a Admission, &'a Enqueued)>,
-) -> Vec<Provider> {
-    earliest_due(admitted).into_iter().map(|(p, _)| p).collect()
-}
-
 fn slot(provider: Provider) -> usize {
     match provider {
         Provider::Apns => 0,
@@ -410,8 +403,8 @@ mod tests {
             vec![(Provider::Apns, 100), (Provider::Fcm, 100)]
         );
         assert_eq!(
-            providers_due([(&c, &none), (&a, &late)]),
-            vec![Provider::Apns]
+            earliest_due([(&c, &none), (&a, &late)]),
+            vec![(Provider::Apns, 300)]
         );
     }
 
