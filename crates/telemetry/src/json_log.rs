@@ -123,7 +123,7 @@ fn timestamp() -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::{Arc, Mutex};
 
     use opentelemetry::trace::TraceContextExt as _;
@@ -131,8 +131,9 @@ mod tests {
 
     use crate::LogFormat;
 
+    /// Log lines written in a test, to read back.
     #[derive(Clone, Default)]
-    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    pub(crate) struct Buffer(pub(crate) Arc<Mutex<Vec<u8>>>);
 
     impl std::io::Write for Buffer {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
