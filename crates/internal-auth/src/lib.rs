@@ -232,10 +232,28 @@ pub fn verify_any(key: &InternalKey, token: &str, audiences: &[&str]) -> Result<
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RunToCompletion;
 
-/// Calls that end with their caller instead: a long-poll claim waits up to 30 s for work, and a
-/// lane that stops must not leave it running to lease work to nobody. The queue runs the claim's
-/// transaction on a task of its own and hands back what it leased if the caller is gone by then.
-pub const ENDS_WITH_CALLER: &[&str] = &["/orca.push.queue.v1.QueueService/Claim"];
+/// Calls that end with their caller instead, run on the caller's task:
+/// - A long-poll claim waits up to 30 s for work, and a lane that stops must not leave it running
+///   to lease work to nobody. The queue runs the claim's transaction on a task of its own and
+///   hands back what it leased if the caller is gone by then.
+/// - Reads leave nothing half done when dropped.
+/// - An admission is a hand-off: the queue's group-commit writer runs its transaction whatever
+///   becomes of the caller, which only waits for the answer (on every backend; reports are not
+///   listed, as on PostgreSQL their transaction runs in the call).
+///
+/// A task of its own costs every call a spawn and a second trip through the scheduler (the
+/// handler's task wakes, then the caller's): on the two calls of every send, and the look-up of
+/// every delivery batch (docs/benchmarks.md, round 15).
+pub const ENDS_WITH_CALLER: &[&str] = &[
+    "/orca.push.queue.v1.QueueService/Claim",
+    "/orca.push.queue.v1.QueueService/Enqueue",
+    "/orca.push.queue.v1.QueueService/GetEventOutcomes",
+    "/orca.push.queue.v1.QueueService/GetQueueDepth",
+    "/orca.push.registry.v1.RegistryService/ResolveRegistrations",
+    "/orca.push.registry.v1.RegistryService/GetDevicesForDelivery",
+    "/orca.push.registry.v1.RegistryService/ListDevices",
+    "/orca.push.registry.v1.RegistryService/HostsWithDevices",
+];
 
 impl<S> tower::Layer<S> for RunToCompletion {
     type Service = RunToCompletionService<S>;
@@ -268,7 +286,7 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         use tracing::Instrument as _;
         if ENDS_WITH_CALLER.contains(&request.uri().path()) {
-            // It guards its own writes (see the list) and must stop waiting when its caller goes.
+            // Nothing is left half done if it stops with its caller (see the list).
             return Box::pin(self.inner.call(request));
         }
         let call = tokio::spawn(
@@ -673,6 +691,38 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A write runs to its end on a task of its own when its caller goes; a call of
+    /// [`ENDS_WITH_CALLER`] (here a read) runs on the caller's task and stops with it.
+    #[tokio::test]
+    async fn only_calls_that_leave_nothing_half_done_end_with_their_caller() {
+        use tower::{Layer as _, Service as _};
+        let finished = Arc::new(Mutex::new(Vec::<String>::new()));
+        let seen = finished.clone();
+        let inner = tower::service_fn(move |request: http::Request<()>| {
+            let seen = seen.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                seen.lock().unwrap().push(request.uri().path().to_owned());
+                Ok::<_, std::convert::Infallible>(http::Response::new(()))
+            }
+        });
+        let mut service = RunToCompletion.layer(inner);
+        let write = "/orca.push.registry.v1.RegistryService/RegisterDevice";
+        let read = "/orca.push.registry.v1.RegistryService/ResolveRegistrations";
+        assert!(!ENDS_WITH_CALLER.contains(&write) && ENDS_WITH_CALLER.contains(&read));
+        for path in [write, read] {
+            let call = service.call(http::Request::get(path).body(()).unwrap());
+            // The caller gives up before the handler is done.
+            assert!(
+                tokio::time::timeout(Duration::from_millis(5), call)
+                    .await
+                    .is_err()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(*finished.lock().unwrap(), [write]);
+    }
 
     #[test]
     fn a_token_is_good_for_its_audience_only_until_it_expires() {
