@@ -288,10 +288,12 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
         &self,
         meta: &'static tracing::Metadata<'static>,
     ) -> tracing::subscriber::Interest {
+        // Always asked first: it learns here which spans its span directives name.
+        let logs = tracing_subscriber::Layer::<S>::register_callsite(&self.0, meta);
         if Self::traced(meta) {
             tracing::subscriber::Interest::always()
         } else {
-            tracing_subscriber::Layer::<S>::register_callsite(&self.0, meta)
+            logs
         }
     }
 
@@ -426,6 +428,32 @@ mod tests {
         assert_eq!(seen_inside, parent.span_context.trace_id());
         let keys: Vec<&str> = child.attributes.iter().map(|kv| kv.key.as_str()).collect();
         assert_eq!(keys, ["rpc.method"], "only the span's own fields");
+    }
+
+    /// A `RUST_LOG` directive that names a span still opens the log inside it, on a span the
+    /// filter keeps for the trace whatever `RUST_LOG` says.
+    #[test]
+    fn a_log_filter_naming_a_span_still_applies_inside_it() {
+        let provider = SdkTracerProvider::builder().build();
+        let buffer = crate::json_log::tests::Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = subscriber_logging(
+            &provider,
+            LogFormat::Json,
+            move || writer.clone(),
+            tracing_subscriber::EnvFilter::new("warn,[grpc.client]=debug"),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::debug!("outside: not logged");
+            tracing::info_span!("http.server").in_scope(|| tracing::debug!("not logged either"));
+            tracing::info_span!("grpc.client").in_scope(|| tracing::debug!("logged"));
+        });
+        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        let messages: Vec<String> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["message"].to_string())
+            .collect();
+        assert_eq!(messages, ["\"logged\""], "{text}");
     }
 
     /// `RUST_LOG` quiets the log, not the trace: with only warnings logged, every span is still
