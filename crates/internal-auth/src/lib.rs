@@ -331,7 +331,8 @@ where
 
 /// Serves `routes` on `listener` until `shutdown`, under the stack every service runs: traced
 /// (outermost), caller-checked for `audience`, then each call run to completion even if its
-/// caller goes away (but those of [`ENDS_WITH_CALLER`]). [`LocalServer`] runs the same stack in process.
+/// caller goes away (but those of [`ENDS_WITH_CALLER`]). [`LocalServer`] runs the same stack in
+/// process.
 pub async fn serve_routes(
     listener: tokio::net::TcpListener,
     key: InternalKey,

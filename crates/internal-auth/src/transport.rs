@@ -47,7 +47,8 @@ pub struct LocalServer(BoxCloneSyncService<http::Request<Body>, http::Response<B
 
 impl LocalServer {
     /// `routes` (health, reflection and the service) as `audience`'s network server would serve
-    /// them: the caller's deadline, a server span, the caller check, each call run to completion (but those of [`crate::ENDS_WITH_CALLER`]).
+    /// them: the caller's deadline, a server span, the caller check, each call run to completion
+    /// (but those of [`crate::ENDS_WITH_CALLER`]).
     pub fn new(key: InternalKey, audience: &'static str, routes: tonic::service::Routes) -> Self {
         Self::checked_by(RequireToken::new(key, audience), routes)
     }

@@ -391,14 +391,20 @@ mod tests {
 
     use super::*;
 
-    /// A span carries its own fields and its parent, and none of the per-span extras the
-    /// OpenTelemetry layer adds by default (each costing work on every span of every request).
-    #[test]
-    fn spans_carry_their_fields_and_parent_and_no_per_span_extras() {
+    /// A provider exporting every span as it ends to the exporter it comes with.
+    fn exporting() -> (InMemorySpanExporter, SdkTracerProvider) {
         let exporter = InMemorySpanExporter::default();
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())
             .build();
+        (exporter, provider)
+    }
+
+    /// A span carries its own fields and its parent, and none of the per-span extras the
+    /// OpenTelemetry layer adds by default (each costing work on every span of every request).
+    #[test]
+    fn spans_carry_their_fields_and_parent_and_no_per_span_extras() {
+        let (exporter, provider) = exporting();
         let subscriber = subscriber(&provider, LogFormat::Text, std::io::sink);
         let (parent_id, seen_inside) = tracing::subscriber::with_default(subscriber, || {
             let parent = tracing::info_span!("http.server", http.route = "/v1/send");
@@ -430,49 +436,44 @@ mod tests {
         assert_eq!(keys, ["rpc.method"], "only the span's own fields");
     }
 
+    /// What `f` logs as JSON lines under the log filter `logs`, its spans going to `provider`.
+    fn json_logged<R>(
+        provider: &SdkTracerProvider,
+        logs: &str,
+        f: impl FnOnce() -> R,
+    ) -> (R, Vec<serde_json::Value>) {
+        let buffer = crate::json_log::tests::Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = subscriber_logging(
+            provider,
+            LogFormat::Json,
+            move || writer.clone(),
+            tracing_subscriber::EnvFilter::new(logs),
+        );
+        let result = tracing::subscriber::with_default(subscriber, f);
+        (result, buffer.lines())
+    }
+
     /// A `RUST_LOG` directive that names a span still opens the log inside it, on a span the
     /// filter keeps for the trace whatever `RUST_LOG` says.
     #[test]
     fn a_log_filter_naming_a_span_still_applies_inside_it() {
         let provider = SdkTracerProvider::builder().build();
-        let buffer = crate::json_log::tests::Buffer::default();
-        let writer = buffer.clone();
-        let subscriber = subscriber_logging(
-            &provider,
-            LogFormat::Json,
-            move || writer.clone(),
-            tracing_subscriber::EnvFilter::new("warn,[grpc.client]=debug"),
-        );
-        tracing::subscriber::with_default(subscriber, || {
+        let ((), lines) = json_logged(&provider, "warn,[grpc.client]=debug", || {
             tracing::debug!("outside: not logged");
             tracing::info_span!("http.server").in_scope(|| tracing::debug!("not logged either"));
             tracing::info_span!("grpc.client").in_scope(|| tracing::debug!("logged"));
         });
-        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
-        let messages: Vec<String> = text
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["message"].to_string())
-            .collect();
-        assert_eq!(messages, ["\"logged\""], "{text}");
+        let messages: Vec<&serde_json::Value> = lines.iter().map(|l| &l["message"]).collect();
+        assert_eq!(messages, ["logged"], "{lines:?}");
     }
 
     /// `RUST_LOG` quiets the log, not the trace: with only warnings logged, every span is still
     /// made, parented and exported, and the one warning written carries the trace's ids.
     #[test]
     fn a_quiet_log_filter_keeps_every_span_a_trace_needs() {
-        let exporter = InMemorySpanExporter::default();
-        let provider = SdkTracerProvider::builder()
-            .with_simple_exporter(exporter.clone())
-            .build();
-        let buffer = crate::json_log::tests::Buffer::default();
-        let writer = buffer.clone();
-        let subscriber = subscriber_logging(
-            &provider,
-            LogFormat::Json,
-            move || writer.clone(),
-            tracing_subscriber::EnvFilter::new("warn"),
-        );
-        let trace_id = tracing::subscriber::with_default(subscriber, || {
+        let (exporter, provider) = exporting();
+        let (trace_id, lines) = json_logged(&provider, "warn", || {
             let parent = tracing::info_span!("http.server", http.route = "/v1/send");
             parent.in_scope(|| {
                 let child = tracing::info_span!("grpc.client", rpc.method = "Enqueue");
@@ -488,12 +489,7 @@ mod tests {
         assert_eq!(names, ["grpc.client", "http.server"]);
         assert!(spans.iter().all(|s| s.span_context.trace_id() == trace_id));
         assert_eq!(spans[0].parent_span_id, spans[1].span_context.span_id());
-        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
-        let lines: Vec<serde_json::Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(lines.len(), 1, "{text}");
+        assert_eq!(lines.len(), 1, "{lines:?}");
         assert_eq!(lines[0]["message"], "logged");
         assert_eq!(lines[0]["trace_id"], trace_id.to_string());
         assert_eq!(

@@ -135,6 +135,16 @@ pub(crate) mod tests {
     #[derive(Clone, Default)]
     pub(crate) struct Buffer(pub(crate) Arc<Mutex<Vec<u8>>>);
 
+    impl Buffer {
+        /// Every line written so far, parsed.
+        pub(crate) fn lines(&self) -> Vec<serde_json::Value> {
+            let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+            text.lines()
+                .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+                .collect()
+        }
+    }
+
     impl std::io::Write for Buffer {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
             self.0.lock().unwrap().extend_from_slice(bytes);
@@ -165,12 +175,8 @@ pub(crate) mod tests {
                 span_context.span_id().to_string(),
             )
         });
-        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
-        let lines: Vec<serde_json::Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(lines.len(), 2, "{text}");
+        let lines = buffer.lines();
+        assert_eq!(lines.len(), 2, "{lines:?}");
         assert_eq!(lines[0]["message"], "before any span");
         assert_eq!(lines[0]["outside"], true);
         assert!(lines[0].get("trace_id").is_none());
@@ -216,8 +222,8 @@ pub(crate) mod tests {
             0,
             "a span's fields are formatted for no line"
         );
-        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
-        let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
-        assert_eq!(line["spans"], serde_json::json!(["queue.group_commit"]));
+        let lines = buffer.lines();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert_eq!(lines[0]["spans"], serde_json::json!(["queue.group_commit"]));
     }
 }
