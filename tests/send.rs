@@ -2,7 +2,7 @@
 
 use orca_push_host::HostKey;
 use orca_push_storage::Pool;
-use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends};
+use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends, scrape_sum};
 use serde_json::{Value, json};
 
 on_both_backends!(
@@ -168,7 +168,7 @@ async fn queued_means_event_recipient_and_payload_are_committed(backend: Backend
 }
 
 async fn quota_is_per_event_and_refusals_are_per_result(backend: Backend) {
-    let gateway = Gateway::start(backend).await;
+    let mut gateway = Gateway::start(backend).await;
     let host = Host::new(&gateway).await;
     let a = host.register("a").await;
     let b = host.register("b").await;
@@ -184,6 +184,14 @@ async fn quota_is_per_event_and_refusals_are_per_result(backend: Backend) {
             (b.clone(), "rate_limited".into())
         ]
     );
+    // One refused event, counted once (not once per recipient).
+    let refusals = scrape_sum(
+        &gateway.process("all").metrics_url(),
+        "orca_push_quota_refusals_total",
+        &[("kind", "alert")],
+    )
+    .await;
+    assert_eq!(refusals, 1.0);
     // Dismissals have their own quota.
     let mut dismissal = notification(301);
     dismissal["kind"] = json!("dismiss");

@@ -19,7 +19,7 @@ use tracing::Instrument as _;
 
 use crate::error::QueueError;
 use crate::handoff::Handoff;
-use crate::model::Admission;
+use crate::model::{Admission, Kind};
 use crate::store::{Completion, Enqueued, QueueStore};
 use crate::wake::Wake;
 
@@ -61,6 +61,7 @@ struct Waiting {
 pub struct GroupCommit {
     waiting: mpsc::Sender<Work>,
     groups: Arc<AtomicU64>,
+    refusals: Arc<AtomicU64>,
 }
 
 impl GroupCommit {
@@ -76,6 +77,7 @@ impl GroupCommit {
         let (waiting, queue) = mpsc::channel(WAITING);
         let queue = Arc::new(Mutex::new(queue));
         let groups = Arc::new(AtomicU64::new(0));
+        let refusals = Arc::new(AtomicU64::new(0));
         for _ in 0..store.group_writers().max(1) {
             let writer = Writer {
                 store: store.clone(),
@@ -85,6 +87,7 @@ impl GroupCommit {
                 handoff: handoff.clone(),
                 queue: queue.clone(),
                 groups: groups.clone(),
+                refusals: refusals.clone(),
             };
             if store.writer_thread() {
                 spawn_on_own_thread(writer);
@@ -92,7 +95,11 @@ impl GroupCommit {
                 tokio::spawn(writer.run());
             }
         }
-        Self { waiting, groups }
+        Self {
+            waiting,
+            groups,
+            refusals,
+        }
     }
 
     /// Admissions and reports waiting for a writer to take them.
@@ -103,6 +110,12 @@ impl GroupCommit {
     /// Groups handed to the store so far.
     pub fn groups(&self) -> u64 {
         self.groups.load(Ordering::Relaxed)
+    }
+
+    /// Admissions answered `rate_limited` so far (as `orca_push_quota_refusals_total` counts
+    /// them), whether or not their callers were still there to hear it.
+    pub fn quota_refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
     }
 
     /// Admits `admission` with whatever else is waiting; answers once its group has committed.
@@ -195,6 +208,7 @@ struct Writer<S> {
     handoff: Arc<Handoff>,
     queue: Arc<Mutex<mpsc::Receiver<Work>>>,
     groups: Arc<AtomicU64>,
+    refusals: Arc<AtomicU64>,
 }
 
 impl<S: QueueStore> Writer<S> {
@@ -291,6 +305,8 @@ impl<S: QueueStore> Writer<S> {
         self.wake
             .work_due(&crate::wake::earliest_due(admitted), committed);
         let answers = Answers {
+            refused: Refused::of(&admissions, &round.admitted),
+            refusals: self.refusals.clone(),
             admissions: group.into_iter().map(|w| w.answer).collect(),
             admitted: round.admitted,
             reports,
@@ -317,14 +333,21 @@ struct Answers {
     admitted: Vec<Result<Enqueued, QueueError>>,
     reports: Vec<(ReportAnswer, usize)>,
     reported: Result<Vec<bool>, QueueError>,
+    refused: Refused,
+    refusals: Arc<AtomicU64>,
 }
 
 impl Answers {
     /// Each caller's own answer once the round is synced; if it could not be, what it committed
     /// is answered as unavailable (it may or may not survive a power loss), never as done.
+    /// Refusals are counted here, by the writer: a caller may have gone (an HTTP client that hung
+    /// up ends its `Enqueue` call) and the refusal still happened.
     fn send(self, synced: Result<(), orca_push_storage::SyncFailed>) {
         let (admitted, reported) = match synced {
-            Ok(()) => (self.admitted, self.reported),
+            Ok(()) => {
+                self.refused.count(&self.refusals);
+                (self.admitted, self.reported)
+            }
             Err(failed) => {
                 let failed = std::sync::Arc::new(QueueError::NotDurable(failed));
                 let admitted = self
@@ -340,6 +363,44 @@ impl Answers {
             let _ = answer.send(result);
         }
         answer_reports(self.reports, reported);
+    }
+}
+
+/// A round's admissions answered `rate_limited` (any recipient refused by the quota), by kind.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Refused {
+    alerts: u64,
+    dismissals: u64,
+}
+
+impl Refused {
+    fn of(admissions: &[&Admission], admitted: &[Result<Enqueued, QueueError>]) -> Self {
+        let mut refused = Self::default();
+        for (admission, result) in admissions.iter().zip(admitted) {
+            let Ok(enqueued) = result else { continue };
+            if enqueued
+                .statuses
+                .iter()
+                .any(|(_, s)| *s == crate::model::AdmissionStatus::RateLimited)
+            {
+                match admission.kind {
+                    Kind::Alert => refused.alerts += 1,
+                    Kind::Dismiss => refused.dismissals += 1,
+                }
+            }
+        }
+        refused
+    }
+
+    /// Into `orca_push_quota_refusals_total` and `total`.
+    fn count(self, total: &AtomicU64) {
+        for (kind, refused) in [(Kind::Alert, self.alerts), (Kind::Dismiss, self.dismissals)] {
+            if refused > 0 {
+                metrics::counter!("orca_push_quota_refusals_total", "kind" => kind.as_str())
+                    .increment(refused);
+                total.fetch_add(refused, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -369,6 +430,7 @@ fn answer_reports(reports: Vec<(ReportAnswer, usize)>, reported: Result<Vec<bool
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
 
     use super::*;
     use crate::model::{AdmissionRecipient, Content, Kind, Provider};
@@ -387,6 +449,16 @@ mod tests {
         panicked: Arc<AtomicBool>,
         /// (admissions, reports) of each round.
         rounds: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
+        /// Every recipient refused by the quota.
+        refuse: bool,
+        /// Each round says it began, then waits to be let go.
+        gate: Option<Arc<Gate>>,
+    }
+
+    #[derive(Default)]
+    struct Gate {
+        entered: tokio::sync::Notify,
+        open: tokio::sync::Notify,
     }
 
     impl QueueStore for PanicsOnce {
@@ -402,6 +474,10 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push((group.len(), reports.len()));
+            if let Some(gate) = &self.gate {
+                gate.entered.notify_one();
+                gate.open.notified().await;
+            }
             crate::store::Round {
                 admitted: self.enqueue_group(group, now, coalesce_ms, handoff).await,
                 reported: Ok(reports
@@ -426,11 +502,20 @@ mod tests {
             if self.panic_first && !self.panicked.swap(true, Ordering::SeqCst) {
                 panic!("a bug while committing");
             }
+            let status = if self.refuse {
+                crate::model::AdmissionStatus::RateLimited
+            } else {
+                crate::model::AdmissionStatus::Queued
+            };
             group
                 .iter()
-                .map(|_| {
+                .map(|a| {
                     Ok(Enqueued {
-                        statuses: Vec::new(),
+                        statuses: a
+                            .recipients
+                            .iter()
+                            .map(|r| (r.registration_id.clone(), status))
+                            .collect(),
                         next_due_at: None,
                     })
                 })
@@ -540,6 +625,85 @@ mod tests {
         assert!(
             second.is_ok(),
             "the writer admits the next group: {second:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_counted_when_its_caller_has_gone() {
+        let gate = Arc::new(Gate::default());
+        let groups = Arc::new(GroupCommit::start(
+            PanicsOnce {
+                refuse: true,
+                gate: Some(gate.clone()),
+                ..PanicsOnce::default()
+            },
+            Arc::new(orca_push_storage::SystemClock),
+            3000,
+            Arc::new(Wake::new()),
+            Arc::new(Handoff::new(Box::new(drop))),
+        ));
+        // The caller goes (as an `Enqueue` call does when its HTTP client hangs up) once the
+        // writer has its admission, before the answer.
+        let caller = tokio::spawn({
+            let groups = groups.clone();
+            async move { groups.admit(admission(1)).await }
+        });
+        gate.entered.notified().await;
+        caller.abort();
+        assert!(caller.await.unwrap_err().is_cancelled());
+        gate.open.notify_one();
+        let counted = tokio::time::timeout(Duration::from_secs(5), async {
+            while groups.quota_refusals() == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert!(counted.is_ok(), "the refusal was never counted");
+        // A caller that stays hears it, and it is counted once.
+        let heard = {
+            let groups = groups.clone();
+            let gate = gate.clone();
+            tokio::spawn(async move {
+                gate.entered.notified().await;
+                gate.open.notify_one();
+            });
+            groups.admit(admission(2)).await.unwrap()
+        };
+        assert_eq!(
+            heard.statuses,
+            vec![("r".to_owned(), crate::model::AdmissionStatus::RateLimited)]
+        );
+        assert_eq!(groups.quota_refusals(), 2);
+    }
+
+    #[test]
+    fn a_round_counts_each_refused_admission_once_by_kind() {
+        let enqueued = |statuses: &[crate::model::AdmissionStatus]| {
+            Ok(Enqueued {
+                statuses: statuses.iter().map(|s| ("r".to_owned(), *s)).collect(),
+                next_due_at: None,
+            })
+        };
+        use crate::model::AdmissionStatus::{Queued, RateLimited};
+        let alert = admission(1);
+        let dismiss = Admission {
+            kind: Kind::Dismiss,
+            ..admission(2)
+        };
+        let admissions = [&alert, &alert, &dismiss, &alert, &dismiss];
+        let admitted = [
+            enqueued(&[RateLimited, RateLimited]),
+            enqueued(&[Queued]),
+            enqueued(&[Queued, RateLimited]),
+            Err(QueueError::WriterStopped),
+            enqueued(&[]),
+        ];
+        assert_eq!(
+            Refused::of(&admissions, &admitted),
+            Refused {
+                alerts: 1,
+                dismissals: 1
+            }
         );
     }
 

@@ -124,16 +124,8 @@ impl<S: QueueStore> DeliveryQueue<S> {
         admission: &Admission,
     ) -> Result<crate::store::Enqueued, QueueError> {
         admission.validate()?;
-        let enqueued = self.admissions.admit(admission.clone()).await?;
-        if enqueued
-            .statuses
-            .iter()
-            .any(|(_, s)| *s == crate::model::AdmissionStatus::RateLimited)
-        {
-            metrics::counter!("orca_push_quota_refusals_total", "kind" => admission.kind.as_str())
-                .increment(1);
-        }
-        Ok(enqueued)
+        // Quota refusals are counted by the writer that decides them (`GroupCommit`).
+        self.admissions.admit(admission.clone()).await
     }
 
     /// Claims up to `max` due batches for `lane`. With nothing due, waits until the earliest batch
