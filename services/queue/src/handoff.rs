@@ -17,6 +17,7 @@ use orca_push_storage::Clock;
 use tokio::sync::oneshot;
 
 use crate::admission::{NewLease, Plan};
+use crate::error::QueueError;
 use crate::model::{Kind, Member, Provider};
 use crate::store::{ClaimedBatch, QueueStore, Retry, Skip, random_id};
 use crate::wake::Wake;
@@ -266,6 +267,48 @@ impl Drop for Ticket<'_> {
     }
 }
 
+/// The answer of a claim transaction run on a task of its own (`DeliveryQueue::claim_once`).
+/// Dropped unread (its caller went away after the transaction ended, before reading it), what the
+/// claim leased goes to the orphans at once instead of staying leased to nobody until the lease
+/// lapses. An answer sent after the drop fails, and the claim's task gives it back itself.
+pub struct ClaimAnswer<'h> {
+    answer: oneshot::Receiver<Result<Vec<ClaimedBatch>, QueueError>>,
+    handoff: &'h Handoff,
+}
+
+impl Handoff {
+    /// Waits for `answer` (see [`ClaimAnswer`]).
+    pub fn claim_answer(
+        &self,
+        answer: oneshot::Receiver<Result<Vec<ClaimedBatch>, QueueError>>,
+    ) -> ClaimAnswer<'_> {
+        ClaimAnswer {
+            answer,
+            handoff: self,
+        }
+    }
+}
+
+impl ClaimAnswer<'_> {
+    /// The claim's batches; `ClaimTask` if its task ended without answering.
+    pub async fn read(mut self) -> Result<Vec<ClaimedBatch>, QueueError> {
+        (&mut self.answer)
+            .await
+            .map_err(|_| QueueError::ClaimTask)?
+    }
+}
+
+impl Drop for ClaimAnswer<'_> {
+    fn drop(&mut self) {
+        self.answer.close();
+        if let Ok(Ok(batches)) = self.answer.try_recv()
+            && !batches.is_empty()
+        {
+            (self.handoff.orphans)(batches);
+        }
+    }
+}
+
 /// `Orphans` that give the batches back to `store`, due again at once.
 pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>) -> Orphans {
     Box::new(move |batches| {
@@ -329,6 +372,35 @@ mod tests {
             sink.extend(batches.into_iter().map(|b| b.batch_id));
         }));
         (handoff, orphaned)
+    }
+
+    #[tokio::test]
+    async fn a_claims_answer_dropped_unread_goes_to_the_orphans() {
+        let (handoff, orphaned) = recording();
+        // Answered, then dropped before it was read: its caller went away in between.
+        let (answer, answered) = oneshot::channel();
+        let unread = handoff.claim_answer(answered);
+        answer.send(Ok(vec![batch("a"), batch("b")])).unwrap();
+        drop(unread);
+        assert_eq!(*orphaned.lock().unwrap(), ["a", "b"]);
+        // Dropped before the claim answered: the answer cannot be sent, and the claim's task
+        // gives the batches back itself.
+        let (answer, answered) = oneshot::channel();
+        drop(handoff.claim_answer(answered));
+        assert!(answer.send(Ok(vec![batch("c")])).is_err());
+        // Read: nothing more to give back.
+        let (answer, answered) = oneshot::channel();
+        answer.send(Ok(vec![batch("d")])).unwrap();
+        let read = handoff.claim_answer(answered).read().await.unwrap();
+        assert_eq!(read.len(), 1);
+        assert_eq!(*orphaned.lock().unwrap(), ["a", "b"]);
+        // A task that ended without answering.
+        let (answer, answered) = oneshot::channel::<Result<Vec<ClaimedBatch>, QueueError>>();
+        drop(answer);
+        assert!(matches!(
+            handoff.claim_answer(answered).read().await,
+            Err(QueueError::ClaimTask)
+        ));
     }
 
     fn batch(id: &str) -> ClaimedBatch {

@@ -216,10 +216,6 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 let result = if batches.is_empty() { "empty" } else { "work" };
                 metrics::counter!("orca_push_queue_claims_total", "result" => result).increment(1);
                 if !batches.is_empty() {
-                    for batch in batches.iter().filter(|b| b.recovered) {
-                        tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
-                        metrics::counter!("orca_push_lease_expiries_total").increment(1);
-                    }
                     return Ok(batches);
                 }
             }
@@ -325,17 +321,28 @@ impl<S: QueueStore> DeliveryQueue<S> {
         let wake = self.wake.clone();
         let lane = lane.to_owned();
         let (answer, answered) = tokio::sync::oneshot::channel();
+        // Read through the hand-off's guard: dropped unread, the batches go back at once.
+        let answered = self.handoff.claim_answer(answered);
         tokio::spawn(
             async move {
                 let now = now(&*clock);
                 let claimed = store.claim(&lane, max, lease_ms, now, skip).await;
+                if let Ok(batches) = &claimed {
+                    // Counted here rather than by the caller, which may be gone by now: a lapsed
+                    // lease handed back unread would be `pending` at the next claim, not
+                    // recovered.
+                    for batch in batches.iter().filter(|b| b.recovered) {
+                        tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
+                        metrics::counter!("orca_push_lease_expiries_total").increment(1);
+                    }
+                }
                 if let Err(Ok(batches)) = answer.send(claimed) {
                     hand_back(&store, &wake, &batches, now).await;
                 }
             }
             .in_current_span(),
         );
-        answered.await.map_err(|_| QueueError::ClaimTask)?
+        answered.read().await
     }
 
     pub async fn renew(

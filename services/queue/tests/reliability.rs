@@ -21,6 +21,86 @@ on_both_backends!(
     a_batch_reported_twice_in_one_call_is_finished_once,
 );
 
+/// A claim whose caller goes away while its transaction runs (an all-in-one lane stopping, a
+/// sender whose call was cut): the lapsed lease it took over is still counted, and the batch is
+/// due again at once rather than leased to nobody for another lease.
+async fn a_claim_left_by_its_caller_counts_its_lapsed_lease_and_gives_the_work_back(
+    backend: Backend,
+) {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let first = h.claim_all().await.pop().unwrap();
+    h.clock.advance(LEASE as u64 + 1);
+    let before = h.queue.claim_transactions();
+    let mut claim = Box::pin(h.queue.claim("lane-gone", 64, LEASE, 0));
+    // Polled until its transaction has begun on a task of its own, then dropped before that
+    // task runs (one thread: it cannot run before this one yields).
+    loop {
+        let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(claim.as_mut().poll(cx)));
+        if let std::task::Poll::Ready(ended) = polled.await {
+            panic!("the claim ended before its caller left: {ended:?}");
+        }
+        if h.queue.claim_transactions() != before {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    drop(claim);
+    let expiries = || {
+        recorder.handle().render().lines().find_map(|l| {
+            l.strip_prefix("orca_push_lease_expiries_total ")?
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    async fn within<T>(what: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(std::time::Duration::from_secs(5), what)
+            .await
+            .expect("within 5 s")
+    }
+    // The claim's task ran on after its caller left, and counted the lease it took over.
+    within(async {
+        while expiries().is_none() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(expiries(), Some(1.0), "the lapsed lease is counted once");
+    // And gave the batch back, due now, under no lease.
+    let again = within(async {
+        loop {
+            if let Some(batch) = h.claim_all().await.pop() {
+                return batch;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(again.batch_id, first.batch_id);
+    assert!(!again.recovered, "handed back, not lapsed again");
+    assert_eq!(expiries(), Some(1.0));
+}
+
+mod a_claim_left_by_its_caller {
+    // One thread: the claim's task records into this test's own metrics recorder.
+    #[tokio::test]
+    async fn sqlite() {
+        super::a_claim_left_by_its_caller_counts_its_lapsed_lease_and_gives_the_work_back(
+            orca_push_storage::testing::Backend::Sqlite,
+        )
+        .await;
+    }
+    #[tokio::test]
+    async fn postgres() {
+        super::a_claim_left_by_its_caller_counts_its_lapsed_lease_and_gives_the_work_back(
+            orca_push_storage::testing::Backend::Postgres,
+        )
+        .await;
+    }
+}
+
 /// Reports are finished in one statement: a batch named twice in one call is finished by the first
 /// report only, as one statement per report did (the second found the lease gone).
 async fn a_batch_reported_twice_in_one_call_is_finished_once(backend: Backend) {
