@@ -22,11 +22,15 @@ use crate::sessions::SessionCheck;
 /// Every POST body is capped at 16 KiB, counted as it streams in.
 pub const BODY_LIMIT_BYTES: usize = 16 * 1024;
 
+/// What every handler and middleware shares. One `Arc`: axum clones the state for every request
+/// (each `State` extractor and each middleware with state), and a clone of five `Arc`s was five
+/// atomic increments and, on drop, five decrements, on counters both cores write (1-2% of the
+/// request threads' samples at 1,000 delivery flows, `drop_in_place<AppState>` alone 1.9%).
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+pub struct Shared {
     pub mode: Mode,
-    /// Behind an `Arc`: axum clones the state for every request (each `State` extractor and
-    /// middleware), and the clients and endpoints here are many boxed services and a `Vec`.
     pub backends: Option<Arc<Backends>>,
     pub limits: Arc<Limits>,
     /// The session key and the verified-session cache.
@@ -36,27 +40,47 @@ pub struct AppState {
     pub draining: tokio_util::sync::CancellationToken,
 }
 
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
 impl AppState {
     pub fn serving(backends: Backends, limits: Arc<Limits>) -> Self {
-        Self {
+        Self(Arc::new(Shared {
             mode: Mode::Serve,
             backends: Some(Arc::new(backends)),
             limits,
             sessions: Arc::default(),
             ready_cache: Arc::default(),
             draining: Default::default(),
-        }
+        }))
     }
 
     pub fn validation() -> Self {
-        Self {
+        Self(Arc::new(Shared {
             mode: Mode::Validation,
             backends: None,
             limits: Limits::new(0),
             sessions: Arc::default(),
             ready_cache: Arc::default(),
             draining: Default::default(),
-        }
+        }))
+    }
+
+    /// The same state, refusing new `/v1` work once `draining` is cancelled.
+    pub fn draining_at(&self, draining: tokio_util::sync::CancellationToken) -> Self {
+        Self(Arc::new(Shared {
+            mode: self.mode,
+            backends: self.backends.clone(),
+            limits: self.limits.clone(),
+            sessions: self.sessions.clone(),
+            ready_cache: self.ready_cache.clone(),
+            draining,
+        }))
     }
 
     pub fn backends(&self) -> Result<&Backends, ApiError> {

@@ -289,12 +289,12 @@ pub async fn serve_split(
 /// finish.
 pub async fn serve_facade(
     listener: TcpListener,
-    mut state: AppState,
+    state: AppState,
     http: HttpLimits,
     drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    state.draining = drain;
+    let state = state.draining_at(drain);
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = state.mode.as_str(), "facade listening");
     tokio::spawn(sweep_limits(state.limits.clone(), shutdown.clone()));
