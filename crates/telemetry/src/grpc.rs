@@ -110,11 +110,12 @@ where
             }
             None => set_parent_from_headers(&span, request.headers()),
         }
-        let labels = [
-            ("service", service.to_owned()),
-            ("method", method.to_owned()),
-        ];
-        let started = std::time::Instant::now();
+        let mut record = CallRecord {
+            service: service.to_owned(),
+            method: method.to_owned(),
+            started: std::time::Instant::now(),
+            recorded: false,
+        };
         let future = {
             let _entered = span.enter();
             self.inner.call(request)
@@ -126,25 +127,55 @@ where
                     Ok(response) => status_code(response),
                     Err(_) => 2, // UNKNOWN: the transport failed
                 };
-                tracing::Span::current().record("rpc.grpc.status_code", code);
-                let [(_, service), (_, method)] = labels;
-                metrics::counter!(
-                    "orca_push_grpc_server_calls_total",
-                    "service" => service.clone(),
-                    "method" => method.clone(),
-                    "code" => code.to_string()
-                )
-                .increment(1);
-                metrics::histogram!(
-                    "orca_push_grpc_server_duration_seconds",
-                    "service" => service,
-                    "method" => method
-                )
-                .record(started.elapsed().as_secs_f64());
+                record.record(code);
                 result
             }
             .instrument(span),
         )
+    }
+}
+
+/// gRPC's CANCELLED: the caller went away before the answer.
+const CANCELLED: i64 = 1;
+
+/// A served call's metrics and status code, recorded once: when its answer is ready, or, should
+/// the caller go away first (the call's future dropped, as an in-process call ending with its
+/// caller is), as `CANCELLED`, so that no call served goes uncounted.
+struct CallRecord {
+    service: String,
+    method: String,
+    started: std::time::Instant,
+    recorded: bool,
+}
+
+impl CallRecord {
+    fn record(&mut self, code: i64) {
+        if std::mem::replace(&mut self.recorded, true) {
+            return;
+        }
+        // Inside the call's span: `Instrumented` enters it to drop the future too.
+        tracing::Span::current().record("rpc.grpc.status_code", code);
+        let service = std::mem::take(&mut self.service);
+        let method = std::mem::take(&mut self.method);
+        metrics::counter!(
+            "orca_push_grpc_server_calls_total",
+            "service" => service.clone(),
+            "method" => method.clone(),
+            "code" => code.to_string()
+        )
+        .increment(1);
+        metrics::histogram!(
+            "orca_push_grpc_server_duration_seconds",
+            "service" => service,
+            "method" => method
+        )
+        .record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for CallRecord {
+    fn drop(&mut self) {
+        self.record(CANCELLED);
     }
 }
 
@@ -315,6 +346,73 @@ mod tests {
 
     fn known(path: &str) -> bool {
         path == "/orca.push.auth.v1.AuthService/Authenticate"
+    }
+
+    /// A served call that never answers, as one waiting on a round or a claim does.
+    #[derive(Clone, Copy)]
+    struct Never;
+
+    impl tower::Service<http::Request<()>> for Never {
+        type Response = http::Response<()>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Pending<Result<http::Response<()>, std::convert::Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Request<()>) -> Self::Future {
+            std::future::pending()
+        }
+    }
+
+    fn authenticate() -> http::Request<()> {
+        http::Request::builder()
+            .uri("/orca.push.auth.v1.AuthService/Authenticate")
+            .body(())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_call_whose_caller_leaves_is_counted_as_cancelled() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let calls = |code: &str| {
+            let series = format!(
+                "orca_push_grpc_server_calls_total{{service=\"orca.push.auth.v1.AuthService\",method=\"Authenticate\",code=\"{code}\"}} "
+            );
+            recorder
+                .handle()
+                .render()
+                .lines()
+                .find_map(|l| l.strip_prefix(&series)?.parse::<f64>().ok())
+        };
+        // Polled once, then dropped: the caller went away mid-call.
+        let mut left = GrpcServerLayer::new(known)
+            .layer(Never)
+            .call(authenticate());
+        assert!(futures_poll_once(&mut left).await.is_pending());
+        drop(left);
+        assert_eq!(calls("1"), Some(1.0));
+        // Dropped before it was ever polled: counted too.
+        drop(
+            GrpcServerLayer::new(known)
+                .layer(Never)
+                .call(authenticate()),
+        );
+        assert_eq!(calls("1"), Some(2.0));
+        // Answered: counted once, with its own code, and not again when dropped.
+        let answered = GrpcServerLayer::new(known)
+            .layer(Arrived::default())
+            .call(authenticate())
+            .await;
+        assert!(answered.is_ok());
+        assert_eq!(calls("0"), Some(1.0));
+        assert_eq!(calls("1"), Some(2.0));
+    }
+
+    async fn futures_poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+        std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *future).poll(cx))).await
     }
 
     #[test]
