@@ -298,10 +298,23 @@ mod tests {
         }
     }
 
+    /// Held by the tests that open the layers' spans. tracing caches each callsite's interest
+    /// globally: a test without a subscriber reaching a callsite first, while another test's
+    /// thread-local subscriber is being set, can leave that callsite disabled for the other test.
+    static CALLSITES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn callsites() -> std::sync::MutexGuard<'static, ()> {
+        CALLSITES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Both transports continue the caller's trace; only the network one writes and parses a
     /// `traceparent` to do it.
     #[tokio::test]
+    #[allow(clippy::await_holding_lock)] // one thread; the lock only orders whole tests
     async fn calls_in_process_carry_the_context_without_writing_it_out() {
+        let _callsites = callsites();
         crate::install_propagator();
         let exporter = InMemorySpanExporter::default();
         let provider = SdkTracerProvider::builder()
@@ -374,7 +387,9 @@ mod tests {
     }
 
     #[tokio::test]
+    #[allow(clippy::await_holding_lock)] // one thread; the lock only orders whole tests
     async fn a_call_whose_caller_leaves_is_counted_as_cancelled() {
+        let _callsites = callsites();
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         let _local = metrics::set_default_local_recorder(&recorder);
         let calls = |code: &str| {
