@@ -61,7 +61,6 @@ struct Waiting {
 pub struct GroupCommit {
     waiting: mpsc::Sender<Work>,
     groups: Arc<AtomicU64>,
-    refusals: Arc<AtomicU64>,
 }
 
 impl GroupCommit {
@@ -77,7 +76,6 @@ impl GroupCommit {
         let (waiting, queue) = mpsc::channel(WAITING);
         let queue = Arc::new(Mutex::new(queue));
         let groups = Arc::new(AtomicU64::new(0));
-        let refusals = Arc::new(AtomicU64::new(0));
         for _ in 0..store.group_writers().max(1) {
             let writer = Writer {
                 store: store.clone(),
@@ -87,7 +85,6 @@ impl GroupCommit {
                 handoff: handoff.clone(),
                 queue: queue.clone(),
                 groups: groups.clone(),
-                refusals: refusals.clone(),
             };
             if store.writer_thread() {
                 spawn_on_own_thread(writer);
@@ -95,11 +92,7 @@ impl GroupCommit {
                 tokio::spawn(writer.run());
             }
         }
-        Self {
-            waiting,
-            groups,
-            refusals,
-        }
+        Self { waiting, groups }
     }
 
     /// Admissions and reports waiting for a writer to take them.
@@ -110,12 +103,6 @@ impl GroupCommit {
     /// Groups handed to the store so far.
     pub fn groups(&self) -> u64 {
         self.groups.load(Ordering::Relaxed)
-    }
-
-    /// Admissions answered `rate_limited` so far (as `orca_push_quota_refusals_total` counts
-    /// them), whether or not their callers were still there to hear it.
-    pub fn quota_refusals(&self) -> u64 {
-        self.refusals.load(Ordering::Relaxed)
     }
 
     /// Admits `admission` with whatever else is waiting; answers once its group has committed.
@@ -208,7 +195,6 @@ struct Writer<S> {
     handoff: Arc<Handoff>,
     queue: Arc<Mutex<mpsc::Receiver<Work>>>,
     groups: Arc<AtomicU64>,
-    refusals: Arc<AtomicU64>,
 }
 
 impl<S: QueueStore> Writer<S> {
@@ -306,7 +292,6 @@ impl<S: QueueStore> Writer<S> {
             .work_due(&crate::wake::earliest_due(admitted), committed);
         let answers = Answers {
             refused: Refused::of(&admissions, &round.admitted),
-            refusals: self.refusals.clone(),
             admissions: group.into_iter().map(|w| w.answer).collect(),
             admitted: round.admitted,
             reports,
@@ -334,7 +319,6 @@ struct Answers {
     reports: Vec<(ReportAnswer, usize)>,
     reported: Result<Vec<bool>, QueueError>,
     refused: Refused,
-    refusals: Arc<AtomicU64>,
 }
 
 impl Answers {
@@ -345,7 +329,7 @@ impl Answers {
     fn send(self, synced: Result<(), orca_push_storage::SyncFailed>) {
         let (admitted, reported) = match synced {
             Ok(()) => {
-                self.refused.count(&self.refusals);
+                self.refused.count();
                 (self.admitted, self.reported)
             }
             Err(failed) => {
@@ -392,13 +376,12 @@ impl Refused {
         refused
     }
 
-    /// Into `orca_push_quota_refusals_total` and `total`.
-    fn count(self, total: &AtomicU64) {
+    /// Into `orca_push_quota_refusals_total`.
+    fn count(self) {
         for (kind, refused) in [(Kind::Alert, self.alerts), (Kind::Dismiss, self.dismissals)] {
             if refused > 0 {
                 metrics::counter!("orca_push_quota_refusals_total", "kind" => kind.as_str())
                     .increment(refused);
-                total.fetch_add(refused, Ordering::Relaxed);
             }
         }
     }
@@ -630,6 +613,21 @@ mod tests {
 
     #[tokio::test]
     async fn a_refusal_is_counted_when_its_caller_has_gone() {
+        // One thread: the writer (not on a thread of its own for this store) records here.
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let refusals = || {
+            recorder
+                .handle()
+                .render()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("orca_push_quota_refusals_total{kind=\"alert\"} ")?
+                        .parse::<f64>()
+                        .ok()
+                })
+                .unwrap_or(0.0)
+        };
         let gate = Arc::new(Gate::default());
         let groups = Arc::new(GroupCommit::start(
             PanicsOnce {
@@ -653,7 +651,7 @@ mod tests {
         assert!(caller.await.unwrap_err().is_cancelled());
         gate.open.notify_one();
         let counted = tokio::time::timeout(Duration::from_secs(5), async {
-            while groups.quota_refusals() == 0 {
+            while refusals() == 0.0 {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
@@ -673,7 +671,7 @@ mod tests {
             heard.statuses,
             vec![("r".to_owned(), crate::model::AdmissionStatus::RateLimited)]
         );
-        assert_eq!(groups.quota_refusals(), 2);
+        assert_eq!(refusals(), 2.0);
     }
 
     #[test]
