@@ -4,8 +4,11 @@
 //! gathers. Callers of one host that wait for each other's answers are in successive groups, in
 //! order; within a group admissions run in arrival order, so quota counts what went before.
 //!
-//! Where the store says so (`QueueStore::reports_in_rounds`: SQLite), lanes' reports wait on the
-//! same channel and are recorded in the same transaction as the admissions they arrived with.
+//! Where the store says so (`QueueStore::reports_in_rounds`, `claims_in_rounds`: SQLite), lanes'
+//! reports and claims wait on the same channel and run in the same transaction as the admissions
+//! they arrived with: a claim there first takes what is due in the table, then the round's new
+//! work due at once, written already leased to it. Claims are answered at the commit (a lease
+//! needs no sync: lost, the work is due again), the rest once the round is synced.
 //! Where its commits do not wait for the disk (`QueueStore::wal_sync`: SQLite under full
 //! durability), a round is answered once a WAL sync after its commit is done: by the writer before
 //! its next round when little waits, else beside it.
@@ -20,13 +23,15 @@ use tracing::Instrument as _;
 use crate::error::QueueError;
 use crate::handoff::Handoff;
 use crate::model::{Admission, Kind};
-use crate::store::{Completion, Enqueued, QueueStore};
+use crate::store::{ClaimAsk, ClaimedBatch, Completion, Enqueued, QueueStore};
 use crate::wake::Wake;
 
 /// The most admissions one transaction carries.
 pub const MAX_GROUP: usize = 128;
 /// Report rows past which a round takes no more reports.
 pub const MAX_ROUND_REPORTS: usize = 512;
+/// The most claims one round carries (a sender runs four lanes, each with one claim at a time).
+pub const MAX_ROUND_CLAIMS: usize = 16;
 /// Work waiting for the next round from which a round's sync runs beside it rather than before
 /// it (`orca_push_storage::wal_sync`).
 const PIPELINE_FROM: usize = 16;
@@ -39,7 +44,19 @@ const WAITING: usize = 4 * MAX_GROUP;
 enum Work {
     Admit(Waiting),
     Report(Reporting),
+    Claim(Claiming),
 }
+
+/// A lane's claim, as `QueueStore::claim` takes it.
+struct Claiming {
+    ask: ClaimAsk,
+    answer: ClaimAnswer,
+    /// The caller's span, as an admission's.
+    span: tracing::Span,
+}
+
+/// Where a claim's batches go.
+pub type ClaimAnswer = oneshot::Sender<Result<Vec<ClaimedBatch>, QueueError>>;
 
 /// Final answers a lane reported, each against its own lease.
 struct Reporting {
@@ -136,15 +153,35 @@ impl GroupCommit {
             .map_err(|_| QueueError::WriterStopped)?;
         answered.await.map_err(|_| QueueError::WriterStopped)?
     }
+
+    /// Claims in the next round (`QueueStore::claims_in_rounds`); the batches come on the
+    /// returned receiver once the round has committed. What is answered to a receiver dropped
+    /// meanwhile goes to the hand-off's orphans.
+    pub async fn claim(
+        &self,
+        ask: ClaimAsk,
+    ) -> Result<oneshot::Receiver<Result<Vec<ClaimedBatch>, QueueError>>, QueueError> {
+        let (answer, answered) = oneshot::channel();
+        self.waiting
+            .send(Work::Claim(Claiming {
+                ask,
+                answer,
+                span: tracing::Span::current(),
+            }))
+            .await
+            .map_err(|_| QueueError::WriterStopped)?;
+        Ok(answered)
+    }
 }
 
-/// What one round takes: admissions (up to `MAX_GROUP`) and reports (up to about
-/// `MAX_ROUND_REPORTS` rows).
+/// What one round takes: admissions (up to `MAX_GROUP`), reports (up to about
+/// `MAX_ROUND_REPORTS` rows) and claims (up to `MAX_ROUND_CLAIMS`).
 #[derive(Default)]
 struct Batch {
     admissions: Vec<Waiting>,
     reports: Vec<Reporting>,
     report_rows: usize,
+    claims: Vec<Claiming>,
 }
 
 impl Batch {
@@ -155,11 +192,14 @@ impl Batch {
                 self.report_rows += reporting.completions.len();
                 self.reports.push(reporting);
             }
+            Work::Claim(claiming) => self.claims.push(claiming),
         }
     }
 
     fn full(&self) -> bool {
-        self.admissions.len() >= MAX_GROUP || self.report_rows >= MAX_ROUND_REPORTS
+        self.admissions.len() >= MAX_GROUP
+            || self.report_rows >= MAX_ROUND_REPORTS
+            || self.claims.len() >= MAX_ROUND_CLAIMS
     }
 }
 
@@ -206,7 +246,8 @@ impl<S: QueueStore> Writer<S> {
                 .admissions
                 .iter()
                 .map(|w| &w.span)
-                .chain(batch.reports.iter().map(|r| &r.span));
+                .chain(batch.reports.iter().map(|r| &r.span))
+                .chain(batch.claims.iter().map(|c| &c.span));
             let first = callers.next().cloned().unwrap_or_else(tracing::Span::none);
             let span = tracing::info_span!(
                 parent: &first,
@@ -214,6 +255,7 @@ impl<S: QueueStore> Writer<S> {
                 otel.kind = "internal",
                 admissions = batch.admissions.len(),
                 reports = batch.report_rows,
+                claims = batch.claims.len(),
             );
             for other in callers {
                 span.follows_from(other);
@@ -253,6 +295,7 @@ impl<S: QueueStore> Writer<S> {
         let Batch {
             admissions: group,
             reports,
+            claims,
             ..
         } = batch;
         if !group.is_empty() {
@@ -271,11 +314,14 @@ impl<S: QueueStore> Writer<S> {
                 (r.answer, rows)
             })
             .collect();
+        let (asks, claim_answers): (Vec<ClaimAsk>, Vec<ClaimAnswer>) =
+            claims.into_iter().map(|c| (c.ask, c.answer)).unzip();
         let round = self
             .store
             .write_round(
                 &admissions,
                 &completions,
+                &asks,
                 now,
                 self.coalesce_ms,
                 self.store.hands_off().then_some(&*self.handoff),
@@ -290,6 +336,9 @@ impl<S: QueueStore> Writer<S> {
         let committed = i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX);
         self.wake
             .work_due(&crate::wake::earliest_due(admitted), committed);
+        // A lease needs no sync (lost, its work is due again), and the work handed to claims
+        // waiting outside the round goes at the commit too.
+        answer_claims(&self.handoff, claim_answers, round.claimed);
         let answers = Answers {
             refused: Refused::of(&admissions, &round.admitted),
             admissions: group.into_iter().map(|w| w.answer).collect(),
@@ -308,6 +357,27 @@ impl<S: QueueStore> Writer<S> {
             // when every round went through the sync thread).
             Some(sync) => answers.send(sync.sync_now()),
             None => answers.send(Ok(())),
+        }
+    }
+}
+
+/// Each claim's batches (or the round's error for it). A lapsed lease taken over is counted here,
+/// by the writer, whether or not its caller is still there to hear of it; what a caller that went
+/// away was answered goes to the hand-off's orphans, due again at once.
+fn answer_claims(
+    handoff: &Handoff,
+    answers: Vec<ClaimAnswer>,
+    claimed: Vec<Result<Vec<ClaimedBatch>, QueueError>>,
+) {
+    for (answer, result) in answers.into_iter().zip(claimed) {
+        if let Ok(batches) = &result {
+            for batch in batches.iter().filter(|b| b.recovered) {
+                tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
+                metrics::counter!("orca_push_lease_expiries_total").increment(1);
+            }
+        }
+        if let Err(Ok(batches)) = answer.send(result) {
+            handoff.orphan(batches);
         }
     }
 }
@@ -449,6 +519,7 @@ mod tests {
             &self,
             group: &[&Admission],
             reports: &[Completion],
+            _claims: &[ClaimAsk],
             now: i64,
             coalesce_ms: i64,
             handoff: Option<&Handoff>,
@@ -467,6 +538,7 @@ mod tests {
                     .iter()
                     .map(|r| r.batch_id.ends_with("held"))
                     .collect()),
+                claimed: Vec::new(),
             }
         }
         fn reports_in_rounds(&self) -> bool {

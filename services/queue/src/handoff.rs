@@ -82,6 +82,13 @@ impl Handoff {
         }
     }
 
+    /// Gives back batches leased to a claim whose caller went away before it had them.
+    pub fn orphan(&self, batches: Vec<ClaimedBatch>) {
+        if !batches.is_empty() {
+            (self.orphans)(batches);
+        }
+    }
+
     fn offers(&self) -> std::sync::MutexGuard<'_, Vec<Offer>> {
         // The list holds no invariant a panicking holder could break halfway.
         self.waiting
@@ -113,30 +120,68 @@ impl Handoff {
         self.offers().len()
     }
 
-    /// For batches of `providers` (in order), the waiting claims that take them: each batch goes
-    /// to the first claim (longest waiting) that takes its provider and has room. The claims given
-    /// any are no longer waiting; the second list says which of them each batch went to.
-    pub fn take_for(&self, providers: &[Provider]) -> (Vec<Offer>, Vec<Option<usize>>) {
+    /// A claim that rides in a writer's round (`QueueStore::claims_in_rounds`): an offer the
+    /// round's admissions may lease new work to, never among the waiting, answered on the
+    /// receiver once the round commits (dropped unanswered if it rolls back).
+    pub fn round_offer(
+        &self,
+        lane: &str,
+        max: usize,
+        lease_ms: i64,
+        skip: Skip,
+    ) -> (Offer, oneshot::Receiver<Vec<ClaimedBatch>>) {
+        let (answer, answered) = oneshot::channel();
+        let offer = Offer {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            lane: lane.to_owned(),
+            max,
+            lease_ms,
+            skip,
+            answer,
+        };
+        (offer, answered)
+    }
+
+    /// For batches of `providers` (in order), the claims that take them: the round's own
+    /// (`round`, first: their lanes asked in this round), then the waiting ones. Each batch goes
+    /// to the first claim (a round's in order, then the longest waiting) that takes its provider
+    /// and has room. The claims given any leave `round` or the waiting; the second list says
+    /// which of them each batch went to.
+    pub fn take_for(
+        &self,
+        round: &mut Vec<Offer>,
+        providers: &[Provider],
+    ) -> (Vec<Offer>, Vec<Option<usize>>) {
         let mut offers = self.offers();
         offers.retain(|o| !o.answer.is_closed());
-        let wanted: Vec<(usize, Skip)> = offers.iter().map(|o| (o.max, o.skip)).collect();
+        let wanted: Vec<(usize, Skip)> = round
+            .iter()
+            .chain(offers.iter())
+            .map(|o| (o.max, o.skip))
+            .collect();
         let assigned = assign(&wanted, providers);
-        let mut given = vec![false; offers.len()];
+        let mut given = vec![false; wanted.len()];
         for &claim in assigned.iter().flatten() {
             given[claim] = true;
         }
-        // The offers given any leave the list; the assignment is renumbered to their new places.
-        let mut place = vec![None; offers.len()];
+        // The offers given any leave their list; the assignment is renumbered to their new
+        // places.
+        let mut place = vec![None; wanted.len()];
         let mut taken = Vec::new();
+        let from_round = round.len();
+        let mut kept_round = Vec::with_capacity(from_round);
         let mut kept = Vec::with_capacity(offers.len());
-        for (i, offer) in offers.drain(..).enumerate() {
+        for (i, offer) in round.drain(..).chain(offers.drain(..)).enumerate() {
             if given[i] {
                 place[i] = Some(taken.len());
                 taken.push(offer);
+            } else if i < from_round {
+                kept_round.push(offer);
             } else {
                 kept.push(offer);
             }
         }
+        *round = kept_round;
         *offers = kept;
         let assigned = assigned
             .into_iter()
@@ -146,9 +191,15 @@ impl Handoff {
     }
 }
 
-/// Leases the plan's new batches that are due at once (not coalescing windows) to waiting claims,
-/// so that their inserts write them leased, and says what to answer each claim taken.
-pub fn lease_due_now(plan: &mut Plan<'_>, handoff: &Handoff, now: i64) -> Handed {
+/// Leases the plan's new batches that are due at once (not coalescing windows) to the round's
+/// claims and the waiting ones (`Handoff::take_for`), so that their inserts write them leased, and
+/// says what to answer each claim taken.
+pub fn lease_due_now(
+    plan: &mut Plan<'_>,
+    handoff: &Handoff,
+    round: &mut Vec<Offer>,
+    now: i64,
+) -> Handed {
     let due: Vec<usize> = (0..plan.batches.len())
         .filter(|&i| !plan.batches[i].coalescible && plan.batches[i].window_ends_at <= now)
         .collect();
@@ -156,7 +207,7 @@ pub fn lease_due_now(plan: &mut Plan<'_>, handoff: &Handoff, now: i64) -> Handed
         return Vec::new();
     }
     let providers: Vec<Provider> = due.iter().map(|&i| plan.batches[i].provider).collect();
-    let (offers, assigned) = handoff.take_for(&providers);
+    let (offers, assigned) = handoff.take_for(round, &providers);
     if offers.is_empty() {
         return Vec::new();
     }
@@ -482,7 +533,8 @@ mod tests {
         let (handoff, _) = recording();
         let _apns_held = handoff.wait("lane-0", 4, 30_000, APNS_HELD);
         let _any = handoff.wait("lane-1", 4, 30_000, Skip::default());
-        let (taken, assigned) = handoff.take_for(&[Provider::Apns, Provider::Apns]);
+        let (taken, assigned) =
+            handoff.take_for(&mut Vec::new(), &[Provider::Apns, Provider::Apns]);
         assert_eq!(taken.len(), 1);
         assert_eq!(taken[0].lane, "lane-1");
         assert_eq!(
@@ -501,7 +553,7 @@ mod tests {
     async fn a_ticket_is_answered_withdrawn_or_leaves_when_dropped() {
         let (handoff, orphaned) = recording();
         let mut answered = handoff.wait("lane-0", 4, 30_000, Skip::default());
-        let (mut taken, _) = handoff.take_for(&[Provider::Fcm]);
+        let (mut taken, _) = handoff.take_for(&mut Vec::new(), &[Provider::Fcm]);
         handoff.answer(taken.remove(0), vec![batch("b-1")]);
         assert_eq!(answered.answered().await.len(), 1);
         drop(answered);
@@ -512,7 +564,7 @@ mod tests {
 
         // Taken, then withdrawn before the group committed: the answer is awaited, not lost.
         let late = handoff.wait("lane-0", 4, 30_000, Skip::default());
-        let (mut taken, _) = handoff.take_for(&[Provider::Fcm]);
+        let (mut taken, _) = handoff.take_for(&mut Vec::new(), &[Provider::Fcm]);
         let offer = taken.remove(0);
         let (got, ()) = tokio::join!(late.withdraw(), async {
             tokio::task::yield_now().await;
@@ -530,12 +582,12 @@ mod tests {
         let (handoff, orphaned) = recording();
         // Gone before the group answered it.
         let gone = handoff.wait("lane-0", 4, 30_000, Skip::default());
-        let (mut taken, _) = handoff.take_for(&[Provider::Fcm]);
+        let (mut taken, _) = handoff.take_for(&mut Vec::new(), &[Provider::Fcm]);
         drop(gone);
         handoff.answer(taken.remove(0), vec![batch("b-1")]);
         // Answered, then gone without reading the answer.
         let unread = handoff.wait("lane-1", 4, 30_000, Skip::default());
-        let (mut taken, _) = handoff.take_for(&[Provider::Fcm]);
+        let (mut taken, _) = handoff.take_for(&mut Vec::new(), &[Provider::Fcm]);
         handoff.answer(taken.remove(0), vec![batch("b-2")]);
         drop(unread);
         assert_eq!(*orphaned.lock().unwrap(), vec!["b-1", "b-2"]);
@@ -557,7 +609,7 @@ mod tests {
         ];
         let refs: Vec<&Admission> = group.iter().collect();
         let mut plan = plan(&refs, &[Seen::default(); 5], Vec::new(), NOW, 3000).unwrap();
-        let handed = lease_due_now(&mut plan, &handoff, NOW);
+        let handed = lease_due_now(&mut plan, &handoff, &mut Vec::new(), NOW);
         assert_eq!(handed.len(), 1);
         let (offer, batches) = &handed[0];
         assert_eq!(offer.lane, "lane-7");

@@ -13,8 +13,8 @@ use crate::group_commit::GroupCommit;
 use crate::handoff::{Handoff, hand_back};
 use crate::model::{Admission, Kind, Provider};
 use crate::store::{
-    ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry, RetryResult,
-    Skip,
+    ClaimAsk, ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry,
+    RetryResult, Skip,
 };
 use crate::wake::Wake;
 
@@ -301,14 +301,16 @@ impl<S: QueueStore> DeliveryQueue<S> {
         self.due_reads.load(Ordering::Relaxed)
     }
 
-    /// Claim transactions begun so far (a claim that found work due).
+    /// Claims that found work due and went to the writer so far: a transaction of their own, or
+    /// a place in a writer's round (`QueueStore::claims_in_rounds`).
     pub fn claim_transactions(&self) -> u64 {
         self.claim_transactions.load(Ordering::Relaxed)
     }
 
-    /// One claim transaction, run on a task of its own: a caller that goes away mid-claim (the
-    /// gRPC call ends with its caller) neither drops a write transaction halfway nor leaves what it
-    /// leased to wait out the lease: that work is handed back at once.
+    /// One claim: in the writer's next round where the store says so, else a transaction run on
+    /// a task of its own. Either way a caller that goes away mid-claim (the gRPC call ends with
+    /// its caller) neither drops a write transaction halfway nor leaves what it leased to wait out
+    /// the lease: that work is handed back at once.
     async fn claim_once(
         &self,
         lane: &str,
@@ -316,6 +318,18 @@ impl<S: QueueStore> DeliveryQueue<S> {
         lease_ms: i64,
         skip: Skip,
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
+        if self.store.claims_in_rounds() {
+            // In the writer's next round, which records lapsed leases and gives back what a
+            // caller gone by then was answered.
+            let ask = ClaimAsk {
+                lane: lane.to_owned(),
+                max,
+                lease_ms,
+                skip,
+            };
+            let answered = self.admissions.claim(ask).await?;
+            return self.handoff.claim_answer(answered).read().await;
+        }
         let store = self.store.clone();
         let clock = self.clock.clone();
         let wake = self.wake.clone();

@@ -129,6 +129,7 @@ async fn a_round_records_reports_with_its_admissions_or_apart_when_it_fails(back
         .write_round(
             &[&bad, &good],
             &[sent(&claimed[0]), lost],
+            &[],
             T0 as i64,
             0,
             None,
@@ -148,6 +149,7 @@ async fn a_round_records_reports_with_its_admissions_or_apart_when_it_fails(back
         .write_round(
             &[&from("hostOTHEROTHEROT", 2, "phone-4")],
             &[sent(&claimed[1])],
+            &[],
             T0 as i64,
             0,
             None,
@@ -178,6 +180,107 @@ async fn a_stale_report_does_not_hide_the_lease_holders(backend: Backend) {
         .unwrap();
     assert_eq!(recorded, vec![false, true]);
     assert_eq!(status_of(&h, "hostGOODGOODGOOD", 1).await, "sent");
+}
+
+fn ask(lane: &str, max: i64) -> orca_push_queue::store::ClaimAsk {
+    orca_push_queue::store::ClaimAsk {
+        lane: lane.into(),
+        max,
+        lease_ms: LEASE,
+        skip: orca_push_queue::store::Skip::default(),
+    }
+}
+
+fn no_orphans() -> orca_push_queue::handoff::Handoff {
+    orca_push_queue::handoff::Handoff::new(Box::new(|batches| {
+        panic!("nothing is orphaned here: {batches:?}")
+    }))
+}
+
+/// Claims riding in a writer's round take what waited in the table first, then the round's new
+/// work due at once, written leased to them with its members (never read back); a later claim does
+/// not read the table a claim before it emptied. Every batch goes to one claim, under its lease.
+async fn a_rounds_claims_take_the_table_first_then_its_new_work(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&from("hostGOODGOODGOOD", 1, "phone-1")).await;
+    let handoff = no_orphans();
+    let second = from("hostGOODGOODGOOD", 2, "phone-2");
+    let third = from("hostOTHEROTHEROT", 1, "phone-3");
+    let round = h
+        .queue
+        .store()
+        .write_round(
+            &[&second, &third],
+            &[],
+            &[ask("lane-a", 2), ask("lane-b", 64)],
+            T0 as i64,
+            0,
+            Some(&handoff),
+        )
+        .await;
+    assert!(round.admitted.iter().all(Result::is_ok));
+    let claimed: Vec<Vec<orca_push_queue::store::ClaimedBatch>> =
+        round.claimed.into_iter().map(Result::unwrap).collect();
+    let phones = |batches: &[orca_push_queue::store::ClaimedBatch]| -> Vec<String> {
+        batches.iter().map(|b| b.registration_id.clone()).collect()
+    };
+    assert_eq!(
+        phones(&claimed[0]),
+        ["phone-1", "phone-2"],
+        "the table's first"
+    );
+    assert_eq!(
+        phones(&claimed[1]),
+        ["phone-3"],
+        "what was left of the round's"
+    );
+    let handed = &claimed[0][1];
+    assert_eq!(handed.members.len(), 1);
+    assert_eq!(handed.members[0].notification_seq, 2);
+    assert_eq!(handed.members[0].content.title, "Task 2 done");
+    assert_eq!(handed.lease_expires_at, T0 as i64 + LEASE);
+    assert_eq!(handed.attempt, 1);
+    assert!(h.claim_all().await.is_empty(), "all three leased");
+    let reports: Vec<_> = claimed.iter().flatten().map(sent).collect();
+    let recorded = h.queue.store().complete(&reports, T0 as i64).await.unwrap();
+    assert_eq!(recorded, vec![true; 3], "each under the lease it was given");
+    assert_eq!(status_of(&h, "hostGOODGOODGOOD", 2).await, "sent");
+    assert_eq!(status_of(&h, "hostOTHEROTHEROT", 1).await, "sent");
+}
+
+/// A round whose transaction fails (a poisoned admission) still answers its claims, each claimed
+/// apart from the admissions; without a hand-off a claim takes only what the table holds.
+async fn a_failed_rounds_claims_are_claimed_apart(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    poison(&h.config, "hostPOISONPOISON").await;
+    h.admit(&from("hostGOODGOODGOOD", 1, "phone-1")).await;
+    let bad = from("hostPOISONPOISON", 1, "phone-2");
+    let good = from("hostOTHEROTHEROT", 1, "phone-3");
+    let handoff = no_orphans();
+    let round = h
+        .queue
+        .store()
+        .write_round(
+            &[&bad, &good],
+            &[],
+            &[ask("lane-a", 64)],
+            T0 as i64,
+            0,
+            Some(&handoff),
+        )
+        .await;
+    assert!(round.admitted[0].is_err(), "the poisoned admission fails");
+    assert!(round.admitted[1].is_ok(), "its neighbour is admitted");
+    let claimed = round.claimed.into_iter().next().unwrap().unwrap();
+    let phones: Vec<&str> = claimed.iter().map(|b| b.registration_id.as_str()).collect();
+    assert_eq!(
+        phones,
+        ["phone-1"],
+        "the claim, on its own, took the table's"
+    );
+    let left = h.claim_all().await;
+    assert_eq!(left.len(), 1, "the neighbour's work waits for a claim");
+    assert_eq!(left[0].registration_id, "phone-3");
 }
 
 async fn concurrent_admissions_commit_in_groups_and_quota_stays_exact(backend: Backend) {
@@ -301,6 +404,8 @@ async fn lanes_finding_work_together_claim_it_once(backend: Backend) {
 }
 
 on_both_backends!(
+    a_rounds_claims_take_the_table_first_then_its_new_work,
+    a_failed_rounds_claims_are_claimed_apart,
     lanes_finding_work_together_claim_it_once,
     one_failing_admission_never_fails_its_neighbours,
     a_round_records_reports_with_its_admissions_or_apart_when_it_fails,

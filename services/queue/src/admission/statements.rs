@@ -126,6 +126,7 @@ macro_rules! batched_admission {
                 now: i64,
                 coalesce_ms: i64,
                 handoff: Option<&$crate::handoff::Handoff>,
+                round: &mut Vec<$crate::handoff::Offer>,
             ) -> Result<$crate::admission::Batched, sqlx::Error> {
                 use $crate::admission::{self as batch, Batched};
                 if !batch::eligible(group) {
@@ -139,11 +140,11 @@ macro_rules! batched_admission {
                 let Some(mut plan) = batch::plan(group, &seen, windows, now, coalesce_ms) else {
                     return Ok(Batched::RowByRow);
                 };
-                // Work due at once goes to the claims waiting for it, written already leased. If
-                // the group turns out to have raced, the offers are dropped with the rolled-back
-                // transaction and their claims look again.
+                // Work due at once goes to the round's claims and those waiting for it, written
+                // already leased. If the group turns out to have raced, the offers are dropped
+                // with the rolled-back transaction and their claims look again.
                 let handed = handoff.map_or_else(Vec::new, |h| {
-                    $crate::handoff::lease_due_now(&mut plan, h, now)
+                    $crate::handoff::lease_due_now(&mut plan, h, round, now)
                 });
                 // One query of several statements on SQLite (one round trip to its connection's
                 // thread), a query per statement on PostgreSQL (`Writes`).

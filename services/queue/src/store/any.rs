@@ -103,16 +103,23 @@ impl QueueStore for AnyQueueStore {
         &self,
         group: &[&Admission],
         reports: &[Completion],
+        claims: &[super::ClaimAsk],
         now: i64,
         coalesce_ms: i64,
         handoff: Option<&crate::handoff::Handoff>,
     ) -> Round {
-        delegate!(self, s => s.write_round(group, reports, now, coalesce_ms, handoff))
+        delegate!(self, s => s.write_round(group, reports, claims, now, coalesce_ms, handoff))
     }
     fn reports_in_rounds(&self) -> bool {
         match self {
             Self::Sqlite(s) => s.reports_in_rounds(),
             Self::Postgres(s) => s.reports_in_rounds(),
+        }
+    }
+    fn claims_in_rounds(&self) -> bool {
+        match self {
+            Self::Sqlite(s) => s.claims_in_rounds(),
+            Self::Postgres(s) => s.claims_in_rounds(),
         }
     }
     fn hands_off(&self) -> bool {

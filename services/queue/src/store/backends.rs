@@ -71,6 +71,12 @@ impl SqliteQueueStore {
     /// their statements sent from the writer's own thread. Measured at 100 end-to-end flows, report
     /// transactions of their own were 300/s and a third of the writer connection's time.
     pub(super) const REPORTS_IN_ROUNDS: bool = true;
+    /// Claims share them too: a claim first takes what waited in the table, then the round's new
+    /// work due at once, written already leased to it (as a waiting claim's hand-off), so that
+    /// work is never read back. Measured at 1,000 end-to-end flows, claims of their own were a
+    /// quarter of the writer connection's statement time, and each waited for the writer behind
+    /// the rounds (docs/benchmarks.md, round 17).
+    pub(super) const CLAIMS_IN_ROUNDS: bool = true;
     /// New work due at once goes to waiting claims (`crate::handoff`): a claim transaction per
     /// such batch was a fifth of the one writer connection's time at 100 end-to-end flows.
     pub(super) const HANDS_OFF: bool = true;
@@ -162,6 +168,8 @@ impl PgQueueStore {
     /// the round's host locks and a dismissal's batch locks, an order two rounds could each hold
     /// half of; and PostgreSQL's writers already run side by side.
     pub(super) const REPORTS_IN_ROUNDS: bool = false;
+    /// Claims run beside the admissions on connections of their own, as reports do.
+    pub(super) const CLAIMS_IN_ROUNDS: bool = false;
     /// Not measured to pay here: with the server as the bound, two back-to-back pairs at 100 flows
     /// gave 913 and 720 APNs deliveries/s with it against 916 and 898 without (FCM 751 and 750
     /// against 966 and 1,001). Claims, which run beside admissions on their own connections, stay.

@@ -38,6 +38,21 @@ macro_rules! claim_statements {
                 skip: Skip,
             ) -> Result<Vec<ClaimedBatch>, QueueError> {
                 let mut tx = self.begin_claim().await?;
+                let claimed = Self::claim_in(&mut tx, lane, max, lease_ms, now, skip).await?;
+                tx.commit().await?;
+                Ok(claimed)
+            }
+
+            /// Up to `max` due batches leased to `lane`, inside `tx` (a claim's own transaction or
+            /// a writer's round).
+            async fn claim_in(
+                tx: &mut <$store as Backend>::Tx,
+                lane: &str,
+                max: i64,
+                lease_ms: i64,
+                now: i64,
+                skip: Skip,
+            ) -> Result<Vec<ClaimedBatch>, QueueError> {
                 let (skip_a, skip_b) = skip.binds();
                 // The due batches with what a lane needs of them, in one statement.
                 let rows = sqlx::query(Self::CLAIM_SQL)
@@ -45,19 +60,18 @@ macro_rules! claim_statements {
                     .bind(max)
                     .bind(skip_a)
                     .bind(skip_b)
-                    .fetch_all(&mut *tx)
+                    .fetch_all(&mut **tx)
                     .await?;
                 let mut due = Vec::with_capacity(rows.len());
                 for row in rows {
                     let batch_id: String = row.try_get("batch_id")?;
                     if now >= row.try_get::<i64, _>("deadline")? {
-                        Self::expire_batch(&mut tx, &batch_id, now).await?;
+                        Self::expire_batch(tx, &batch_id, now).await?;
                         continue;
                     }
                     due.push((batch_id, row));
                 }
                 if due.is_empty() {
-                    tx.commit().await?;
                     return Ok(Vec::new());
                 }
                 // The pending members of every due batch, in one statement, in delivery order.
@@ -67,7 +81,7 @@ macro_rules! claim_statements {
                     ids.push_bind(batch_id.as_str());
                 }
                 query.push(") ORDER BY e.accepted_at, e.notification_seq");
-                let member_rows = query.build().fetch_all(&mut *tx).await?;
+                let member_rows = query.build().fetch_all(&mut **tx).await?;
                 let mut members: HashMap<String, Vec<Member>> = HashMap::with_capacity(due.len());
                 for m in &member_rows {
                     let batch_id: String = m.try_get("batch_id")?;
@@ -82,7 +96,7 @@ macro_rules! claim_statements {
                             .bind(m.try_get::<String, _>("event_id")?)
                             .bind(&batch_id)
                             .bind(now)
-                            .execute(&mut *tx)
+                            .execute(&mut **tx)
                             .await?;
                         continue;
                     };
@@ -101,14 +115,8 @@ macro_rules! claim_statements {
                 let mut claimed = Vec::with_capacity(due.len());
                 for (batch_id, row) in due {
                     let Some(members) = members.remove(&batch_id) else {
-                        Self::finish_batch(
-                            &mut tx,
-                            &batch_id,
-                            "cancelled",
-                            "no pending members",
-                            now,
-                        )
-                        .await?;
+                        Self::finish_batch(tx, &batch_id, "cancelled", "no pending members", now)
+                            .await?;
                         continue;
                     };
                     let kind: String = row.try_get("kind")?;
@@ -148,9 +156,8 @@ macro_rules! claim_statements {
                         ids.push_bind(batch.batch_id.as_str());
                     }
                     lease.push(")");
-                    lease.build().execute(&mut *tx).await?;
+                    lease.build().execute(&mut **tx).await?;
                 }
-                tx.commit().await?;
                 Ok(claimed)
             }
 

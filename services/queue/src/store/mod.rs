@@ -36,6 +36,7 @@ use crate::model::{
     CLEANUP_PAYLOAD_ROUNDS, Content, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, Provider,
     QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
 };
+use rounds::Together;
 
 static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/queue/sqlite");
 static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator =
@@ -82,11 +83,22 @@ pub struct Enqueued {
     pub next_due_at: Option<i64>,
 }
 
-/// What a writer's round did: one result per admission, in order, and the reports' flags.
+/// What a writer's round did: one result per admission, in order, the reports' flags, and one
+/// answer per claim, in order.
 #[derive(Debug)]
 pub struct Round {
     pub admitted: Vec<Result<Enqueued, QueueError>>,
     pub reported: Result<Vec<bool>, QueueError>,
+    pub claimed: Vec<Result<Vec<ClaimedBatch>, QueueError>>,
+}
+
+/// A lane's claim riding in a writer's round (`QueueStore::claims_in_rounds`): what `claim` takes.
+#[derive(Debug, Clone)]
+pub struct ClaimAsk {
+    pub lane: String,
+    pub max: i64,
+    pub lease_ms: i64,
+    pub skip: Skip,
 }
 
 /// A batch handed to a lane under a lease.
@@ -265,12 +277,16 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
         coalesce_ms: i64,
         handoff: Option<&crate::handoff::Handoff>,
     ) -> impl Future<Output = Vec<Result<Enqueued, QueueError>>> + Send;
-    /// `enqueue_group` and `complete` in one transaction: one result per admission, in order, and
-    /// the reports' flags. If the transaction fails, each is done apart, as those two would.
+    /// `claim` (for each of `claims`, in order), `enqueue_group` and `complete` in one
+    /// transaction: the claims first take what is due in the table, then the group's new work due
+    /// at once as a hand-off would (`handoff`: none, none). One result per admission, in order,
+    /// the reports' flags and the claims' batches. If the transaction fails, each is done apart,
+    /// as those three would.
     fn write_round(
         &self,
         group: &[&Admission],
         reports: &[Completion],
+        claims: &[ClaimAsk],
         now: i64,
         coalesce_ms: i64,
         handoff: Option<&crate::handoff::Handoff>,
@@ -278,6 +294,11 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     /// Whether reports go through the admission writers' rounds (`write_round`) rather than a
     /// transaction of their own.
     fn reports_in_rounds(&self) -> bool;
+    /// Whether lanes' claims go through the admission writers' rounds (`write_round`) rather than
+    /// a transaction of their own.
+    fn claims_in_rounds(&self) -> bool {
+        false
+    }
     /// Whether admissions hand new work due at once to waiting claims (`crate::handoff`).
     fn hands_off(&self) -> bool;
     /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
@@ -377,15 +398,19 @@ macro_rules! queue_store {
                 &self,
                 group: &[&Admission],
                 reports: &[Completion],
+                claims: &[ClaimAsk],
                 now: i64,
                 coalesce_ms: i64,
                 handoff: Option<&crate::handoff::Handoff>,
             ) -> Round {
-                self.admit_and_report(group, reports, now, coalesce_ms, handoff)
+                self.admit_and_report(group, reports, claims, now, coalesce_ms, handoff)
                     .await
             }
             fn reports_in_rounds(&self) -> bool {
                 Self::REPORTS_IN_ROUNDS
+            }
+            fn claims_in_rounds(&self) -> bool {
+                Self::CLAIMS_IN_ROUNDS
             }
             fn hands_off(&self) -> bool {
                 Self::HANDS_OFF

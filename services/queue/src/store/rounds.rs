@@ -1,7 +1,17 @@
-//! A writer's round: its admissions (and, where the backend says so, lanes' reports) in one
-//! transaction, and what happens when that transaction fails: the admissions again together, then
-//! each on its own, so one bad admission never fails its neighbours; the reports in a transaction
-//! of their own, apart from the admissions.
+//! A writer's round: its admissions (and, where the backend says so, lanes' reports and claims) in
+//! one transaction, and what happens when that transaction fails: the admissions again together,
+//! then each on its own, so one bad admission never fails its neighbours; the reports in a
+//! transaction of their own and each claim in its own, apart from the admissions.
+
+use crate::store::ClaimedBatch;
+use crate::store::Enqueued;
+
+/// What a round's one transaction did (`admit_together`).
+pub(super) struct Together {
+    pub admitted: Vec<Enqueued>,
+    pub reported: Vec<bool>,
+    pub claimed: Vec<Vec<ClaimedBatch>>,
+}
 
 /// The rounds of one backend (`$store` implements `Backend`).
 macro_rules! round_statements {
@@ -17,10 +27,10 @@ macro_rules! round_statements {
             ) -> Vec<Result<Enqueued, QueueError>> {
                 if group.len() > 1 {
                     match self
-                        .admit_together(group, &[], now, coalesce_ms, handoff)
+                        .admit_together(group, &[], &[], now, coalesce_ms, handoff)
                         .await
                     {
-                        Ok((admitted, _)) => return admitted.into_iter().map(Ok).collect(),
+                        Ok(done) => return done.admitted.into_iter().map(Ok).collect(),
                         Err(error) => tracing::debug!(
                             %error,
                             size = group.len(),
@@ -31,75 +41,141 @@ macro_rules! round_statements {
                 let mut results = Vec::with_capacity(group.len());
                 for a in group {
                     let one = self
-                        .admit_together(&[a], &[], now, coalesce_ms, handoff)
+                        .admit_together(&[a], &[], &[], now, coalesce_ms, handoff)
                         .await;
-                    results.push(one.map(|(mut admitted, _)| admitted.remove(0)));
+                    results.push(one.map(|mut done| done.admitted.remove(0)));
                 }
                 results
             }
 
-            /// `QueueStore::write_round`: the group and the reports in one transaction; if that
-            /// fails, each on its own as `enqueue_group` and `complete` would.
+            /// `QueueStore::write_round`: the claims, the group and the reports in one
+            /// transaction; if that fails, each on its own as `claim`, `enqueue_group` and
+            /// `complete` would.
+            #[allow(clippy::too_many_arguments)]
             async fn admit_and_report(
                 &self,
                 group: &[&Admission],
                 reports: &[Completion],
+                claims: &[ClaimAsk],
                 now: i64,
                 coalesce_ms: i64,
                 handoff: Option<&$crate::handoff::Handoff>,
             ) -> Round {
-                if group.is_empty() {
+                if group.is_empty() && claims.is_empty() {
                     return Round {
                         admitted: Vec::new(),
                         reported: self.complete_leased(reports, now).await,
+                        claimed: Vec::new(),
                     };
                 }
-                if !reports.is_empty() {
+                if !reports.is_empty() || !claims.is_empty() {
                     match self
-                        .admit_together(group, reports, now, coalesce_ms, handoff)
+                        .admit_together(group, reports, claims, now, coalesce_ms, handoff)
                         .await
                     {
-                        Ok((admitted, reported)) => {
+                        Ok(done) => {
                             return Round {
-                                admitted: admitted.into_iter().map(Ok).collect(),
-                                reported: Ok(reported),
+                                admitted: done.admitted.into_iter().map(Ok).collect(),
+                                reported: Ok(done.reported),
+                                claimed: done.claimed.into_iter().map(Ok).collect(),
                             };
                         }
                         Err(error) => tracing::debug!(
                             %error,
                             size = group.len(),
                             reports = reports.len(),
-                            "round failed; admitting and reporting apart"
+                            claims = claims.len(),
+                            "round failed; admitting, reporting and claiming apart"
                         ),
                     }
                 }
+                // The claims first, as in the round: what waited in the table before it.
+                let mut claimed = Vec::with_capacity(claims.len());
+                for ask in claims {
+                    claimed.push(
+                        self.claim_due(&ask.lane, ask.max, ask.lease_ms, now, ask.skip)
+                            .await,
+                    );
+                }
+                let admitted = self.admit_group(group, now, coalesce_ms, handoff).await;
+                let reported = self.complete_leased(reports, now).await;
                 Round {
-                    admitted: self.admit_group(group, now, coalesce_ms, handoff).await,
-                    reported: self.complete_leased(reports, now).await,
+                    admitted,
+                    reported,
+                    claimed,
                 }
             }
 
-            /// Admits a group and records `reports` in one transaction, or fails as a whole
-            /// (nothing written, nothing handed to a claim).
+            /// Runs `claims` in `tx`, in order, on what is due in the table. A claim that came
+            /// back short took all its providers had, so a later one skipping the same providers
+            /// does not look again.
+            async fn claim_round(
+                tx: &mut <$store as Backend>::Tx,
+                claims: &[ClaimAsk],
+                now: i64,
+            ) -> Result<Vec<Vec<ClaimedBatch>>, QueueError> {
+                let mut claimed = Vec::with_capacity(claims.len());
+                let mut exhausted: Vec<Skip> = Vec::new();
+                for ask in claims {
+                    if exhausted.contains(&ask.skip) {
+                        claimed.push(Vec::new());
+                        continue;
+                    }
+                    let got =
+                        Self::claim_in(tx, &ask.lane, ask.max, ask.lease_ms, now, ask.skip).await?;
+                    if i64::try_from(got.len()).unwrap_or(i64::MAX) < ask.max {
+                        exhausted.push(ask.skip);
+                    }
+                    claimed.push(got);
+                }
+                Ok(claimed)
+            }
+
+            /// Claims from the table, admits a group (its new work due at once leased to the
+            /// claims' room left, then to waiting claims) and records `reports`, in one
+            /// transaction; or fails as a whole (nothing written, nothing handed to a claim).
             async fn admit_together(
                 &self,
                 group: &[&Admission],
                 reports: &[Completion],
+                claims: &[ClaimAsk],
                 now: i64,
                 coalesce_ms: i64,
                 handoff: Option<&$crate::handoff::Handoff>,
-            ) -> Result<(Vec<Enqueued>, Vec<bool>), QueueError> {
+            ) -> Result<Together, QueueError> {
                 use $crate::admission::Batched;
                 let mut tx = self.begin_group_write(group).await?;
-                let batched = if self.row_by_row {
+                // What waited in the table is older than this round's work: the claims take it
+                // first.
+                let mut claimed = Self::claim_round(&mut tx, claims, now).await?;
+                let mut round = Vec::new();
+                let mut room_answers = Vec::with_capacity(claims.len());
+                for (ask, got) in claims.iter().zip(&claimed) {
+                    let room = usize::try_from(ask.max)
+                        .unwrap_or(0)
+                        .saturating_sub(got.len());
+                    let offer = handoff
+                        .filter(|_| room > 0 && !group.is_empty())
+                        .map(|h| h.round_offer(&ask.lane, room, ask.lease_ms, ask.skip));
+                    room_answers.push(offer.map(|(offer, answered)| {
+                        round.push(offer);
+                        answered
+                    }));
+                }
+                let batched = if group.is_empty() {
+                    Batched::Done(Vec::new(), Vec::new())
+                } else if self.row_by_row {
                     Batched::RowByRow
                 } else {
-                    Self::admit_batched(&mut tx, group, now, coalesce_ms, handoff).await?
+                    Self::admit_batched(&mut tx, group, now, coalesce_ms, handoff, &mut round)
+                        .await?
                 };
                 let (admitted, handed) = match batched {
                     Batched::Done(admitted, handed) => {
-                        self.batched_groups
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if !group.is_empty() {
+                            self.batched_groups
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
                         (admitted, handed)
                     }
                     Batched::RowByRow => (
@@ -107,14 +183,18 @@ macro_rules! round_statements {
                         Vec::new(),
                     ),
                     Batched::Raced => {
+                        // The offers taken went with the plan: the claims keep what the table
+                        // gave them, claimed again in the new transaction.
                         tx.rollback().await?;
                         tx = self.begin_group_write(group).await?;
+                        claimed = Self::claim_round(&mut tx, claims, now).await?;
                         (
                             Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                             Vec::new(),
                         )
                     }
                 };
+                drop(round);
                 let reported = if reports.is_empty() {
                     Vec::new()
                 } else {
@@ -130,7 +210,19 @@ macro_rules! round_statements {
                         handoff.answer(offer, batches);
                     }
                 }
-                Ok((admitted, reported))
+                // The round's claims add what the group handed them.
+                for (got, answered) in claimed.iter_mut().zip(room_answers) {
+                    if let Some(mut answered) = answered
+                        && let Ok(handed) = answered.try_recv()
+                    {
+                        got.extend(handed);
+                    }
+                }
+                Ok(Together {
+                    admitted,
+                    reported,
+                    claimed,
+                })
             }
         }
     };
