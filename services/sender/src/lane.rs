@@ -31,8 +31,12 @@ pub const LANES: usize = 4;
 /// A batch's lease by default (`ORCA_PUSH_LEASE_MS`), renewed every third of it while a lane works
 /// on it. It bounds how long the work of a killed sender waits before another lane takes it.
 pub const DEFAULT_LEASE_MS: u32 = 30_000;
-/// Deliveries one lane keeps in flight at once.
-pub const IN_FLIGHT_PER_LANE: usize = 256;
+/// Deliveries one lane keeps in flight at once. At 256, the four lanes' share of one provider (768)
+/// was less than the benchmark's 1,000 end-to-end flows: the rest were claimed, found their
+/// provider's share full and were handed back for a second, each hand-back a write (1,526 in one
+/// 1,000-flow run), and the work waited in the table where the writer's rounds could not hand it
+/// over (docs/benchmarks.md, round 17). The peak RSS of that run rose by 10-15 MiB.
+pub const IN_FLIGHT_PER_LANE: usize = 384;
 /// Deliveries of one provider a lane keeps in flight at most: a provider that stalls (every
 /// request waiting out its timeout) leaves the other a quarter of the lane.
 pub const IN_FLIGHT_PER_PROVIDER: usize = IN_FLIGHT_PER_LANE * 3 / 4;
