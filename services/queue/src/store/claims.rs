@@ -38,13 +38,14 @@ macro_rules! claim_statements {
                 skip: Skip,
             ) -> Result<Vec<ClaimedBatch>, QueueError> {
                 let mut tx = self.begin_claim().await?;
-                let claimed = Self::claim_in(&mut tx, lane, max, lease_ms, now, skip).await?;
+                let (claimed, _) = Self::claim_in(&mut tx, lane, max, lease_ms, now, skip).await?;
                 tx.commit().await?;
                 Ok(claimed)
             }
 
             /// Up to `max` due batches leased to `lane`, inside `tx` (a claim's own transaction or
-            /// a writer's round).
+            /// a writer's round), and how many due batches the table gave (some of which may have
+            /// expired or had nothing left to send instead).
             async fn claim_in(
                 tx: &mut <$store as Backend>::Tx,
                 lane: &str,
@@ -52,7 +53,7 @@ macro_rules! claim_statements {
                 lease_ms: i64,
                 now: i64,
                 skip: Skip,
-            ) -> Result<Vec<ClaimedBatch>, QueueError> {
+            ) -> Result<(Vec<ClaimedBatch>, usize), QueueError> {
                 let (skip_a, skip_b) = skip.binds();
                 // The due batches with what a lane needs of them, in one statement.
                 let rows = sqlx::query(Self::CLAIM_SQL)
@@ -62,6 +63,7 @@ macro_rules! claim_statements {
                     .bind(skip_b)
                     .fetch_all(&mut **tx)
                     .await?;
+                let read = rows.len();
                 let mut due = Vec::with_capacity(rows.len());
                 for row in rows {
                     let batch_id: String = row.try_get("batch_id")?;
@@ -72,7 +74,7 @@ macro_rules! claim_statements {
                     due.push((batch_id, row));
                 }
                 if due.is_empty() {
-                    return Ok(Vec::new());
+                    return Ok((Vec::new(), read));
                 }
                 // The pending members of every due batch, in one statement, in delivery order.
                 let mut query = sqlx::QueryBuilder::new($crate::store::claims::CLAIM_MEMBERS_HEAD);
@@ -158,7 +160,7 @@ macro_rules! claim_statements {
                     lease.push(")");
                     lease.build().execute(&mut **tx).await?;
                 }
-                Ok(claimed)
+                Ok((claimed, read))
             }
 
             /// `QueueStore::next_available_at`.

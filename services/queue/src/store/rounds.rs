@@ -106,9 +106,9 @@ macro_rules! round_statements {
                 }
             }
 
-            /// Runs `claims` in `tx`, in order, on what is due in the table. A claim that came
-            /// back short took all its providers had, so a later one skipping the same providers
-            /// does not look again.
+            /// Runs `claims` in `tx`, in order, on what is due in the table. A claim the table
+            /// gave fewer due batches than it asked for took all its providers had, so a later
+            /// one skipping the same providers does not look again.
             async fn claim_round(
                 tx: &mut <$store as Backend>::Tx,
                 claims: &[ClaimAsk],
@@ -121,9 +121,9 @@ macro_rules! round_statements {
                         claimed.push(Vec::new());
                         continue;
                     }
-                    let got =
+                    let (got, read) =
                         Self::claim_in(tx, &ask.lane, ask.max, ask.lease_ms, now, ask.skip).await?;
-                    if i64::try_from(got.len()).unwrap_or(i64::MAX) < ask.max {
+                    if i64::try_from(read).unwrap_or(i64::MAX) < ask.max {
                         exhausted.push(ask.skip);
                     }
                     claimed.push(got);
