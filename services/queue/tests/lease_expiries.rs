@@ -44,10 +44,26 @@ async fn a_claim_left_by_its_caller_counts_its_lapsed_lease_and_gives_the_work_b
     h.clock.advance(LEASE as u64 + 1);
     let before = h.queue.claim_transactions();
     let counted_before = expiries();
+    // SQLite: the writer's thread runs the claim's round as soon as it is queued, so the file's
+    // write lock is held elsewhere until the caller has left, and the round answers nobody.
+    let held = match (
+        backend,
+        orca_push_queue::open_and_migrate(&h.config).await.unwrap(),
+    ) {
+        (Backend::Sqlite, orca_push_storage::Pool::Sqlite(pool)) => {
+            let mut lock = pool.acquire().await.unwrap();
+            sqlx::query("BEGIN IMMEDIATE")
+                .execute(&mut *lock)
+                .await
+                .unwrap();
+            Some(lock)
+        }
+        _ => None,
+    };
     let mut claim = Box::pin(h.queue.claim("lane-gone", 64, LEASE, 0));
-    // Polled until its claim has gone to the writer (SQLite: a place in its next round, run on
-    // the writer's own thread) or begun on a task of its own (PostgreSQL: one thread, so it cannot
-    // run before this one yields), then dropped before it is answered.
+    // Polled until its claim has gone to the writer (SQLite: a place in its next round, which
+    // waits for the lock above) or begun on a task of its own (PostgreSQL: one thread, so it
+    // cannot run before this one yields), then dropped before it is answered.
     loop {
         let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(claim.as_mut().poll(cx)));
         if let std::task::Poll::Ready(ended) = polled.await {
@@ -59,6 +75,9 @@ async fn a_claim_left_by_its_caller_counts_its_lapsed_lease_and_gives_the_work_b
         tokio::task::yield_now().await;
     }
     drop(claim);
+    if let Some(mut lock) = held {
+        sqlx::query("ROLLBACK").execute(&mut *lock).await.unwrap();
+    }
     async fn within<T>(what: impl std::future::Future<Output = T>) -> T {
         tokio::time::timeout(std::time::Duration::from_secs(5), what)
             .await
