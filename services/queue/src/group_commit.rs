@@ -122,17 +122,23 @@ impl GroupCommit {
         self.groups.load(Ordering::Relaxed)
     }
 
+    /// Puts `work` in line for the next round.
+    async fn hand(&self, work: Work) -> Result<(), QueueError> {
+        self.waiting
+            .send(work)
+            .await
+            .map_err(|_| QueueError::WriterStopped)
+    }
+
     /// Admits `admission` with whatever else is waiting; answers once its group has committed.
     pub async fn admit(&self, admission: Admission) -> Result<Enqueued, QueueError> {
         let (answer, answered) = oneshot::channel();
-        self.waiting
-            .send(Work::Admit(Waiting {
-                admission,
-                answer,
-                span: tracing::Span::current(),
-            }))
-            .await
-            .map_err(|_| QueueError::WriterStopped)?;
+        self.hand(Work::Admit(Waiting {
+            admission,
+            answer,
+            span: tracing::Span::current(),
+        }))
+        .await?;
         answered.await.map_err(|_| QueueError::WriterStopped)?
     }
 
@@ -143,14 +149,12 @@ impl GroupCommit {
             return Ok(Vec::new());
         }
         let (answer, answered) = oneshot::channel();
-        self.waiting
-            .send(Work::Report(Reporting {
-                completions,
-                answer,
-                span: tracing::Span::current(),
-            }))
-            .await
-            .map_err(|_| QueueError::WriterStopped)?;
+        self.hand(Work::Report(Reporting {
+            completions,
+            answer,
+            span: tracing::Span::current(),
+        }))
+        .await?;
         answered.await.map_err(|_| QueueError::WriterStopped)?
     }
 
@@ -162,14 +166,12 @@ impl GroupCommit {
         ask: ClaimAsk,
     ) -> Result<oneshot::Receiver<Result<Vec<ClaimedBatch>, QueueError>>, QueueError> {
         let (answer, answered) = oneshot::channel();
-        self.waiting
-            .send(Work::Claim(Claiming {
-                ask,
-                answer,
-                span: tracing::Span::current(),
-            }))
-            .await
-            .map_err(|_| QueueError::WriterStopped)?;
+        self.hand(Work::Claim(Claiming {
+            ask,
+            answer,
+            span: tracing::Span::current(),
+        }))
+        .await?;
         Ok(answered)
     }
 }
@@ -373,10 +375,7 @@ fn answer_claims(
 ) {
     for (answer, result) in answers.into_iter().zip(claimed) {
         if let Ok(batches) = &result {
-            for batch in batches.iter().filter(|b| b.recovered) {
-                tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
-                metrics::counter!("orca_push_lease_expiries_total").increment(1);
-            }
+            crate::handoff::record_lapsed_leases(batches);
         }
         if let Err(Ok(batches)) = answer.send(result) {
             handoff.orphan(batches);

@@ -360,6 +360,16 @@ impl Drop for ClaimAnswer<'_> {
     }
 }
 
+/// Logs and counts each lapsed lease a claim took over (`orca_push_lease_expiries_total`). Called
+/// by whatever ran the claim, not by its caller, which may be gone by then: a lapsed lease handed
+/// back unread would be `pending` at the next claim, not recovered.
+pub fn record_lapsed_leases(batches: &[ClaimedBatch]) {
+    for batch in batches.iter().filter(|b| b.recovered) {
+        tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
+        metrics::counter!("orca_push_lease_expiries_total").increment(1);
+    }
+}
+
 /// `Orphans` that give the batches back to `store`, due again at once.
 pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>) -> Orphans {
     Box::new(move |batches| {

@@ -10,7 +10,7 @@ use tracing::Instrument as _;
 
 use crate::error::QueueError;
 use crate::group_commit::GroupCommit;
-use crate::handoff::{Handoff, hand_back};
+use crate::handoff::{Handoff, hand_back, record_lapsed_leases};
 use crate::model::{Admission, Kind, Provider};
 use crate::store::{
     ClaimAsk, ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Outcome, QueueStore, Retry,
@@ -342,13 +342,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 let now = now(&*clock);
                 let claimed = store.claim(&lane, max, lease_ms, now, skip).await;
                 if let Ok(batches) = &claimed {
-                    // Counted here rather than by the caller, which may be gone by now: a lapsed
-                    // lease handed back unread would be `pending` at the next claim, not
-                    // recovered.
-                    for batch in batches.iter().filter(|b| b.recovered) {
-                        tracing::warn!(batch = %batch.batch_id, "reclaimed a batch whose lease lapsed");
-                        metrics::counter!("orca_push_lease_expiries_total").increment(1);
-                    }
+                    record_lapsed_leases(batches);
                 }
                 if let Err(Ok(batches)) = answer.send(claimed) {
                     hand_back(&store, &wake, &batches, now).await;

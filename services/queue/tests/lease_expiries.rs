@@ -46,19 +46,19 @@ async fn a_claim_left_by_its_caller_counts_its_lapsed_lease_and_gives_the_work_b
     let counted_before = expiries();
     // SQLite: the writer's thread runs the claim's round as soon as it is queued, so the file's
     // write lock is held elsewhere until the caller has left, and the round answers nobody.
-    let held = match (
-        backend,
-        orca_push_queue::open_and_migrate(&h.config).await.unwrap(),
-    ) {
-        (Backend::Sqlite, orca_push_storage::Pool::Sqlite(pool)) => {
-            let mut lock = pool.acquire().await.unwrap();
-            sqlx::query("BEGIN IMMEDIATE")
-                .execute(&mut *lock)
-                .await
-                .unwrap();
-            Some(lock)
-        }
-        _ => None,
+    let held = match backend {
+        Backend::Sqlite => match orca_push_queue::open_and_migrate(&h.config).await.unwrap() {
+            orca_push_storage::Pool::Sqlite(pool) => {
+                let mut lock = pool.acquire().await.unwrap();
+                sqlx::query("BEGIN IMMEDIATE")
+                    .execute(&mut *lock)
+                    .await
+                    .unwrap();
+                Some(lock)
+            }
+            orca_push_storage::Pool::Postgres(_) => unreachable!("a SQLite harness"),
+        },
+        Backend::Postgres => None,
     };
     let mut claim = Box::pin(h.queue.claim("lane-gone", 64, LEASE, 0));
     // Polled until its claim has gone to the writer (SQLite: a place in its next round, which
