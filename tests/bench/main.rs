@@ -8,6 +8,7 @@
 //! `scripts/chaos` runs them; see docs/reliability.md.
 
 mod chaos;
+mod lines;
 mod outage;
 mod population;
 mod procstat;

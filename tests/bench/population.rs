@@ -31,6 +31,10 @@ pub struct Device {
 
 pub struct Host {
     pub client: GatewayClient,
+    /// `x-forwarded-for` as the host SDK sends it (`client`), for the load generator's own sends.
+    pub forwarded: HeaderValue,
+    /// `Bearer <session token>`, for the same.
+    bearer: std::sync::Mutex<HeaderValue>,
     pub devices: Vec<Device>,
     /// notificationEpoch of this host's counter.
     pub epoch: String,
@@ -52,6 +56,19 @@ impl Host {
             .collect()
     }
 
+    pub fn bearer(&self) -> HeaderValue {
+        self.bearer.lock().expect("bearer").clone()
+    }
+
+    /// Takes the session the host SDK holds now, after it renewed one the gateway refused.
+    pub async fn renewed(&self) {
+        if let Ok(session) = self.client.session().await
+            && let Ok(bearer) = bearer_of(&session.session_token)
+        {
+            *self.bearer.lock().expect("bearer") = bearer;
+        }
+    }
+
     /// Takes one alert (or dismissal) from the host's budget; false when it is spent.
     pub fn spend(&self, dismissal: bool) -> bool {
         let counter = if dismissal {
@@ -71,15 +88,21 @@ pub fn client_ip(block: u8, n: usize) -> String {
 
 pub fn client(base: &str, http: &reqwest::Client, ip: &str) -> Result<GatewayClient, GatewayError> {
     let mut headers = HeaderMap::new();
-    // As a load balancer would pass it on: the client, then the balancer itself (the one hop
-    // ORCA_PUSH_TRUSTED_PROXY_HOPS=1 tells the gateway to skip).
-    headers.insert(
-        "x-forwarded-for",
-        HeaderValue::from_str(&format!("{ip}, 192.0.2.1")).map_err(|_| GatewayError::BadUrl)?,
-    );
+    headers.insert("x-forwarded-for", forwarded_for(ip)?);
     Ok(GatewayClient::new(base, HostKey::generate())?
         .with_http_client(http.clone())
         .with_headers(headers))
+}
+
+/// `x-forwarded-for` as a load balancer would pass it on: the client, then the balancer itself
+/// (the one hop ORCA_PUSH_TRUSTED_PROXY_HOPS=1 tells the gateway to skip).
+fn forwarded_for(ip: &str) -> Result<HeaderValue, GatewayError> {
+    HeaderValue::from_str(&format!("{ip}, 192.0.2.1")).map_err(|_| GatewayError::BadUrl)
+}
+
+fn bearer_of(token: &str) -> Result<HeaderValue, GatewayError> {
+    HeaderValue::from_str(&format!("Bearer {token}"))
+        .map_err(|_| GatewayError::Malformed("session token"))
 }
 
 /// A new native token of the right shape: 64 hex digits for APNs, an FCM-looking string else.
@@ -107,6 +130,8 @@ pub fn registration_body(platform: Platform, device_id: &str, token: &str) -> Va
 /// a small share of the total.
 pub struct Pool {
     pub hosts: Vec<Arc<Host>>,
+    /// The connections the hosts' sends go on.
+    pub lines: crate::lines::Lines,
     next: AtomicUsize,
 }
 
@@ -147,8 +172,9 @@ pub async fn build(
     };
     let made: Vec<Result<Host, GatewayError>> = futures::stream::iter(0..hosts)
         .map(|n| async move {
-            let client = client(base, http, &client_ip(10, n))?;
-            client.login().await?;
+            let ip = client_ip(10, n);
+            let client = client(base, http, &ip)?;
+            let session = client.login().await?;
             let mut registered = Vec::new();
             for d in 0..devices {
                 let platform = if d % 2 == 0 && !matches!(phones, Phones::OneAndroid) {
@@ -179,6 +205,8 @@ pub async fn build(
             progress.inc(1);
             Ok(Host {
                 client,
+                forwarded: forwarded_for(&ip)?,
+                bearer: std::sync::Mutex::new(bearer_of(&session.session_token)?),
                 devices: registered,
                 epoch: uuid::Uuid::new_v4().to_string(),
                 seq: AtomicU64::new(0),
@@ -196,6 +224,7 @@ pub async fn build(
         .map_err(|e| anyhow::anyhow!("setting up simulated hosts: {e}"))?;
     Ok(Pool {
         hosts,
+        lines: crate::lines::Lines::new(base)?,
         next: AtomicUsize::new(0),
     })
 }

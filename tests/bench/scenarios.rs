@@ -328,23 +328,9 @@ fn dismissal(host: &population::Host, ids: Vec<String>, notification_id: &str) -
     body
 }
 
-/// Posts one send; Ok when every recipient is `queued`.
-async fn post_send(host: &population::Host, body: &Value) -> Result<(), String> {
-    match host.client.call(Method::POST, "/v1/send", Some(body)).await {
-        Ok(reply) => {
-            let results = reply["results"].as_array().cloned().unwrap_or_default();
-            match results
-                .iter()
-                .map(|r| r["status"].as_str().unwrap_or("missing"))
-                .find(|s| *s != "queued")
-            {
-                None if !results.is_empty() => Ok(()),
-                None => Err("no results".into()),
-                Some(status) => Err(format!("status {status}")),
-            }
-        }
-        Err(e) => Err(error_kind(&e)),
-    }
+/// Posts one send on the pool's connections; Ok when every recipient is `queued`.
+async fn post_send(pool: &Pool, host: &population::Host, body: &Value) -> Result<(), String> {
+    pool.lines.send(host, body).await
 }
 
 /// One alert to every phone of the next host with budget; the deliveries it should cause.
@@ -360,7 +346,7 @@ pub async fn send_one(
     };
     let id = format!("{label}-{}", uuid::Uuid::new_v4().simple());
     let body = alert(&host, host.registration_ids(None), &id);
-    match post_send(&host, &body).await {
+    match post_send(&pool, &host, &body).await {
         Ok(()) => {
             recorder.ok(scheduled.elapsed());
             host.devices.len() as u64
@@ -562,7 +548,7 @@ async fn flow(
         let arrived = target.arrivals.expect(&id);
         let body = alert(&host, host.registration_ids(Some(platform)), &id);
         let started = Instant::now();
-        if let Err(kind) = post_send(&host, &body).await {
+        if let Err(kind) = post_send(pool, &host, &body).await {
             target.arrivals.forget(&id);
             // A well-behaved host waits out `503 busy` (Retry-After: 1) instead of hammering.
             if kind.starts_with("503") {
@@ -705,7 +691,10 @@ async fn mixed_op(pool: &Pool, roll: u32) -> (&'static str, Result<(), String>) 
     match roll {
         0..=69 => {
             let id = format!("m-{}", uuid::Uuid::new_v4().simple());
-            ("alert", post_send(&host, &alert(&host, ids, &id)).await)
+            (
+                "alert",
+                post_send(pool, &host, &alert(&host, ids, &id)).await,
+            )
         }
         70..=79 => {
             // A burst: five alerts from one host at once, as when several agents finish together.
@@ -713,7 +702,7 @@ async fn mixed_op(pool: &Pool, roll: u32) -> (&'static str, Result<(), String>) 
                 let id = format!("m-{}", uuid::Uuid::new_v4().simple());
                 let body = alert(&host, ids.clone(), &id);
                 let host = host.clone();
-                async move { post_send(&host, &body).await }
+                async move { post_send(pool, &host, &body).await }
             });
             let results = futures::future::join_all(sends).await;
             let first_error = results.into_iter().find_map(Result::err);
@@ -726,10 +715,10 @@ async fn mixed_op(pool: &Pool, roll: u32) -> (&'static str, Result<(), String>) 
             // A dismissal for a notification the host alerted about just before.
             let id = format!("m-{}", uuid::Uuid::new_v4().simple());
             host.spend(false);
-            let _ = post_send(&host, &alert(&host, ids.clone(), &id)).await;
+            let _ = post_send(pool, &host, &alert(&host, ids.clone(), &id)).await;
             (
                 "dismiss",
-                post_send(&host, &dismissal(&host, ids, &id)).await,
+                post_send(pool, &host, &dismissal(&host, ids, &id)).await,
             )
         }
         90..=94 => {
