@@ -310,9 +310,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut env: Vec<(String, String)> = apns.env();
     env.extend(fcm.env());
     env.push(("ORCA_PUSH_TRUSTED_PROXY_HOPS".into(), "1".into()));
-    // The load comes through one client that keeps up to 4,096 connections (below). Past the
-    // gateway's default cap of 1,024 a new connection waits unaccepted until a kept-alive one is
-    // closed, 10 s later: at 1,000 delivery flows that was the p99.9, not the gateway's work.
+    // The load comes through the host SDK's client, which keeps up to 4,096 connections (below),
+    // and the sends' own connections (`lines.rs`, one per send in flight). Past the gateway's
+    // default cap of 1,024 a new connection waits unaccepted until a kept-alive one is closed,
+    // 10 s later: at 1,000 delivery flows that was the p99.9, not the gateway's work.
     env.push(("ORCA_PUSH_HTTP_MAX_CONNECTIONS".into(), "4096".into()));
     env.extend(args.gateway_env.iter().cloned());
 
