@@ -162,7 +162,9 @@ impl Lines {
 }
 
 fn all_queued(reply: Reply) -> Result<(), String> {
-    let status = |o: &Outcome| o.status.as_deref().unwrap_or("missing").to_owned();
+    fn status(outcome: &Outcome) -> &str {
+        outcome.status.as_deref().unwrap_or("missing")
+    }
     match reply.results.iter().find(|r| status(r) != "queued") {
         None if !reply.results.is_empty() => Ok(()),
         None => Err("no results".into()),
