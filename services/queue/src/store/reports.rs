@@ -33,6 +33,19 @@ pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = "UPDATE push_events SET pa
        WHERE p.event_id = push_events.event_id AND p.status = 'pending') \
      AND event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (";
 
+/// The pending recipients of a list of batches that are finished take their batch's state, after
+/// `updated_at = ` and the time: the list, then `)`. Joined after the batches' update on SQLite
+/// (`JOINS_STATEMENTS`), where it cannot take the ids that update returned: every finish writes a
+/// batch's recipients in its own transaction, and a recipient only ever joins an open batch, so
+/// the only finished batches with a pending recipient are the ones the update before just ended.
+pub(super) const FINISHED_RECIPIENTS_HEAD: &str =
+    "UPDATE push_event_recipients SET status = b.state, updated_at = ";
+/// After `FINISHED_RECIPIENTS_HEAD`'s time.
+pub(super) const FINISHED_RECIPIENTS_MIDDLE: &str = " FROM push_delivery_batches b \
+     WHERE b.batch_id = push_event_recipients.batch_id \
+     AND b.state NOT IN ('open', 'pending', 'leased') \
+     AND push_event_recipients.status = 'pending' AND push_event_recipients.batch_id IN (";
+
 /// A leased batch back to pending at `$2`, if `$6` still holds its lease and `$2` is before its
 /// deadline.
 pub(super) const RETRY_SCHEDULE_SQL: &str = "UPDATE push_delivery_batches SET state = 'pending', \
@@ -113,6 +126,9 @@ macro_rules! report_statements {
                 rows.sort_unstable_by_key(|&i| batches[i].0);
                 if rows.is_empty() {
                     return Ok(finished);
+                }
+                if Self::JOINS_STATEMENTS {
+                    return Self::finish_batches_joined(tx, batches, &rows, now).await;
                 }
                 if !Self::FOR_UPDATE.is_empty() {
                     let mut lock =
@@ -197,6 +213,62 @@ macro_rules! report_statements {
                 }
                 clear.push("))");
                 clear.build().execute(&mut **tx).await?;
+                Ok(finished)
+            }
+
+            /// `finish_batches` as one query of three statements (SQLite, `JOINS_STATEMENTS`):
+            /// the batches, their recipients (`FINISHED_RECIPIENTS_HEAD`) and the payloads no
+            /// recipient waits for, in one round trip to the connection's thread where they were
+            /// three. The last two take every batch of the list, the ones whose lease was lost
+            /// too: those have no recipient to write, and a payload is cleared only when no
+            /// recipient waits for it, whichever batch names it.
+            async fn finish_batches_joined(
+                tx: &mut <$store as Backend>::Tx,
+                batches: &[(&str, Option<&str>, &str, &str, bool)],
+                rows: &[usize],
+                now: i64,
+            ) -> Result<Vec<bool>, sqlx::Error> {
+                use $crate::store::reports as sql;
+                let mut query = sqlx::QueryBuilder::new(sql::FINISH_BATCHES_HEAD);
+                query.push_values(rows, |mut row, &i| {
+                    let (batch_id, lease, state, reason, answered) = batches[i];
+                    row.push_bind(batch_id)
+                        .push_bind(state)
+                        .push_bind(reason)
+                        .push_bind(lease)
+                        .push_bind(i32::from(answered));
+                });
+                query.push(sql::FINISH_BATCHES_MIDDLE);
+                query.push_bind(now);
+                query.push(sql::FINISH_BATCHES_TAIL);
+                query.push("; ");
+                query.push(sql::FINISHED_RECIPIENTS_HEAD);
+                query.push_bind(now);
+                query.push(sql::FINISHED_RECIPIENTS_MIDDLE);
+                let mut list = query.separated(", ");
+                for &i in rows {
+                    list.push_bind(batches[i].0);
+                }
+                query.push("); ");
+                query.push(sql::CLEAR_FINISHED_PAYLOADS_HEAD);
+                let mut list = query.separated(", ");
+                for &i in rows {
+                    list.push_bind(batches[i].0);
+                }
+                query.push("))");
+                // Only the first statement returns rows: the batches it ended.
+                let ended: std::collections::HashSet<String> = query
+                    .build()
+                    .persistent(Self::keep_statement(rows.len()))
+                    .fetch_all(&mut **tx)
+                    .await?
+                    .iter()
+                    .map(|row| row.try_get::<String, _>("batch_id"))
+                    .collect::<Result<_, _>>()?;
+                let mut finished = vec![false; batches.len()];
+                for &i in rows {
+                    finished[i] = ended.contains(batches[i].0);
+                }
                 Ok(finished)
             }
 
