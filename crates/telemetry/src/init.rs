@@ -248,21 +248,35 @@ where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
     let tracer = provider.tracer("orca-push");
-    let (text, json) = match format {
-        LogFormat::Text => (
+    let colored = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let (text, plain, json) = match format {
+        LogFormat::Text if colored => (
             Some(
                 tracing_subscriber::fmt::layer()
                     .with_writer(writer)
-                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+                    .with_ansi(true),
+            ),
+            None,
+            None,
+        ),
+        // Not a terminal (a service's log): the same lines, with cheaper span fields.
+        LogFormat::Text => (
+            None,
+            Some(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(writer)
+                    .with_ansi(false)
+                    .fmt_fields(crate::text_log::TextFields),
             ),
             None,
         ),
-        LogFormat::Json => (None, Some(json_layer(writer))),
+        LogFormat::Json => (None, None, Some(json_layer(writer))),
     };
     tracing_subscriber::registry()
         .with(LogsAndTracedSpans(logs))
         .with(span_layer(tracer, format))
         .with(text)
+        .with(plain)
         .with(json)
 }
 

@@ -8,6 +8,7 @@
 mod grpc;
 mod init;
 mod json_log;
+mod text_log;
 
 pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced, traced_in_process};
 pub use init::{
