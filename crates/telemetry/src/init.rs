@@ -273,7 +273,7 @@ where
         LogFormat::Json => (None, None, Some(json_layer(writer))),
     };
     tracing_subscriber::registry()
-        .with(LogsAndTracedSpans(logs))
+        .with(LogsAndTracedSpans::new(logs))
         .with(span_layer(tracer, format))
         .with(text)
         .with(plain)
@@ -289,9 +289,22 @@ where
 /// per layer, and a per-layer filter looks the span up in the registry on every enter, exit and
 /// record; measured at 4-19% fewer sends per second in the admission benchmark (round 15 in
 /// docs/benchmarks.md). Each callsite's answer is cached as before.
-struct LogsAndTracedSpans(tracing_subscriber::EnvFilter);
+///
+/// `EnvFilter` follows the spans a request is in only for directives that name a span (`a[b]=x`):
+/// without one, it still takes a lock and looks the span up as each span opens, is entered,
+/// exited and closed, to find nothing. The filter is then not told of spans at all.
+struct LogsAndTracedSpans {
+    logs: tracing_subscriber::EnvFilter,
+    names_spans: bool,
+}
 
 impl LogsAndTracedSpans {
+    fn new(logs: tracing_subscriber::EnvFilter) -> Self {
+        // A span directive is written with its span in brackets; targets are module paths.
+        let names_spans = logs.to_string().contains('[');
+        Self { logs, names_spans }
+    }
+
     fn traced(meta: &tracing::Metadata<'_>) -> bool {
         meta.is_span() && *meta.level() <= tracing::Level::INFO
     }
@@ -303,7 +316,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
         meta: &'static tracing::Metadata<'static>,
     ) -> tracing::subscriber::Interest {
         // Always asked first: it learns here which spans its span directives name.
-        let logs = tracing_subscriber::Layer::<S>::register_callsite(&self.0, meta);
+        let logs = tracing_subscriber::Layer::<S>::register_callsite(&self.logs, meta);
         if Self::traced(meta) {
             tracing::subscriber::Interest::always()
         } else {
@@ -312,7 +325,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
     }
 
     fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
-        let logs = tracing_subscriber::Layer::<S>::max_level_hint(&self.0)?;
+        let logs = tracing_subscriber::Layer::<S>::max_level_hint(&self.logs)?;
         Some(logs.max(tracing::level_filters::LevelFilter::INFO))
     }
 
@@ -321,7 +334,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
         meta: &tracing::Metadata<'_>,
         ctx: tracing_subscriber::layer::Context<'_, S>,
     ) -> bool {
-        Self::traced(meta) || self.0.enabled(meta, ctx)
+        Self::traced(meta) || self.logs.enabled(meta, ctx)
     }
 
     // EnvFilter follows the spans a request is in, for directives that name span fields.
@@ -331,7 +344,9 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
         id: &tracing::span::Id,
         ctx: tracing_subscriber::layer::Context<'_, S>,
     ) {
-        self.0.on_new_span(attrs, id, ctx);
+        if self.names_spans {
+            self.logs.on_new_span(attrs, id, ctx);
+        }
     }
 
     fn on_record(
@@ -340,19 +355,27 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
         values: &tracing::span::Record<'_>,
         ctx: tracing_subscriber::layer::Context<'_, S>,
     ) {
-        self.0.on_record(id, values, ctx);
+        if self.names_spans {
+            self.logs.on_record(id, values, ctx);
+        }
     }
 
     fn on_enter(&self, id: &tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
-        self.0.on_enter(id, ctx);
+        if self.names_spans {
+            self.logs.on_enter(id, ctx);
+        }
     }
 
     fn on_exit(&self, id: &tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
-        self.0.on_exit(id, ctx);
+        if self.names_spans {
+            self.logs.on_exit(id, ctx);
+        }
     }
 
     fn on_close(&self, id: tracing::span::Id, ctx: tracing_subscriber::layer::Context<'_, S>) {
-        self.0.on_close(id, ctx);
+        if self.names_spans {
+            self.logs.on_close(id, ctx);
+        }
     }
 }
 
@@ -480,6 +503,20 @@ mod tests {
         });
         let messages: Vec<&serde_json::Value> = lines.iter().map(|l| &l["message"]).collect();
         assert_eq!(messages, ["logged"], "{lines:?}");
+    }
+
+    /// Only a filter with a span directive follows spans; one without is not told of them.
+    #[test]
+    fn only_a_filter_naming_a_span_follows_spans() {
+        let names_spans = |filter: &str| {
+            LogsAndTracedSpans::new(tracing_subscriber::EnvFilter::new(filter)).names_spans
+        };
+        assert!(!names_spans("info"));
+        assert!(!names_spans("warn,orca_push_queue=debug,sqlx::query=debug"));
+        assert!(names_spans("warn,[grpc.client]=debug"));
+        assert!(names_spans(
+            "info,orca_push[http.server{http.route=/v1/send}]=trace"
+        ));
     }
 
     /// `RUST_LOG` quiets the log, not the trace: with only warnings logged, every span is still
