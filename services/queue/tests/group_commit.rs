@@ -13,12 +13,18 @@ use support::*;
 
 /// Makes every admission of `host` fail inside the database, as a broken row would.
 async fn poison(config: &orca_push_storage::DatabaseConfig, host: &str) {
+    poison_with(config, host, "ABORT").await;
+}
+
+/// `poison`, failing on SQLite with `raise`: `ABORT` undoes the failed statement's rows, `FAIL`
+/// (as a statement written `OR FAIL` meeting a broken constraint) keeps those it wrote before.
+async fn poison_with(config: &orca_push_storage::DatabaseConfig, host: &str, raise: &str) {
     let pool = orca_push_queue::open_and_migrate(config).await.unwrap();
     match pool {
         Pool::Sqlite(pool) => {
             sqlx::query(&format!(
                 "CREATE TRIGGER poison BEFORE INSERT ON push_events \
-                 WHEN NEW.host_fingerprint = '{host}' BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+                 WHEN NEW.host_fingerprint = '{host}' BEGIN SELECT RAISE({raise}, 'poisoned'); END"
             ))
             .execute(&pool)
             .await
@@ -53,6 +59,23 @@ fn from(host: &str, seq: i64, phone: &str) -> orca_push_queue::model::Admission 
 async fn one_failing_admission_never_fails_its_neighbours(backend: Backend) {
     let h = harness(backend).await;
     poison(&h.config, "hostPOISONPOISON").await;
+    one_failing_admission_is_admitted_apart(&h).await;
+}
+
+/// SQLite's round statements are written `OR FAIL` (no statement journal): one that stops midway
+/// keeps the rows it wrote before in the transaction, and the round must roll them back with the
+/// rest before it admits each apart. The poisoned event comes after its neighbour's, in the same
+/// insert.
+#[tokio::test]
+async fn a_round_statement_stopped_midway_leaves_nothing_behind() {
+    let h = harness(Backend::Sqlite).await;
+    poison_with(&h.config, "hostPOISONPOISON", "FAIL").await;
+    one_failing_admission_is_admitted_apart(&h).await;
+}
+
+/// A group of three whose middle admission fails inside the database: the others are admitted,
+/// once each, and nothing of the failed one is kept.
+async fn one_failing_admission_is_admitted_apart(h: &Harness) {
     let good = from("hostGOODGOODGOOD", 1, "phone-1");
     let bad = from("hostPOISONPOISON", 1, "phone-2");
     let also_good = from("hostOTHEROTHEROT", 1, "phone-3");

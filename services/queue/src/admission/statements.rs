@@ -31,11 +31,12 @@ pub const READ_WINDOWS_HEAD: &str = "SELECT batch_id, registration_id, host_fing
 pub const READ_WINDOWS_FULL: &str = " AND member_count < ";
 pub const READ_WINDOWS_LIST: &str = " AND registration_id IN (";
 
-pub const INSERT_EVENTS: &str = "INSERT INTO push_events (event_id, host_fingerprint, kind, \
+/// The inserts and updates below follow `INSERT` or `UPDATE` and the backend's `OR_FAIL`.
+pub const INTO_EVENTS: &str = " INTO push_events (event_id, host_fingerprint, kind, \
      notification_epoch, notification_seq, notification_id, content_hash, payload_json, \
      trace_parent, accepted_at, expires_at) ";
 
-pub const INSERT_BATCHES: &str = "INSERT INTO push_delivery_batches (batch_id, registration_id, \
+pub const INTO_BATCHES: &str = " INTO push_delivery_batches (batch_id, registration_id, \
      host_fingerprint, kind, state, coalescible, window_ends_at, available_at, member_count, \
      members_bytes, routing_bytes, deadline, silent, attempts, created_at, provider, lease_token, \
      lease_owner) ";
@@ -46,8 +47,9 @@ pub const INSERT_RECIPIENTS: &str = "INSERT INTO push_event_recipients (event_id
 /// Before the rows of the windows' final states.
 pub const UPDATE_WINDOWS_HEAD: &str =
     "WITH v (id, was, n, members, routing, due, quiet, late) AS (";
-/// After them. Each applies only if the window is still open with the count the group read.
-pub const UPDATE_WINDOWS_TAIL: &str = ") UPDATE push_delivery_batches SET member_count = v.n, \
+/// After them, `UPDATE` and the backend's `OR_FAIL`. Each applies only if the window is still
+/// open with the count the group read.
+pub const UPDATE_WINDOWS_TAIL: &str = " push_delivery_batches SET member_count = v.n, \
      members_bytes = v.members, routing_bytes = v.routing, window_ends_at = v.due, \
      available_at = v.due, silent = COALESCE(v.quiet, push_delivery_batches.silent), \
      deadline = CASE WHEN push_delivery_batches.deadline < v.late THEN v.late \
@@ -161,10 +163,13 @@ macro_rules! batched_admission {
                             .push_bind(u.silent.map(flag))
                             .push_bind(u.deadline_at_least);
                     });
-                    q.push(batch::UPDATE_WINDOWS_TAIL);
+                    q.push(") UPDATE")
+                        .push(Self::OR_FAIL)
+                        .push(batch::UPDATE_WINDOWS_TAIL);
                 }
                 for chunk in plan.events.chunks(batch::ROWS_PER_STATEMENT) {
-                    let q = writes.statement(batch::INSERT_EVENTS, chunk.len());
+                    let q = writes.statement("INSERT", chunk.len());
+                    q.push(Self::OR_FAIL).push(batch::INTO_EVENTS);
                     q.push_values(chunk, |mut row, e| {
                         let a = e.admission;
                         row.push_bind(e.event_id.as_str())
@@ -181,7 +186,8 @@ macro_rules! batched_admission {
                     });
                 }
                 for chunk in plan.batches.chunks(batch::ROWS_PER_STATEMENT) {
-                    let q = writes.statement(batch::INSERT_BATCHES, chunk.len());
+                    let q = writes.statement("INSERT", chunk.len());
+                    q.push(Self::OR_FAIL).push(batch::INTO_BATCHES);
                     q.push_values(chunk, |mut row, b| {
                         let (state, available_at) = b.state();
                         row.push_bind(b.batch_id.as_str())

@@ -38,6 +38,14 @@ impl SqliteQueueStore {
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2";
     /// One writer at a time: nothing to lock.
     pub(super) const FOR_UPDATE: &'static str = "";
+    /// How a round's multi-row inserts and updates meet a constraint they break: the statement
+    /// stops with an error and keeps the rows it changed, where SQLite's default (`ABORT`) undoes
+    /// them. Nothing here goes on in a transaction after a statement fails (the round is rolled
+    /// back and its work done apart), so the two end the same; but only `ABORT` needs each such
+    /// statement to copy every page it changes into a statement journal first, which was 2.8% of
+    /// the gateway's samples at 1,000 end-to-end flows. The recipients' insert keeps `ABORT`: its
+    /// foreign key (checked at the statement's end) needs the journal either way.
+    pub(super) const OR_FAIL: &'static str = " OR FAIL";
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
@@ -134,6 +142,8 @@ impl PgQueueStore {
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
     /// Row locks taken by a reading statement.
     pub(super) const FOR_UPDATE: &'static str = " FOR UPDATE";
+    /// PostgreSQL has no conflict clause: a failed statement fails its transaction.
+    pub(super) const OR_FAIL: &'static str = "";
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);

@@ -140,9 +140,9 @@ macro_rules! claim_statements {
                     });
                 }
                 if !claimed.is_empty() {
-                    let mut lease = sqlx::QueryBuilder::new(
-                        "UPDATE push_delivery_batches SET state = 'leased', lease_token = ",
-                    );
+                    let mut lease = sqlx::QueryBuilder::new("UPDATE");
+                    lease.push(Self::OR_FAIL);
+                    lease.push(" push_delivery_batches SET state = 'leased', lease_token = ");
                     lease.push_bind(&token);
                     lease.push(", lease_owner = ").push_bind(lane);
                     lease.push(", available_at = ").push_bind(lease_expires_at);

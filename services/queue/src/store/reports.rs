@@ -10,8 +10,8 @@ pub(super) const LOCK_BATCHES_HEAD: &str =
 /// Before the rows of final answers: batch, state, reason, lease (NULL: no lease to check, as for
 /// an expiry) and whether the provider answered.
 pub(super) const FINISH_BATCHES_HEAD: &str = "WITH v (id, state, reason, lease, answered) AS (";
-/// After them, then the time, then `FINISH_BATCHES_TAIL`.
-pub(super) const FINISH_BATCHES_MIDDLE: &str = ") UPDATE push_delivery_batches SET state = v.state, \
+/// After them, `) UPDATE` and the backend's `OR_FAIL`, then the time, then `FINISH_BATCHES_TAIL`.
+pub(super) const FINISH_BATCHES_MIDDLE: &str = " push_delivery_batches SET state = v.state, \
      lease_token = NULL, last_reason = v.reason, \
      attempts = push_delivery_batches.attempts + v.answered, finished_at = ";
 /// Each batch only under its own lease; the ones finished come back.
@@ -25,9 +25,9 @@ pub(super) const LOCK_FINISHED_EVENTS_HEAD: &str = "SELECT e.event_id FROM push_
      WHERE e.payload_json IS NOT NULL \
      AND e.event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (";
 
-/// Clears the payloads of a list of batches' events that no recipient waits for: the list, then
-/// `))`.
-pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = "UPDATE push_events SET payload_json = NULL \
+/// Clears the payloads of a list of batches' events that no recipient waits for, after `UPDATE`
+/// and the backend's `OR_FAIL`: the list, then `))`.
+pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = " push_events SET payload_json = NULL \
      WHERE payload_json IS NOT NULL \
      AND NOT EXISTS (SELECT 1 FROM push_event_recipients p \
        WHERE p.event_id = push_events.event_id AND p.status = 'pending') \
@@ -38,8 +38,9 @@ pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = "UPDATE push_events SET pa
 /// (`JOINS_STATEMENTS`), where it cannot take the ids that update returned: every finish writes a
 /// batch's recipients in its own transaction, and a recipient only ever joins an open batch, so
 /// the only finished batches with a pending recipient are the ones the update before just ended.
+/// After `UPDATE` and the backend's `OR_FAIL`.
 pub(super) const FINISHED_RECIPIENTS_HEAD: &str =
-    "UPDATE push_event_recipients SET status = b.state, updated_at = ";
+    " push_event_recipients SET status = b.state, updated_at = ";
 /// After `FINISHED_RECIPIENTS_HEAD`'s time.
 pub(super) const FINISHED_RECIPIENTS_MIDDLE: &str = " FROM push_delivery_batches b \
      WHERE b.batch_id = push_event_recipients.batch_id \
@@ -152,7 +153,10 @@ macro_rules! report_statements {
                         .push_bind(lease)
                         .push_bind(i32::from(answered));
                 });
-                update.push($crate::store::reports::FINISH_BATCHES_MIDDLE);
+                update
+                    .push(") UPDATE")
+                    .push(Self::OR_FAIL)
+                    .push($crate::store::reports::FINISH_BATCHES_MIDDLE);
                 update.push_bind(now);
                 update.push($crate::store::reports::FINISH_BATCHES_TAIL);
                 let ended: std::collections::HashSet<String> = update
@@ -205,8 +209,10 @@ macro_rules! report_statements {
                     lock.build().fetch_all(&mut **tx).await?;
                 }
                 // A payload is kept while any recipient still waits for it.
-                let mut clear =
-                    sqlx::QueryBuilder::new($crate::store::reports::CLEAR_FINISHED_PAYLOADS_HEAD);
+                let mut clear = sqlx::QueryBuilder::new("UPDATE");
+                clear
+                    .push(Self::OR_FAIL)
+                    .push($crate::store::reports::CLEAR_FINISHED_PAYLOADS_HEAD);
                 let mut list = clear.separated(", ");
                 for id in ended() {
                     list.push_bind(id);
@@ -238,10 +244,12 @@ macro_rules! report_statements {
                         .push_bind(lease)
                         .push_bind(i32::from(answered));
                 });
+                query.push(") UPDATE").push(Self::OR_FAIL);
                 query.push(sql::FINISH_BATCHES_MIDDLE);
                 query.push_bind(now);
                 query.push(sql::FINISH_BATCHES_TAIL);
                 query.push("; ");
+                query.push("UPDATE").push(Self::OR_FAIL);
                 query.push(sql::FINISHED_RECIPIENTS_HEAD);
                 query.push_bind(now);
                 query.push(sql::FINISHED_RECIPIENTS_MIDDLE);
@@ -250,6 +258,7 @@ macro_rules! report_statements {
                     list.push_bind(batches[i].0);
                 }
                 query.push("); ");
+                query.push("UPDATE").push(Self::OR_FAIL);
                 query.push(sql::CLEAR_FINISHED_PAYLOADS_HEAD);
                 let mut list = query.separated(", ");
                 for &i in rows {
