@@ -70,7 +70,8 @@ fn plain<R: RecordFields>(
     fields: &R,
     write: impl FnOnce(&str) -> fmt::Result,
 ) -> Option<fmt::Result> {
-    LINE.with(|line| {
+    // `try_with`: a thread's destructors may still trace after its buffer is gone.
+    LINE.try_with(|line| {
         // Taken, not borrowed: a field's `Debug` could log, and so format fields again.
         let mut plain = Plain {
             line: std::mem::take(&mut *line.borrow_mut()),
@@ -86,6 +87,8 @@ fn plain<R: RecordFields>(
         *line.borrow_mut() = plain.line;
         written
     })
+    .ok()
+    .flatten()
 }
 
 struct Plain {

@@ -119,6 +119,12 @@ impl SqliteQueueStore {
     }
 }
 
+// A joined report (`finish_batches_joined`) takes no row locks: only a backend that needs none
+// may join statements.
+const _: () =
+    assert!(!SqliteQueueStore::JOINS_STATEMENTS || SqliteQueueStore::FOR_UPDATE.is_empty());
+const _: () = assert!(!PgQueueStore::JOINS_STATEMENTS || PgQueueStore::FOR_UPDATE.is_empty());
+
 /// PostgreSQL (READ COMMITTED), shared by every replica: admissions of one host serialise on a
 /// transaction advisory lock, claims skip rows another replica has locked, and a commit that makes
 /// work due notifies every replica's waiting lanes.

@@ -33,19 +33,22 @@ pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = " push_events SET payload_
        WHERE p.event_id = push_events.event_id AND p.status = 'pending') \
      AND event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (";
 
-/// The pending recipients of a list of batches that are finished take their batch's state, after
-/// `updated_at = ` and the time: the list, then `)`. Joined after the batches' update on SQLite
+/// The pending recipients of a list of batches finished at a time take their batch's state, after
+/// `UPDATE` and the backend's `OR_FAIL`, then `updated_at = ` and that time, `FINISHED_RECIPIENTS_AT`
+/// and the time again: the list, then `)`. Joined after the batches' update on SQLite
 /// (`JOINS_STATEMENTS`), where it cannot take the ids that update returned: every finish writes a
-/// batch's recipients in its own transaction, and a recipient only ever joins an open batch, so
-/// the only finished batches with a pending recipient are the ones the update before just ended.
-/// After `UPDATE` and the backend's `OR_FAIL`.
+/// batch's recipients in its own transaction, and a recipient only ever joins a batch that is not
+/// finished, so the only finished batches with a pending recipient are the ones the update before
+/// just ended (and the time, which that update set, narrows it to those).
 pub(super) const FINISHED_RECIPIENTS_HEAD: &str =
     " push_event_recipients SET status = b.state, updated_at = ";
 /// After `FINISHED_RECIPIENTS_HEAD`'s time.
-pub(super) const FINISHED_RECIPIENTS_MIDDLE: &str = " FROM push_delivery_batches b \
+pub(super) const FINISHED_RECIPIENTS_AT: &str = " FROM push_delivery_batches b \
      WHERE b.batch_id = push_event_recipients.batch_id \
-     AND b.state NOT IN ('open', 'pending', 'leased') \
-     AND push_event_recipients.status = 'pending' AND push_event_recipients.batch_id IN (";
+     AND b.state NOT IN ('open', 'pending', 'leased') AND b.finished_at = ";
+/// After `FINISHED_RECIPIENTS_AT`'s time.
+pub(super) const FINISHED_RECIPIENTS_LIST: &str =
+    " AND push_event_recipients.status = 'pending' AND push_event_recipients.batch_id IN (";
 
 /// A leased batch back to pending at `$2`, if `$6` still holds its lease and `$2` is before its
 /// deadline.
@@ -252,7 +255,9 @@ macro_rules! report_statements {
                 query.push("UPDATE").push(Self::OR_FAIL);
                 query.push(sql::FINISHED_RECIPIENTS_HEAD);
                 query.push_bind(now);
-                query.push(sql::FINISHED_RECIPIENTS_MIDDLE);
+                query.push(sql::FINISHED_RECIPIENTS_AT);
+                query.push_bind(now);
+                query.push(sql::FINISHED_RECIPIENTS_LIST);
                 let mut list = query.separated(", ");
                 for &i in rows {
                     list.push_bind(batches[i].0);
