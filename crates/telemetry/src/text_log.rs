@@ -129,33 +129,17 @@ impl Visit for Plain {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
-
     use tracing_subscriber::layer::SubscriberExt as _;
 
     use super::*;
-
-    /// A writer the test reads back.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
+    use crate::json_log::tests::Buffer;
 
     /// The line `emit` logs through a fmt layer with `fields`.
     fn line_with<N>(fields: N, emit: impl FnOnce()) -> String
     where
         N: for<'w> FormatFields<'w> + Send + Sync + 'static,
     {
-        let captured = Captured::default();
+        let captured = Buffer::default();
         let writer = captured.clone();
         let subscriber = tracing_subscriber::registry().with(
             tracing_subscriber::fmt::layer()

@@ -10,6 +10,7 @@ const NOTIFY_SQL: &str = "SELECT pg_notify($1, $2)";
 
 /// What differs between the backends.
 pub trait Backend {
+    type Db: sqlx::Database;
     type Tx;
 }
 
@@ -28,6 +29,7 @@ pub struct SqliteQueueStore {
 }
 
 impl Backend for SqliteQueueStore {
+    type Db = sqlx::Sqlite;
     type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
 }
 
@@ -138,6 +140,7 @@ pub struct PgQueueStore {
 }
 
 impl Backend for PgQueueStore {
+    type Db = sqlx::Postgres;
     type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
 }
 

@@ -146,30 +146,8 @@ macro_rules! report_statements {
                     lock.build().persistent(false).fetch_all(&mut **tx).await?;
                 }
                 // Every batch in one statement; each is finished only under its own lease.
-                let mut update =
-                    sqlx::QueryBuilder::new($crate::store::reports::FINISH_BATCHES_HEAD);
-                update.push_values(&rows, |mut row, &i| {
-                    let (batch_id, lease, state, reason, answered) = batches[i];
-                    row.push_bind(batch_id)
-                        .push_bind(state)
-                        .push_bind(reason)
-                        .push_bind(lease)
-                        .push_bind(i32::from(answered));
-                });
-                update
-                    .push(") UPDATE")
-                    .push(Self::OR_FAIL)
-                    .push($crate::store::reports::FINISH_BATCHES_MIDDLE);
-                update.push_bind(now);
-                update.push($crate::store::reports::FINISH_BATCHES_TAIL);
-                let ended: std::collections::HashSet<String> = update
-                    .build()
-                    .persistent(Self::keep_statement(rows.len()))
-                    .fetch_all(&mut **tx)
-                    .await?
-                    .iter()
-                    .map(|row| row.try_get::<String, _>("batch_id"))
-                    .collect::<Result<_, _>>()?;
+                let mut update = Self::finish_batches_query(batches, &rows, now);
+                let ended = Self::ended_batches(tx, &mut update, rows.len()).await?;
                 for &i in &rows {
                     let (batch_id, _, state, _, _) = batches[i];
                     if ended.contains(batch_id) {
@@ -225,6 +203,49 @@ macro_rules! report_statements {
                 Ok(finished)
             }
 
+            /// The batches' update of `finish_batches`, for the batches at `rows`: each ended only
+            /// under its own lease, the ones ended returned.
+            fn finish_batches_query<'a>(
+                batches: &[(&'a str, Option<&'a str>, &'a str, &'a str, bool)],
+                rows: &[usize],
+                now: i64,
+            ) -> sqlx::QueryBuilder<'a, <$store as Backend>::Db> {
+                let mut update =
+                    sqlx::QueryBuilder::new($crate::store::reports::FINISH_BATCHES_HEAD);
+                update.push_values(rows, |mut row, &i| {
+                    let (batch_id, lease, state, reason, answered) = batches[i];
+                    row.push_bind(batch_id)
+                        .push_bind(state)
+                        .push_bind(reason)
+                        .push_bind(lease)
+                        .push_bind(i32::from(answered));
+                });
+                update
+                    .push(") UPDATE")
+                    .push(Self::OR_FAIL)
+                    .push($crate::store::reports::FINISH_BATCHES_MIDDLE);
+                update.push_bind(now);
+                update.push($crate::store::reports::FINISH_BATCHES_TAIL);
+                update
+            }
+
+            /// Runs `query` (`finish_batches_query`'s, and whatever follows it) for `rows`
+            /// batches: the ids of those it ended.
+            async fn ended_batches(
+                tx: &mut <$store as Backend>::Tx,
+                query: &mut sqlx::QueryBuilder<'_, <$store as Backend>::Db>,
+                rows: usize,
+            ) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+                query
+                    .build()
+                    .persistent(Self::keep_statement(rows))
+                    .fetch_all(&mut **tx)
+                    .await?
+                    .iter()
+                    .map(|row| row.try_get::<String, _>("batch_id"))
+                    .collect()
+            }
+
             /// `finish_batches` as one query of three statements (SQLite, `JOINS_STATEMENTS`):
             /// the batches, their recipients (`FINISHED_RECIPIENTS_HEAD`) and the payloads no
             /// recipient waits for, in one round trip to the connection's thread where they were
@@ -238,19 +259,7 @@ macro_rules! report_statements {
                 now: i64,
             ) -> Result<Vec<bool>, sqlx::Error> {
                 use $crate::store::reports as sql;
-                let mut query = sqlx::QueryBuilder::new(sql::FINISH_BATCHES_HEAD);
-                query.push_values(rows, |mut row, &i| {
-                    let (batch_id, lease, state, reason, answered) = batches[i];
-                    row.push_bind(batch_id)
-                        .push_bind(state)
-                        .push_bind(reason)
-                        .push_bind(lease)
-                        .push_bind(i32::from(answered));
-                });
-                query.push(") UPDATE").push(Self::OR_FAIL);
-                query.push(sql::FINISH_BATCHES_MIDDLE);
-                query.push_bind(now);
-                query.push(sql::FINISH_BATCHES_TAIL);
+                let mut query = Self::finish_batches_query(batches, rows, now);
                 query.push("; ");
                 query.push("UPDATE").push(Self::OR_FAIL);
                 query.push(sql::FINISHED_RECIPIENTS_HEAD);
@@ -271,14 +280,7 @@ macro_rules! report_statements {
                 }
                 query.push("))");
                 // Only the first statement returns rows: the batches it ended.
-                let ended: std::collections::HashSet<String> = query
-                    .build()
-                    .persistent(Self::keep_statement(rows.len()))
-                    .fetch_all(&mut **tx)
-                    .await?
-                    .iter()
-                    .map(|row| row.try_get::<String, _>("batch_id"))
-                    .collect::<Result<_, _>>()?;
+                let ended = Self::ended_batches(tx, &mut query, rows.len()).await?;
                 let mut finished = vec![false; batches.len()];
                 for &i in rows {
                     finished[i] = ended.contains(batches[i].0);
