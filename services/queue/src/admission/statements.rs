@@ -23,11 +23,13 @@ pub const READ_SEEN_TAIL: &str = ") AS used, \
 /// a member may join, which `plan` checks again. A window that has ended stays open until a lane
 /// takes it, and while a provider is held none does: in the admission benchmark (providers
 /// refusing connections) each phone had some four ended windows, and sending them all, a row at
-/// a time from sqlx's SQLite thread, made this read the slowest statement of a round.
+/// a time from sqlx's SQLite thread, made this read the slowest statement of a round. It names the
+/// live states for `push_delivery_batches_live`, as `crate::store`'s `OPEN_WINDOW_SQL` says.
 pub const READ_WINDOWS_HEAD: &str = "SELECT batch_id, registration_id, host_fingerprint, \
      member_count, members_bytes, routing_bytes, window_ends_at, created_at \
      FROM push_delivery_batches \
-     WHERE kind = 'alert' AND state = 'open' AND coalescible = 1 AND window_ends_at > ";
+     WHERE state IN ('open', 'pending', 'leased') \
+     AND kind = 'alert' AND state = 'open' AND coalescible = 1 AND window_ends_at > ";
 pub const READ_WINDOWS_FULL: &str = " AND member_count < ";
 pub const READ_WINDOWS_LIST: &str = " AND registration_id IN (";
 

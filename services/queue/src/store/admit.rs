@@ -50,10 +50,13 @@ pub(super) const OPEN_BATCH_SQL: &str = "INSERT INTO push_delivery_batches (batc
      member_count, members_bytes, routing_bytes, deadline, silent, attempts, created_at, provider) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $7, 1, $8, $9, $10, $11, 0, $12, $13)";
 
-/// The registration's newest window a member may join at `$3`.
+/// The registration's newest window a member may join at `$3`. Every statement that finds batches
+/// by registration names the live states as `push_delivery_batches_live` does, word for word:
+/// SQLite uses a partial index only for a query whose conditions include the index's own.
 pub(super) const OPEN_WINDOW_SQL: &str = "SELECT batch_id, member_count, members_bytes, \
      routing_bytes, window_ends_at FROM push_delivery_batches \
-     WHERE registration_id = $1 AND host_fingerprint = $2 AND kind = 'alert' \
+     WHERE registration_id = $1 AND state IN ('open', 'pending', 'leased') \
+     AND host_fingerprint = $2 AND kind = 'alert' \
      AND state = 'open' AND coalescible = 1 AND window_ends_at > $3 AND member_count < $4 \
      ORDER BY created_at DESC LIMIT 1";
 
@@ -86,7 +89,8 @@ pub(super) const RECOUNT_MEMBERS_SQL: &str = "UPDATE push_delivery_batches SET m
 /// A registration's batches left with no member, cancelled.
 pub(super) const CANCEL_EMPTY_SQL: &str = "UPDATE push_delivery_batches SET state = 'cancelled', \
      finished_at = $2, last_reason = 'dismissed' \
-     WHERE registration_id = $1 AND state IN ('open', 'pending') AND member_count = 0";
+     WHERE registration_id = $1 AND state IN ('open', 'pending', 'leased') AND state <> 'leased' \
+     AND member_count = 0";
 
 /// The row-by-row admission's statements for one backend (`$store` implements `Backend`).
 macro_rules! row_by_row_admission {

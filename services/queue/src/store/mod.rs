@@ -537,4 +537,55 @@ mod tests {
         assert_ne!(a[8..], b[8..]);
         assert_eq!(random_id().len(), 24);
     }
+
+    /// Every statement that finds batches by registration reads the index of live batches:
+    /// SQLite takes a partial index only for a query that states the index's condition word for
+    /// word, so a statement that names fewer states would scan the table instead.
+    #[tokio::test]
+    async fn statements_finding_batches_by_registration_use_the_live_batches_index() {
+        use crate::admission as batch;
+        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+        SQLITE_MIGRATIONS.run(&pool).await.unwrap();
+        let windows = format!(
+            "{}0{}32{}'r')",
+            batch::READ_WINDOWS_HEAD,
+            batch::READ_WINDOWS_FULL,
+            batch::READ_WINDOWS_LIST
+        );
+        let lock = format!("{}'r') ORDER BY batch_id", admit::LOCK_ACTIVE_BATCHES_HEAD);
+        for sql in [
+            admit::OPEN_WINDOW_SQL,
+            &windows,
+            &lock,
+            admit::CANCEL_COVERED_SQL,
+            admit::RECOUNT_MEMBERS_SQL,
+            admit::CANCEL_EMPTY_SQL,
+        ] {
+            let explain = format!("EXPLAIN QUERY PLAN {sql}");
+            let mut query = sqlx::query(&explain);
+            for n in 1..=8 {
+                if sql.contains(&format!("${n}")) {
+                    query = query.bind(None::<String>);
+                }
+            }
+            let plan: Vec<String> = query
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.get("detail"))
+                .collect();
+            let batches: Vec<&String> = plan
+                .iter()
+                .filter(|step| step.contains(" push_delivery_batches"))
+                .collect();
+            assert!(
+                !batches.is_empty()
+                    && batches
+                        .iter()
+                        .all(|step| step.contains("USING INDEX push_delivery_batches_live")),
+                "{sql}\n{plan:#?}"
+            );
+        }
+    }
 }
