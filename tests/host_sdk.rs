@@ -502,11 +502,7 @@ async fn the_readme_walkthrough_works_as_written() {
         .trim_end_matches("```");
     let (build, rest) = script.trim().split_once('\n').unwrap();
     assert!(build.starts_with("cargo build --release"), "{build}");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = orca_push_tests::free_port();
     let bin = tempfile::tempdir().unwrap();
     std::os::unix::fs::symlink(orca_push_tests::binary(), bin.path().join("orca-push")).unwrap();
     std::os::unix::fs::symlink(
@@ -731,9 +727,13 @@ impl orca_push_host::RegistrationSource for GhostSource {
     }
 }
 
-/// A TLS front for `upstream` on `localhost`, with a self-signed certificate written (PEM) to the
-/// returned file: as a corporate TLS-inspecting proxy presents a CA only the OS store trusts.
-async fn tls_front_on(upstream: String, port: u16) -> (String, tempfile::NamedTempFile, u16) {
+/// A TLS front for `upstream` on `localhost`, served from `listener`, with a self-signed
+/// certificate written (PEM) to the returned file: as a corporate TLS-inspecting proxy presents a
+/// CA only the OS store trusts.
+async fn tls_front_on(
+    listener: tokio::net::TcpListener,
+    upstream: String,
+) -> (String, tempfile::NamedTempFile) {
     use std::convert::Infallible;
 
     use http_body_util::BodyExt as _;
@@ -752,9 +752,6 @@ async fn tls_front_on(upstream: String, port: u16) -> (String, tempfile::NamedTe
     .unwrap();
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-        .await
-        .unwrap();
     let port = listener.local_addr().unwrap().port();
     let client = reqwest::Client::new();
     tokio::spawn(async move {
@@ -794,7 +791,7 @@ async fn tls_front_on(upstream: String, port: u16) -> (String, tempfile::NamedTe
             });
         }
     });
-    (format!("https://localhost:{port}"), ca, port)
+    (format!("https://localhost:{port}"), ca)
 }
 
 /// The SDK trusts the operating system's certificate store (rustls-native-certs, which on Linux
@@ -802,11 +799,11 @@ async fn tls_front_on(upstream: String, port: u16) -> (String, tempfile::NamedTe
 /// that store trusts, and without it the same login is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_trusts_the_operating_systems_certificate_store() {
-    // The front's origin is what hosts call, so the gateway binds it into its challenges.
-    let front_port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
+    // The front's origin is what hosts call, so the gateway binds it into its challenges. Its
+    // listener is held from here on: a port released and bound again after the gateway starts was
+    // once handed to the gateway's own metrics listener (bound at port 0) in between.
+    let front_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let front_port = front_listener.local_addr().unwrap().port();
     let gateway = Gateway::start_with(
         Backend::Sqlite,
         &[(
@@ -815,8 +812,7 @@ async fn the_cli_trusts_the_operating_systems_certificate_store() {
         )],
     )
     .await;
-    let (front, ca, bound) = tls_front_on(gateway.base.clone(), front_port).await;
-    assert_eq!(bound, front_port);
+    let (front, ca) = tls_front_on(front_listener, gateway.base.clone()).await;
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("host.key");
     HostKey::generate().save_new(&key).unwrap();

@@ -9,7 +9,7 @@ use orca_push_internal_auth::{InternalKey, Scope, mint, mint_between};
 use orca_push_proto::auth::v1 as auth_pb;
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
-use orca_push_tests::{Backend, Gateway, INTERNAL_KEY};
+use orca_push_tests::{Backend, Gateway, INTERNAL_KEY, free_port};
 use tonic::transport::Channel;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
 use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
@@ -671,29 +671,28 @@ async fn list_services_v1alpha(
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `orca-push serve` with `ORCA_PUSH_GRPC_ADDR`: one listener for every service, each behind its
 /// own tokens, health open, reflection v1 and v1alpha for a token of any service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_all_in_one_listener_serves_every_service_behind_its_tokens() {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
+    // Port 0, read back from the log: a port probed free and released could be taken by the
+    // gateway's own metrics listener before its gRPC listener binds it.
     let gateway = Gateway::start_with(
         Backend::Sqlite,
         &[
-            ("ORCA_PUSH_GRPC_ADDR", addr.as_str()),
+            ("ORCA_PUSH_GRPC_ADDR", "127.0.0.1:0"),
             ("ORCA_PUSH_INTERNAL_KEY", INTERNAL_KEY),
         ],
     )
     .await;
-    assert!(gateway.logs().contains("internal gRPC listening"));
+    let logs = gateway.logs();
+    let port: u16 = logs
+        .lines()
+        .find(|line| line.contains("internal gRPC listening"))
+        .and_then(|line| line.split("addr=127.0.0.1:").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("the listener's address is logged: {logs}"));
     assert_eq!(health(port).await, 1, "health is open and SERVING");
     for service in ["auth", "registry", "queue"] {
         let (bad, good) = tokens(service);

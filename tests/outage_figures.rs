@@ -88,10 +88,7 @@ async fn admit(raw: &Raw, hosts: &[(String, String)]) -> f64 {
 }
 
 fn closed_port() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    drop(listener);
-    format!("http://127.0.0.1:{port}")
+    format!("http://127.0.0.1:{}", orca_push_tests::free_port())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,9 +21,7 @@ pub struct FlakyProvider {
 impl FlakyProvider {
     /// A free loopback port with nothing listening on it yet.
     pub fn new() -> anyhow::Result<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        let port = orca_push_tests::free_port();
         Ok(Self {
             port,
             status: Arc::new(AtomicU16::new(503)),

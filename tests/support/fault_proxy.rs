@@ -39,8 +39,9 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// A proxy on a port of its own, forwarding to `upstream` on 127.0.0.1, starting in `mode`.
     pub async fn start(upstream: u16, mode: Fault) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
+        // Below the ephemeral range: while refusing, the port must stay free to listen on again.
+        let port = crate::free_port();
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.unwrap();
         let proxy = Self {
             port,
             upstream,

@@ -363,14 +363,11 @@ impl Gateway {
         for _ in 0..replicas {
             senders.push(spawn("sender", with_backends.clone()).await);
         }
-        // The facade's origin must be known before auth starts, so its port is picked here. The
-        // probes hold that port and one for the facade's metrics until the facade starts: released
-        // at once, the port was once handed to the facade's own metrics listener (bound first,
-        // at port 0), and the facade could not listen.
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
-        let metrics_probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
-        let port = probe.local_addr().unwrap().port();
-        let metrics_port = metrics_probe.local_addr().unwrap().port();
+        // The facade's origin must be known before auth starts, so its port is picked here, with
+        // one for the facade's metrics, outside the range port-0 listeners are handed: a port
+        // probed at `:0` was once handed to the facade's own metrics listener, and the facade
+        // could not listen.
+        let (port, metrics_port) = (free_port(), free_port());
         let origin = format!("http://127.0.0.1:{port}");
         let mut auth_env = any();
         auth_env.push(("ORCA_PUSH_REGISTRY_URL".into(), registry_url.clone()));
@@ -391,7 +388,6 @@ impl Gateway {
                 format!("127.0.0.1:{metrics_port}"),
             ),
         ];
-        drop((probe, metrics_probe));
         let facade = spawn("facade", facade_env).await;
         processes.extend(registries);
         processes.extend(queues);
@@ -620,6 +616,26 @@ impl Raw {
         assert_eq!(session.status, 200, "{session:?}");
         session.body["sessionToken"].as_str().unwrap().to_owned()
     }
+}
+
+/// A loopback port free now and below the kernel's ephemeral range, for a process that binds it
+/// later. A port probed at `:0` and released comes from that range, and any listener bound at
+/// port 0 meanwhile (another test's, or the gateway's own metrics) could be handed it.
+pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher as _, RandomState};
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_start.max(10_001));
+    let seed = RandomState::new().hash_one(std::process::id());
+    for attempt in 0..1_000u64 {
+        let port = low + ((seed.wrapping_add(attempt * 7919)) % u64::from(high - low)) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {low}..{high}");
 }
 
 pub fn envelope_of(body: &Value) -> ChallengeEnvelope {
