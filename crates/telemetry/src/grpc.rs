@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tracing::Instrument as _;
@@ -48,14 +49,19 @@ fn status_code<B>(response: &http::Response<B>) -> i64 {
 
 /// Server side: continue the caller's trace and open a `server` span per call. Spans and metrics
 /// name the method only when `known` says the server routes it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct GrpcServerLayer {
     known: fn(&str) -> bool,
+    metrics: Arc<ServedMetrics>,
 }
 
 impl GrpcServerLayer {
+    /// Metric handles are taken from the recorder current at each method's first call.
     pub fn new(known: fn(&str) -> bool) -> Self {
-        Self { known }
+        Self {
+            known,
+            metrics: Arc::default(),
+        }
     }
 }
 
@@ -66,6 +72,7 @@ impl<S> tower::Layer<S> for GrpcServerLayer {
         GrpcServerService {
             inner,
             known: self.known,
+            metrics: self.metrics.clone(),
         }
     }
 }
@@ -74,6 +81,75 @@ impl<S> tower::Layer<S> for GrpcServerLayer {
 pub struct GrpcServerService<S> {
     inner: S,
     known: fn(&str) -> bool,
+    metrics: Arc<ServedMetrics>,
+}
+
+/// The metric handles of every method a server's layer has served, made at each method's first
+/// call. Looking a series up by its labels on every call (its key built and hashed, the label
+/// strings allocated and cloned) was 2.3% of the gateway's samples at 1,000 end-to-end flows.
+#[derive(Debug, Default)]
+struct ServedMetrics {
+    /// By the method's path; every unrouted path shares the entry of `""`.
+    by_path: std::sync::RwLock<std::collections::HashMap<String, Arc<MethodMetrics>>>,
+}
+
+impl ServedMetrics {
+    fn method(&self, path: &str, service: &str, method: &str) -> Arc<MethodMetrics> {
+        let read = self.by_path.read().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = read.get(path) {
+            return found.clone();
+        }
+        drop(read);
+        let mut write = self.by_path.write().unwrap_or_else(|e| e.into_inner());
+        write
+            .entry(path.to_owned())
+            .or_insert_with(|| Arc::new(MethodMetrics::new(service, method)))
+            .clone()
+    }
+}
+
+/// gRPC's status codes run from 0 (OK) to 16 (UNAUTHENTICATED).
+const STATUS_CODES: usize = 17;
+
+/// One method's series: its duration, and its calls by status code, each made at its first use.
+#[derive(Debug)]
+struct MethodMetrics {
+    service: String,
+    method: String,
+    duration: metrics::Histogram,
+    calls: [std::sync::OnceLock<metrics::Counter>; STATUS_CODES],
+}
+
+impl MethodMetrics {
+    fn new(service: &str, method: &str) -> Self {
+        Self {
+            service: service.to_owned(),
+            method: method.to_owned(),
+            duration: metrics::histogram!(
+                "orca_push_grpc_server_duration_seconds",
+                "service" => service.to_owned(),
+                "method" => method.to_owned()
+            ),
+            calls: Default::default(),
+        }
+    }
+
+    fn calls(&self, code: i64) -> metrics::Counter {
+        metrics::counter!(
+            "orca_push_grpc_server_calls_total",
+            "service" => self.service.clone(),
+            "method" => self.method.clone(),
+            "code" => code.to_string()
+        )
+    }
+
+    fn count(&self, code: i64) {
+        match usize::try_from(code).ok().and_then(|i| self.calls.get(i)) {
+            Some(cell) => cell.get_or_init(|| self.calls(code)).increment(1),
+            // Not a status gRPC defines: counted, never kept.
+            None => self.calls(code).increment(1),
+        }
+    }
 }
 
 impl<S, B, R> tower::Service<http::Request<B>> for GrpcServerService<S>
@@ -91,7 +167,12 @@ where
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         let caller = request.extensions_mut().remove::<InProcessContext>();
-        let (service, method) = routed_names(request.uri().path(), self.known);
+        let path = request.uri().path();
+        let routed = (self.known)(path);
+        let (service, method) = routed_names(path, |_| routed);
+        let metrics = self
+            .metrics
+            .method(if routed { path } else { "" }, service, method);
         let span = tracing::info_span!(
             "grpc.server",
             otel.name = format!("{service}/{method}"),
@@ -111,8 +192,7 @@ where
             None => set_parent_from_headers(&span, request.headers()),
         }
         let mut record = CallRecord {
-            service: service.to_owned(),
-            method: method.to_owned(),
+            metrics,
             started: std::time::Instant::now(),
             recorded: false,
         };
@@ -142,8 +222,7 @@ const CANCELLED: i64 = 1;
 /// the caller go away first (the call's future dropped, as an in-process call ending with its
 /// caller is), as `CANCELLED`, so that no call served goes uncounted.
 struct CallRecord {
-    service: String,
-    method: String,
+    metrics: Arc<MethodMetrics>,
     started: std::time::Instant,
     recorded: bool,
 }
@@ -155,21 +234,10 @@ impl CallRecord {
         }
         // Inside the call's span: `Instrumented` enters it to drop the future too.
         tracing::Span::current().record("rpc.grpc.status_code", code);
-        let service = std::mem::take(&mut self.service);
-        let method = std::mem::take(&mut self.method);
-        metrics::counter!(
-            "orca_push_grpc_server_calls_total",
-            "service" => service.clone(),
-            "method" => method.clone(),
-            "code" => code.to_string()
-        )
-        .increment(1);
-        metrics::histogram!(
-            "orca_push_grpc_server_duration_seconds",
-            "service" => service,
-            "method" => method
-        )
-        .record(self.started.elapsed().as_secs_f64());
+        self.metrics.count(code);
+        self.metrics
+            .duration
+            .record(self.started.elapsed().as_secs_f64());
     }
 }
 
@@ -424,6 +492,89 @@ mod tests {
         assert!(answered.is_ok());
         assert_eq!(calls("0"), Some(1.0));
         assert_eq!(calls("1"), Some(2.0));
+    }
+
+    /// Counts the series a recorder is asked for; every handle it gives is a no-op.
+    #[derive(Default)]
+    struct Registrations(std::sync::atomic::AtomicUsize);
+
+    impl Registrations {
+        fn made(&self) -> usize {
+            self.0.load(std::sync::atomic::Ordering::Relaxed)
+        }
+
+        fn one(&self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    impl metrics::Recorder for Registrations {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+
+        fn register_counter(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
+            self.one();
+            metrics::Counter::noop()
+        }
+
+        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+            self.one();
+            metrics::Gauge::noop()
+        }
+
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            self.one();
+            metrics::Histogram::noop()
+        }
+    }
+
+    /// A method's series are looked up at its first call and at a status code's first use, not on
+    /// every call; unrouted paths share one entry.
+    #[tokio::test]
+    #[allow(clippy::await_holding_lock)] // one thread; the lock only orders whole tests
+    async fn a_methods_series_are_looked_up_once() {
+        let _callsites = callsites();
+        let recorder = Registrations::default();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let layer = GrpcServerLayer::new(known);
+        for _ in 0..3 {
+            let answered = layer.layer(Arrived::default()).call(authenticate()).await;
+            assert!(answered.is_ok());
+        }
+        assert_eq!(recorder.made(), 2, "the duration and the calls answered OK");
+        for path in ["/made.up.Service/One", "/made.up.Service/Two"] {
+            let request = http::Request::builder().uri(path).body(()).unwrap();
+            let answered = layer.layer(Arrived::default()).call(request).await;
+            assert!(answered.is_ok());
+        }
+        assert_eq!(recorder.made(), 4, "one entry for every unrouted path");
     }
 
     async fn futures_poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {

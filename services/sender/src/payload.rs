@@ -44,44 +44,90 @@ impl Job {
     }
 }
 
-/// The `orca` fields the phone reads, as JSON values (APNs keeps their types).
-fn orca_fields(job: &Job) -> Map<String, Value> {
-    let c = &job.content;
-    let mut orca = Map::new();
-    orca.insert("hostFingerprint".into(), json!(job.host_fingerprint));
-    if let Some(worktree) = &c.worktree_id {
-        orca.insert("worktreeId".into(), json!(worktree));
-    }
-    if let Some(id) = &c.notification_id {
-        orca.insert("notificationId".into(), json!(id));
-    }
-    orca.insert("notificationSeq".into(), json!(c.notification_seq));
-    orca.insert("notificationEpoch".into(), json!(c.notification_epoch));
-    orca.insert("source".into(), json!(c.source));
-    orca.insert("agentState".into(), json!(c.agent_state));
-    orca.insert("coalescedCount".into(), json!(c.coalesced_count));
-    if !c.summary_members.is_empty() {
-        orca.insert("summaryMembers".into(), summary_members(c));
-    }
-    if job.dismiss {
-        orca.insert("kind".into(), json!("dismiss"));
-    }
-    orca
+/// The `orca` fields the phone reads (APNs keeps their types). Serialized typed rather than built
+/// as a JSON map (building and writing the map was 1.8% of the gateway's samples at 1,000 APNs
+/// flows); the fields are declared in key order, so the bytes are those a map writes.
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OrcaFields<'a> {
+    agent_state: Option<&'a str>,
+    coalesced_count: u32,
+    host_fingerprint: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    notification_epoch: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    notification_id: Option<&'a str>,
+    notification_seq: u64,
+    source: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    summary_members: Option<Vec<Member<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    worktree_id: Option<&'a str>,
 }
 
-fn summary_members(c: &pb::DeliveryContent) -> Value {
-    Value::Array(
-        c.summary_members
-            .iter()
-            .map(|m| {
-                json!({
-                    "notificationId": m.notification_id,
-                    "notificationEpoch": m.notification_epoch,
-                    "notificationSeq": m.notification_seq,
-                })
-            })
-            .collect(),
-    )
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Member<'a> {
+    notification_epoch: &'a str,
+    notification_id: &'a str,
+    notification_seq: u64,
+}
+
+impl<'a> OrcaFields<'a> {
+    fn of(job: &'a Job) -> Self {
+        let c = &job.content;
+        Self {
+            agent_state: c.agent_state.as_deref(),
+            coalesced_count: c.coalesced_count,
+            host_fingerprint: &job.host_fingerprint,
+            kind: job.dismiss.then_some("dismiss"),
+            notification_epoch: &c.notification_epoch,
+            notification_id: c.notification_id.as_deref(),
+            notification_seq: c.notification_seq,
+            source: &c.source,
+            summary_members: (!c.summary_members.is_empty()).then(|| {
+                c.summary_members
+                    .iter()
+                    .map(|m| Member {
+                        notification_epoch: &m.notification_epoch,
+                        notification_id: &m.notification_id,
+                        notification_seq: m.notification_seq,
+                    })
+                    .collect()
+            }),
+            worktree_id: c.worktree_id.as_deref(),
+        }
+    }
+}
+
+/// The APNs body, its keys in order as for `OrcaFields`.
+#[derive(serde::Serialize)]
+struct ApnsBody<'a> {
+    aps: Aps<'a>,
+    orca: OrcaFields<'a>,
+}
+
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum Aps<'a> {
+    Alert {
+        alert: Alert<'a>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        sound: Option<&'static str>,
+        #[serde(rename = "thread-id")]
+        thread_id: &'a str,
+    },
+    Background {
+        #[serde(rename = "content-available")]
+        content_available: u8,
+    },
+}
+
+#[derive(serde::Serialize)]
+struct Alert<'a> {
+    body: &'a str,
+    title: &'a str,
 }
 
 /// An APNs request: path, headers (without authorization) and body.
@@ -100,24 +146,27 @@ pub fn apns_request(job: &Job, token: &str, topic: &str) -> ApnsRequest {
         headers.push(("apns-push-type", "background".to_owned()));
         headers.push(("apns-priority", "5".to_owned()));
         headers.push(("apns-expiration", expiration));
-        json!({ "content-available": 1 })
+        Aps::Background {
+            content_available: 1,
+        }
     } else {
         headers.push(("apns-push-type", "alert".to_owned()));
         headers.push(("apns-priority", "10".to_owned()));
         headers.push(("apns-expiration", expiration));
         headers.push(("apns-collapse-id", job.collapse_id.clone()));
-        let mut aps = Map::new();
-        aps.insert(
-            "alert".into(),
-            json!({ "title": job.content.title, "body": job.content.body }),
-        );
-        if !job.silent {
-            aps.insert("sound".into(), json!("default"));
+        Aps::Alert {
+            alert: Alert {
+                body: &job.content.body,
+                title: &job.content.title,
+            },
+            sound: (!job.silent).then_some("default"),
+            thread_id: &job.host_fingerprint,
         }
-        aps.insert("thread-id".into(), json!(job.host_fingerprint));
-        Value::Object(aps)
     };
-    let body = json!({ "aps": aps, "orca": Value::Object(orca_fields(job)) });
+    let body = ApnsBody {
+        aps,
+        orca: OrcaFields::of(job),
+    };
     ApnsRequest {
         path: format!("/3/device/{token}"),
         headers,
@@ -136,7 +185,11 @@ pub fn fcm_collapse_key(collapse_id: &str) -> String {
 pub fn fcm_message(job: &Job, token: &str, now_ms: i64) -> Value {
     let remaining_s = ((job.deadline_ms - now_ms).max(0) / 1000).clamp(0, 300);
     // FCM data values are strings: numbers as text, summaryMembers as a JSON string, null omitted.
-    let data: Map<String, Value> = orca_fields(job)
+    let orca = match serde_json::to_value(OrcaFields::of(job)) {
+        Ok(Value::Object(orca)) => orca,
+        _ => Map::new(),
+    };
+    let data: Map<String, Value> = orca
         .into_iter()
         .filter_map(|(k, v)| match v {
             Value::Null => None,
@@ -233,9 +286,9 @@ mod tests {
             header(&r, "apns-collapse-id"),
             Some("c".repeat(64).as_str())
         );
-        let body: Value = serde_json::from_slice(&r.body).unwrap();
+        // Byte for byte what a JSON map writes (keys in order): the body as it always was.
         assert_eq!(
-            body,
+            String::from_utf8(r.body).unwrap(),
             json!({
                 "aps": { "alert": { "title": "Agent finished", "body": "Refactor done" }, "sound": "default", "thread-id": "D20lU_8MD0R64gLt" },
                 "orca": {
@@ -244,6 +297,46 @@ mod tests {
                     "agentState": "finished", "coalescedCount": 1
                 }
             })
+            .to_string()
+        );
+    }
+
+    /// Optional fields left out or null as the contract has them, byte for byte as a map writes
+    /// them: a silent summary without a notification id, worktree or agent state, and a dismissal.
+    #[test]
+    fn apns_bodies_are_byte_for_byte_what_a_json_map_writes() {
+        let mut summary = job(false, true, 2);
+        summary.content.notification_id = None;
+        summary.content.worktree_id = None;
+        summary.content.agent_state = None;
+        let r = apns_request(&summary, "abcd", "t");
+        assert_eq!(
+            String::from_utf8(r.body).unwrap(),
+            json!({
+                "aps": { "alert": { "title": "Agent finished", "body": "Refactor done" }, "thread-id": "D20lU_8MD0R64gLt" },
+                "orca": {
+                    "hostFingerprint": "D20lU_8MD0R64gLt", "notificationSeq": 12, "notificationEpoch": "e",
+                    "source": "agent-task-complete", "agentState": null, "coalescedCount": 2,
+                    "summaryMembers": [
+                        { "notificationId": "n-0", "notificationEpoch": "e", "notificationSeq": 0 },
+                        { "notificationId": "n-1", "notificationEpoch": "e", "notificationSeq": 1 }
+                    ]
+                }
+            })
+            .to_string()
+        );
+        let d = apns_request(&job(true, false, 1), "abcd", "t");
+        assert_eq!(
+            String::from_utf8(d.body).unwrap(),
+            json!({
+                "aps": { "content-available": 1 },
+                "orca": {
+                    "hostFingerprint": "D20lU_8MD0R64gLt", "worktreeId": "wt", "notificationId": "n-1",
+                    "notificationSeq": 12, "notificationEpoch": "e", "source": "agent-task-complete",
+                    "agentState": "finished", "coalescedCount": 1, "kind": "dismiss"
+                }
+            })
+            .to_string()
         );
     }
 
