@@ -175,7 +175,11 @@ where
             .method(if routed { path } else { "" }, service, method);
         let span = tracing::info_span!(
             "grpc.server",
-            otel.name = format!("{service}/{method}"),
+            otel.name = if routed {
+                path.trim_start_matches('/')
+            } else {
+                "unknown/unknown"
+            },
             otel.kind = "server",
             rpc.system = "grpc",
             rpc.service = service,
@@ -301,7 +305,8 @@ where
         let (service, method) = rpc_names(request.uri().path());
         let span = tracing::info_span!(
             "grpc.client",
-            otel.name = format!("{service}/{method}"),
+            // `{service}/{method}`, as the path has it.
+            otel.name = request.uri().path().trim_start_matches('/'),
             otel.kind = "client",
             rpc.system = "grpc",
             rpc.service = service,
