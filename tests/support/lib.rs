@@ -623,11 +623,29 @@ impl Raw {
 /// port 0 meanwhile (another test's, or the gateway's own metrics) could be handed it.
 pub fn free_port() -> u16 {
     use std::hash::{BuildHasher as _, RandomState};
-    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+    let ephemeral: Vec<u16> = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
-        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    let (low, high) = (10_000u16, ephemeral_start.max(10_001));
+        .map(|range| {
+            range
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let (start, end) = match ephemeral[..] {
+        [start, end] => (start, end),
+        _ => (32768, 60999),
+    };
+    // Below the range where it leaves room (Linux's default starts at 32768), else above it.
+    let (low, high) = if start > 11_000 {
+        (10_000u16, start)
+    } else {
+        (end.saturating_add(1).max(1024), u16::MAX)
+    };
+    assert!(
+        high > low,
+        "no port outside the ephemeral range {start}-{end}"
+    );
     let seed = RandomState::new().hash_one(std::process::id());
     for attempt in 0..1_000u64 {
         let port = low + ((seed.wrapping_add(attempt * 7919)) % u64::from(high - low)) as u16;
