@@ -185,6 +185,8 @@ pub fn fcm_collapse_key(collapse_id: &str) -> String {
 pub fn fcm_message(job: &Job, token: &str, now_ms: i64) -> Value {
     let remaining_s = ((job.deadline_ms - now_ms).max(0) / 1000).clamp(0, 300);
     // FCM data values are strings: numbers as text, summaryMembers as a JSON string, null omitted.
+    // Strings, numbers and a list of them: `to_value` cannot fail on these fields, and a struct
+    // always becomes an object.
     let orca = match serde_json::to_value(OrcaFields::of(job)) {
         Ok(Value::Object(orca)) => orca,
         _ => Map::new(),
