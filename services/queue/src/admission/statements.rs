@@ -1,6 +1,8 @@
 //! The batched admission's statements: what `plan` needs read, and its writes, one multi-row
 //! statement per table. The SQL is written once for both backends, as the store's is.
 
+use crate::store::sql::Stmt;
+
 /// Rows per multi-row statement: far below SQLite's 32,766 bound parameters at 18 per row.
 pub const ROWS_PER_STATEMENT: usize = 1000;
 
@@ -60,10 +62,11 @@ pub const UPDATE_WINDOWS_TAIL: &str = " push_delivery_batches SET member_count =
      AND push_delivery_batches.state = 'open' AND push_delivery_batches.member_count = v.was";
 
 /// A group's write statements, as queries: joined into one query of several statements where the
-/// backend runs such a query in one round trip (SQLite: a round trip to its connection's thread,
-/// which the group writer waits for; timed inside a round at 64 connections, some 0.3-0.6 ms
-/// each, the three inserts alone about 1 ms), else a query each (PostgreSQL runs one statement
-/// per prepared query). A joined query's text differs with each mix of row counts; the writer
+/// transaction runs such a query in one round trip (`Exec::joins`: sqlx's SQLite connection, a
+/// round trip to its thread, which the group writer waits for; timed inside a round at 64
+/// connections, some 0.3-0.6 ms each, the three inserts alone about 1 ms), else a query each
+/// (PostgreSQL runs one statement per prepared query; the SQLite writer's own connection runs
+/// them on its thread, with nothing to save). A joined query's text differs with each mix of row counts; the writer
 /// keeps it prepared while it has at most `KEEP_ROWS_AT_MOST` rows in all, and compiles a larger
 /// one again each round: joining only up to that many rows, so that each text stayed kept, was
 /// slower at 256 connections (docs/benchmarks.md, round 8), a round trip costing more than the
@@ -73,24 +76,27 @@ pub const UPDATE_WINDOWS_TAIL: &str = " push_delivery_batches SET member_count =
 /// statements, and sqlx would count a statement of another kind as the one before it again.
 /// sqlx 0.8 deprecates queries of several statements (its issue 3108); an upgrade that drops them
 /// fails `a_joined_query_writes_each_statement_with_its_own_rows`.
-pub struct Writes<'args, DB: sqlx::Database> {
+pub struct Writes<'args> {
     joined: bool,
+    /// Parameters `$N` (PostgreSQL) or `?` (SQLite): see `Stmt`.
+    numbered: bool,
     /// Each query, with its rows in all.
-    queries: Vec<(sqlx::QueryBuilder<'args, DB>, usize)>,
+    queries: Vec<(Stmt<'args>, usize)>,
 }
 
-impl<'args, DB: sqlx::Database> Writes<'args, DB> {
-    pub fn new(joined: bool) -> Self {
+impl<'args> Writes<'args> {
+    pub fn new(joined: bool, numbered: bool) -> Self {
         Self {
             joined,
+            numbered,
             queries: Vec::new(),
         }
     }
 
     /// A statement of `rows` rows that begins with `head`, for the caller to finish.
-    pub fn statement(&mut self, head: &str, rows: usize) -> &mut sqlx::QueryBuilder<'args, DB> {
+    pub fn statement(&mut self, head: &str, rows: usize) -> &mut Stmt<'args> {
         if !self.joined || self.queries.is_empty() {
-            self.queries.push((sqlx::QueryBuilder::new(""), 0));
+            self.queries.push((Stmt::build("", self.numbered), 0));
         }
         let at = self.queries.len() - 1;
         let (query, total) = &mut self.queries[at];
@@ -103,8 +109,8 @@ impl<'args, DB: sqlx::Database> Writes<'args, DB> {
     }
 
     /// The queries to run in order, each with its rows in all.
-    pub fn queries(&mut self) -> impl Iterator<Item = (&mut sqlx::QueryBuilder<'args, DB>, usize)> {
-        self.queries.iter_mut().map(|(query, rows)| (query, *rows))
+    pub fn queries(self) -> impl Iterator<Item = (Stmt<'args>, usize)> {
+        self.queries.into_iter()
     }
 }
 
@@ -150,9 +156,9 @@ macro_rules! batched_admission {
                 let handed = handoff.map_or_else(Vec::new, |h| {
                     $crate::handoff::lease_due_now(&mut plan, h, round, now)
                 });
-                // One query of several statements on SQLite (one round trip to its connection's
-                // thread), a query per statement on PostgreSQL (`Writes`).
-                let mut writes = batch::Writes::new(Self::JOINS_STATEMENTS);
+                // One query of several statements where that saves round trips (sqlx's SQLite
+                // connection), else a query per statement (`Writes`).
+                let mut writes = batch::Writes::new(tx.joins(), Self::NUMBERED);
                 if !plan.updates.is_empty() {
                     let q = writes.statement(batch::UPDATE_WINDOWS_HEAD, plan.updates.len());
                     q.push_values(&plan.updates, |mut row, u| {
@@ -225,17 +231,13 @@ macro_rules! batched_admission {
                     });
                 }
                 let mut changed = 0;
+                let joined = tx.joins();
                 for (i, (q, rows)) in writes.queries().enumerate() {
-                    changed += q
-                        .build()
-                        .persistent(Self::keep_statement(rows))
-                        .execute(&mut **tx)
-                        .await?
-                        .rows_affected();
+                    changed += q.persistent(Self::keep_statement(rows)).execute(tx).await?;
                     // A query per statement: a window update that lost a race is known before
                     // the inserts run.
                     let raced = i == 0
-                        && !Self::JOINS_STATEMENTS
+                        && !joined
                         && !plan.updates.is_empty()
                         && changed != plan.updates.len() as u64;
                     if raced {
@@ -256,7 +258,7 @@ macro_rules! batched_admission {
                 now: i64,
             ) -> Result<Vec<$crate::admission::Seen>, sqlx::Error> {
                 use $crate::admission as batch;
-                let mut q = sqlx::QueryBuilder::new(batch::READ_SEEN_HEAD);
+                let mut q = Stmt::build(batch::READ_SEEN_HEAD, Self::NUMBERED);
                 q.push_values(group.iter().enumerate(), |mut row, (i, a)| {
                     row.push_bind(i as i64)
                         .push_bind(a.host_fingerprint.as_str())
@@ -269,13 +271,12 @@ macro_rules! batched_admission {
                 q.push_bind(now - QUOTA_WINDOW_MS);
                 q.push(batch::READ_SEEN_TAIL);
                 let rows = q
-                    .build()
                     .persistent(Self::keep_statement(group.len()))
-                    .fetch_all(&mut **tx)
+                    .fetch_all(tx)
                     .await?;
                 let mut seen = vec![batch::Seen::default(); group.len()];
                 for row in rows {
-                    let i: i64 = row.try_get("i")?;
+                    let i: i64 = row.col("i")?;
                     let slot = usize::try_from(i)
                         .ok()
                         .and_then(|i| seen.get_mut(i))
@@ -283,9 +284,9 @@ macro_rules! batched_admission {
                             sqlx::Error::Protocol(format!("admission index {i} out of range"))
                         })?;
                     *slot = batch::Seen {
-                        stored: row.try_get::<Option<String>, _>("event_id")?.is_some(),
-                        used: row.try_get("used")?,
-                        fence: row.try_get("fence")?,
+                        stored: row.col::<Option<String>>("event_id")?.is_some(),
+                        used: row.col("used")?,
+                        fence: row.col("fence")?,
                     };
                 }
                 Ok(seen)
@@ -308,7 +309,7 @@ macro_rules! batched_admission {
                     return Ok(Vec::new());
                 }
                 let keep = Self::keep_statement(registrations.len());
-                let mut q = sqlx::QueryBuilder::new(batch::READ_WINDOWS_HEAD);
+                let mut q = Stmt::build(batch::READ_WINDOWS_HEAD, Self::NUMBERED);
                 q.push_bind(now)
                     .push(batch::READ_WINDOWS_FULL)
                     .push_bind($crate::model::MAX_BATCH_MEMBERS)
@@ -318,18 +319,18 @@ macro_rules! batched_admission {
                     list.push_bind(id);
                 }
                 q.push(")");
-                let rows = q.build().persistent(keep).fetch_all(&mut **tx).await?;
+                let rows = q.persistent(keep).fetch_all(tx).await?;
                 rows.into_iter()
                     .map(|row| {
                         Ok(batch::OpenWindow {
-                            batch_id: row.try_get("batch_id")?,
-                            registration_id: row.try_get("registration_id")?,
-                            host_fingerprint: row.try_get("host_fingerprint")?,
-                            member_count: i64::from(row.try_get::<i32, _>("member_count")?),
-                            members_bytes: i64::from(row.try_get::<i32, _>("members_bytes")?),
-                            routing_bytes: i64::from(row.try_get::<i32, _>("routing_bytes")?),
-                            window_ends_at: row.try_get("window_ends_at")?,
-                            created_at: row.try_get("created_at")?,
+                            batch_id: row.col("batch_id")?,
+                            registration_id: row.col("registration_id")?,
+                            host_fingerprint: row.col("host_fingerprint")?,
+                            member_count: i64::from(row.col::<i32>("member_count")?),
+                            members_bytes: i64::from(row.col::<i32>("members_bytes")?),
+                            routing_bytes: i64::from(row.col::<i32>("routing_bytes")?),
+                            window_ends_at: row.col("window_ends_at")?,
+                            created_at: row.col("created_at")?,
                         })
                     })
                     .collect()
@@ -343,8 +344,8 @@ pub(crate) use batched_admission;
 mod tests {
     use super::Writes;
 
-    /// SQLite binds a joined query's parameters statement after statement, so each statement gets
-    /// its own rows (sqlx runs such a query on its connection's thread in one go).
+    /// SQLite binds a joined query's parameters by number across its statements, so each
+    /// statement gets its own rows (sqlx runs such a query on its connection's thread in one go).
     #[tokio::test]
     async fn a_joined_query_writes_each_statement_with_its_own_rows() {
         let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
@@ -353,9 +354,9 @@ mod tests {
             .await
             .unwrap();
         for joined in [true, false] {
-            let mut writes = Writes::<sqlx::Sqlite>::new(joined);
+            let mut writes = Writes::new(joined, false);
             writes.statement("INSERT INTO a (x, y) ", 2).push_values(
-                [(1, "one"), (2, "two")],
+                [(1_i64, "one"), (2, "two")],
                 |mut row, (x, y)| {
                     row.push_bind(x).push_bind(y);
                 },
@@ -367,10 +368,12 @@ mod tests {
                 });
             let mut queries = 0;
             let mut changed = 0;
+            let mut tx = pool.begin().await.unwrap();
             for (q, _) in writes.queries() {
                 queries += 1;
-                changed += q.build().execute(&pool).await.unwrap().rows_affected();
+                changed += q.execute(&mut tx).await.unwrap();
             }
+            tx.commit().await.unwrap();
             assert_eq!((queries, changed), (if joined { 1 } else { 2 }, 3));
         }
         let a: Vec<(i64, String)> = sqlx::query_as("SELECT x, y FROM a ORDER BY rowid")

@@ -130,34 +130,36 @@ macro_rules! row_by_row_admission {
                     // locks every named phone's active batches first, all in one id order, as a
                     // report flush takes them, and before the event row: otherwise the two each
                     // hold what the other waits for.
-                    let mut lock =
-                        sqlx::QueryBuilder::new($crate::store::admit::LOCK_ACTIVE_BATCHES_HEAD);
+                    let mut lock = Stmt::build(
+                        $crate::store::admit::LOCK_ACTIVE_BATCHES_HEAD,
+                        Self::NUMBERED,
+                    );
                     let mut list = lock.separated(", ");
                     for r in &a.recipients {
                         list.push_bind(r.registration_id.as_str());
                     }
                     lock.push(") ORDER BY batch_id");
                     lock.push(Self::FOR_UPDATE);
-                    lock.build().fetch_all(&mut **tx).await?;
+                    lock.fetch_all(tx).await?;
                 }
                 let hash = a.content.hash();
                 // One read for what admission needs to know first: the event if it is a retry, the
                 // host's quota use, and the dismissal fence of the notification.
-                let seen = sqlx::query($crate::store::admit::SEEN_SQL)
+                let seen = Stmt::new($crate::store::admit::SEEN_SQL)
                     .bind(&a.host_fingerprint)
                     .bind(a.kind.as_str())
                     .bind(&a.notification_epoch)
                     .bind(a.notification_seq)
                     .bind(now - QUOTA_WINDOW_MS)
                     .bind(a.content.notification_id.as_deref())
-                    .fetch_one(&mut **tx)
+                    .fetch_one(tx)
                     .await?;
-                let existing: Option<String> = seen.try_get("event_id")?;
+                let existing: Option<String> = seen.col("event_id")?;
                 let is_new = existing.is_none();
                 let (event_id, deadline) = match existing {
                     Some(event_id) => {
-                        let stored_hash: String = seen.try_get("content_hash")?;
-                        let deadline: i64 = seen.try_get("expires_at")?;
+                        let stored_hash: String = seen.col("content_hash")?;
+                        let deadline: i64 = seen.col("expires_at")?;
                         if stored_hash != hash || now >= deadline {
                             return Ok(every(AdmissionStatus::Error));
                         }
@@ -165,10 +167,10 @@ macro_rules! row_by_row_admission {
                         // request for more of the host's devices repeats the same content), and
                         // holds the event's row lock until commit, so that a concurrent clean-up
                         // cannot clear it under the recipient this admission adds.
-                        sqlx::query($crate::store::admit::RESTORE_PAYLOAD_SQL)
+                        Stmt::new($crate::store::admit::RESTORE_PAYLOAD_SQL)
                             .bind(&event_id)
                             .bind(a.content.to_json())
-                            .execute(&mut **tx)
+                            .execute(tx)
                             .await?;
                         (event_id, deadline)
                     }
@@ -176,14 +178,14 @@ macro_rules! row_by_row_admission {
                         if a.expires_at_ms.is_some_and(|at| at <= now) {
                             return Ok(every(AdmissionStatus::Error));
                         }
-                        let used: i64 = seen.try_get("used")?;
+                        let used: i64 = seen.col("used")?;
                         if used >= QUOTA_PER_KIND {
                             return Ok(every(AdmissionStatus::RateLimited));
                         }
                         let cap = now + MAX_LIFETIME_MS;
                         let deadline = a.expires_at_ms.map_or(cap, |at| at.min(cap));
                         let event_id = ordered_id();
-                        sqlx::query($crate::store::admit::INSERT_EVENT_SQL)
+                        Stmt::new($crate::store::admit::INSERT_EVENT_SQL)
                             .bind(&event_id)
                             .bind(&a.host_fingerprint)
                             .bind(a.kind.as_str())
@@ -195,7 +197,7 @@ macro_rules! row_by_row_admission {
                             .bind(a.trace_parent.as_deref())
                             .bind(now)
                             .bind(deadline)
-                            .execute(&mut **tx)
+                            .execute(tx)
                             .await?;
                         (event_id, deadline)
                     }
@@ -203,7 +205,7 @@ macro_rules! row_by_row_admission {
 
                 let fenced = match (a.kind, a.content.notification_id.as_deref()) {
                     (Kind::Alert, Some(_)) => seen
-                        .try_get::<Option<i64>, _>("fence")?
+                        .col::<Option<i64>>("fence")?
                         .is_some_and(|seq| a.notification_seq < seq),
                     _ => false,
                 };
@@ -216,14 +218,12 @@ macro_rules! row_by_row_admission {
                     // retry may name some it already has.
                     let known = !named.insert(recipient.registration_id.as_str())
                         || (!is_new
-                            && sqlx::query_scalar::<_, String>(
-                                $crate::store::admit::RECIPIENT_SQL,
-                            )
-                            .bind(&event_id)
-                            .bind(&recipient.registration_id)
-                            .fetch_optional(&mut **tx)
-                            .await?
-                            .is_some());
+                            && Stmt::new($crate::store::admit::RECIPIENT_SQL)
+                                .bind(&event_id)
+                                .bind(&recipient.registration_id)
+                                .fetch_optional(tx)
+                                .await?
+                                .is_some());
                     if !known {
                         let (batch_id, status) = if fenced {
                             (None, "cancelled")
@@ -264,26 +264,26 @@ macro_rules! row_by_row_admission {
                             next_due_at = Some(next_due_at.map_or(due, |d| d.min(due)));
                             (Some(batch_id), "pending")
                         };
-                        sqlx::query($crate::store::admit::INSERT_RECIPIENT_SQL)
+                        Stmt::new($crate::store::admit::INSERT_RECIPIENT_SQL)
                             .bind(&event_id)
                             .bind(&recipient.registration_id)
                             .bind(batch_id)
                             .bind(status)
                             .bind(flag(recipient.silent))
                             .bind(now)
-                            .execute(&mut **tx)
+                            .execute(tx)
                             .await?;
                     }
                     statuses.push((recipient.registration_id.clone(), AdmissionStatus::Queued));
                 }
                 if let (Kind::Dismiss, Some(id)) = (a.kind, a.content.notification_id.as_deref()) {
-                    sqlx::query($crate::store::admit::RAISE_FENCE_SQL)
+                    Stmt::new($crate::store::admit::RAISE_FENCE_SQL)
                         .bind(&a.host_fingerprint)
                         .bind(&a.notification_epoch)
                         .bind(id)
                         .bind(a.notification_seq)
                         .bind(now)
-                        .execute(&mut **tx)
+                        .execute(tx)
                         .await?;
                 }
                 Ok(Enqueued {
@@ -305,7 +305,7 @@ macro_rules! row_by_row_admission {
                 now: i64,
             ) -> Result<String, sqlx::Error> {
                 let batch_id = ordered_id();
-                sqlx::query($crate::store::admit::OPEN_BATCH_SQL)
+                Stmt::new($crate::store::admit::OPEN_BATCH_SQL)
                     .bind(&batch_id)
                     .bind(&recipient.registration_id)
                     .bind(&a.host_fingerprint)
@@ -319,7 +319,7 @@ macro_rules! row_by_row_admission {
                     .bind(flag(recipient.silent))
                     .bind(now)
                     .bind(recipient.provider.as_str())
-                    .execute(&mut **tx)
+                    .execute(tx)
                     .await?;
                 Ok(batch_id)
             }
@@ -339,19 +339,19 @@ macro_rules! row_by_row_admission {
                 let id = a.content.notification_id.as_deref().unwrap_or_default();
                 let bytes = member_bytes(id, &a.notification_epoch);
                 let routing = a.content.routing_bytes();
-                let open = sqlx::query($crate::store::admit::OPEN_WINDOW_SQL)
+                let open = Stmt::new($crate::store::admit::OPEN_WINDOW_SQL)
                     .bind(registration_id)
                     .bind(&a.host_fingerprint)
                     .bind(now)
                     .bind(MAX_BATCH_MEMBERS)
-                    .fetch_optional(&mut **tx)
+                    .fetch_optional(tx)
                     .await?;
                 if let Some(row) = open {
-                    let batch_id: String = row.try_get("batch_id")?;
-                    let count = i64::from(row.try_get::<i32, _>("member_count")?) + 1;
-                    let members = i64::from(row.try_get::<i32, _>("members_bytes")?) + bytes;
-                    let routing = i64::from(row.try_get::<i32, _>("routing_bytes")?).max(routing);
-                    let window_ends_at: i64 = row.try_get("window_ends_at")?;
+                    let batch_id: String = row.col("batch_id")?;
+                    let count = i64::from(row.col::<i32>("member_count")?) + 1;
+                    let members = i64::from(row.col::<i32>("members_bytes")?) + bytes;
+                    let routing = i64::from(row.col::<i32>("routing_bytes")?).max(routing);
+                    let window_ends_at: i64 = row.col("window_ends_at")?;
                     if summary_fits(members, routing) {
                         // A batch that is full is due at once; the burst goes on in a new batch.
                         let due = if count >= MAX_BATCH_MEMBERS {
@@ -362,7 +362,7 @@ macro_rules! row_by_row_admission {
                         // Guarded by its state: on PostgreSQL a lane may have claimed the window
                         // since it was read (claims take no host lock); then the member opens a
                         // new window instead of joining work already handed out.
-                        let joined = sqlx::query($crate::store::admit::JOIN_WINDOW_SQL)
+                        let joined = Stmt::new($crate::store::admit::JOIN_WINDOW_SQL)
                             .bind(&batch_id)
                             .bind(count)
                             .bind(members)
@@ -371,17 +371,17 @@ macro_rules! row_by_row_admission {
                             .bind(flag(silent))
                             .bind(deadline)
                             .bind(count - 1)
-                            .execute(&mut **tx)
+                            .execute(tx)
                             .await?;
-                        if joined.rows_affected() == 1 {
+                        if joined == 1 {
                             return Ok((batch_id, due));
                         }
                     } else {
                         // Out of payload room: this window closes now and the member opens the next.
-                        sqlx::query($crate::store::admit::CLOSE_WINDOW_SQL)
+                        Stmt::new($crate::store::admit::CLOSE_WINDOW_SQL)
                             .bind(&batch_id)
                             .bind(now)
-                            .execute(&mut **tx)
+                            .execute(tx)
                             .await?;
                     }
                 }
@@ -398,26 +398,26 @@ macro_rules! row_by_row_admission {
                 registration_id: &str,
                 now: i64,
             ) -> Result<(), sqlx::Error> {
-                let cancelled = sqlx::query($crate::store::admit::CANCEL_COVERED_SQL)
+                let cancelled = Stmt::new($crate::store::admit::CANCEL_COVERED_SQL)
                     .bind(registration_id)
                     .bind(&a.host_fingerprint)
                     .bind(&a.notification_epoch)
                     .bind(a.content.notification_id.as_deref())
                     .bind(a.notification_seq)
                     .bind(now)
-                    .execute(&mut **tx)
+                    .execute(tx)
                     .await?;
-                if cancelled.rows_affected() == 0 {
+                if cancelled == 0 {
                     return Ok(());
                 }
-                sqlx::query($crate::store::admit::RECOUNT_MEMBERS_SQL)
+                Stmt::new($crate::store::admit::RECOUNT_MEMBERS_SQL)
                     .bind(registration_id)
-                    .execute(&mut **tx)
+                    .execute(tx)
                     .await?;
-                sqlx::query($crate::store::admit::CANCEL_EMPTY_SQL)
+                Stmt::new($crate::store::admit::CANCEL_EMPTY_SQL)
                     .bind(registration_id)
                     .bind(now)
-                    .execute(&mut **tx)
+                    .execute(tx)
                     .await?;
                 Ok(())
             }

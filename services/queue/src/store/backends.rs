@@ -26,11 +26,13 @@ pub struct SqliteQueueStore {
     /// Syncs the WAL for a writer that commits at NORMAL under full durability: a round is
     /// answered after the sync that covers it, while the next one is written.
     pub(super) wal_sync: Option<std::sync::Arc<orca_push_storage::WalSync>>,
+    /// The writer's own connection for its rounds (`super::direct`).
+    pub(super) direct: std::sync::Arc<super::direct::Direct>,
 }
 
 impl Backend for SqliteQueueStore {
     type Db = sqlx::Sqlite;
-    type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
+    type Tx = super::direct::SqliteTx;
 }
 
 impl SqliteQueueStore {
@@ -40,6 +42,8 @@ impl SqliteQueueStore {
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2";
     /// One writer at a time: nothing to lock.
     pub(super) const FOR_UPDATE: &'static str = "";
+    /// Built statements' parameters are `?` (`sql::Stmt`).
+    pub(super) const NUMBERED: bool = false;
     /// How a round's multi-row inserts and updates meet a constraint they break: the statement
     /// stops with an error and keeps the rows it changed, where SQLite's default (`ABORT`) undoes
     /// them. Nothing here goes on in a transaction after a statement fails (the round is rolled
@@ -52,12 +56,14 @@ impl SqliteQueueStore {
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
         let wal_sync = orca_push_storage::wal_sync::for_writer(&pool).map(std::sync::Arc::new);
+        let direct = std::sync::Arc::default();
         Self {
             pool,
             readers,
             row_by_row: false,
             batched_groups: Default::default(),
             wal_sync,
+            direct,
         }
     }
 
@@ -90,20 +96,25 @@ impl SqliteQueueStore {
     /// New work due at once goes to waiting claims (`crate::handoff`): a claim transaction per
     /// such batch was a fifth of the one writer connection's time at 100 end-to-end flows.
     pub(super) const HANDS_OFF: bool = true;
-    /// Its statements are round trips to a thread: the writer waits for each (`group_commit`).
+    /// Its rounds run their statements on their own connection, on the writer's thread
+    /// (`super::direct`), which may wait for the disk: not on a runtime serving requests.
     pub(super) const WRITER_THREAD: bool = true;
-    /// A group's writes go as one query of several statements (`crate::admission::Writes`).
-    pub(super) const JOINS_STATEMENTS: bool = true;
 
+    /// A writer's round: on the writer's own connection where there is one.
     pub(super) async fn begin_group_write(
         &self,
         _group: &[&Admission],
     ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        self.pool.begin_with("BEGIN IMMEDIATE").await
+        if let Some(tx) = self.direct.begin(&self.pool).await? {
+            return Ok(super::direct::SqliteTx::Direct(tx));
+        }
+        self.begin_claim().await
     }
 
     pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        self.pool.begin_with("BEGIN IMMEDIATE").await
+        Ok(super::direct::SqliteTx::Pool(
+            self.pool.begin_with("BEGIN IMMEDIATE").await?,
+        ))
     }
 
     /// One process owns a SQLite queue: the in-process waker is enough.
@@ -120,12 +131,6 @@ impl SqliteQueueStore {
         Ok(())
     }
 }
-
-// A joined report (`finish_batches_joined`) takes no row locks: only a backend that needs none
-// may join statements.
-const _: () =
-    assert!(!SqliteQueueStore::JOINS_STATEMENTS || SqliteQueueStore::FOR_UPDATE.is_empty());
-const _: () = assert!(!PgQueueStore::JOINS_STATEMENTS || PgQueueStore::FOR_UPDATE.is_empty());
 
 /// PostgreSQL (READ COMMITTED), shared by every replica: admissions of one host serialise on a
 /// transaction advisory lock, claims skip rows another replica has locked, and a commit that makes
@@ -151,6 +156,8 @@ impl PgQueueStore {
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
     /// Row locks taken by a reading statement.
     pub(super) const FOR_UPDATE: &'static str = " FOR UPDATE";
+    /// Built statements' parameters are `$N` (`sql::Stmt`).
+    pub(super) const NUMBERED: bool = true;
     /// PostgreSQL has no conflict clause: a failed statement fails its transaction.
     pub(super) const OR_FAIL: &'static str = "";
 
@@ -195,8 +202,6 @@ impl PgQueueStore {
     pub(super) const HANDS_OFF: bool = false;
     /// Its connections belong to the main runtime's I/O driver: the writers run there.
     pub(super) const WRITER_THREAD: bool = false;
-    /// One statement per prepared query (`crate::admission::Writes`).
-    pub(super) const JOINS_STATEMENTS: bool = false;
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
     /// hosts never each hold what the other waits for. In the same round trip, the rest of the
     /// transaction uses generic plans: a kept statement is then planned once per connection, where
@@ -232,11 +237,13 @@ impl PgQueueStore {
         tx: &mut <Self as Backend>::Tx,
         providers: &str,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(NOTIFY_SQL)
-            .bind(WAKE_CHANNEL)
-            .bind(providers)
-            .execute(&mut **tx)
-            .await?;
+        use super::sql::Exec as _;
+        tx.run(
+            super::sql::Stmt::new(NOTIFY_SQL)
+                .bind(WAKE_CHANNEL)
+                .bind(providers),
+        )
+        .await?;
         Ok(())
     }
 

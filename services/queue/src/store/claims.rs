@@ -56,18 +56,18 @@ macro_rules! claim_statements {
             ) -> Result<(Vec<ClaimedBatch>, usize), QueueError> {
                 let (skip_a, skip_b) = skip.binds();
                 // The due batches with what a lane needs of them, in one statement.
-                let rows = sqlx::query(Self::CLAIM_SQL)
+                let rows = Stmt::new(Self::CLAIM_SQL)
                     .bind(now)
                     .bind(max)
                     .bind(skip_a)
                     .bind(skip_b)
-                    .fetch_all(&mut **tx)
+                    .fetch_all(tx)
                     .await?;
                 let read = rows.len();
                 let mut due = Vec::with_capacity(rows.len());
                 for row in rows {
-                    let batch_id: String = row.try_get("batch_id")?;
-                    if now >= row.try_get::<i64, _>("deadline")? {
+                    let batch_id: String = row.col("batch_id")?;
+                    if now >= row.col::<i64>("deadline")? {
                         Self::expire_batch(tx, &batch_id, now).await?;
                         continue;
                     }
@@ -77,36 +77,37 @@ macro_rules! claim_statements {
                     return Ok((Vec::new(), read));
                 }
                 // The pending members of every due batch, in one statement, in delivery order.
-                let mut query = sqlx::QueryBuilder::new($crate::store::claims::CLAIM_MEMBERS_HEAD);
+                let mut query =
+                    Stmt::build($crate::store::claims::CLAIM_MEMBERS_HEAD, Self::NUMBERED);
                 let mut ids = query.separated(", ");
                 for (batch_id, _) in &due {
                     ids.push_bind(batch_id.as_str());
                 }
                 query.push(") ORDER BY e.accepted_at, e.notification_seq");
-                let member_rows = query.build().fetch_all(&mut **tx).await?;
+                let member_rows = query.fetch_all(tx).await?;
                 let mut members: HashMap<String, Vec<Member>> = HashMap::with_capacity(due.len());
                 for m in &member_rows {
-                    let batch_id: String = m.try_get("batch_id")?;
-                    let member_deadline: i64 = m.try_get("expires_at")?;
+                    let batch_id: String = m.col("batch_id")?;
+                    let member_deadline: i64 = m.col("expires_at")?;
                     let content = m
-                        .try_get::<Option<String>, _>("payload_json")?
+                        .col::<Option<String>>("payload_json")?
                         .and_then(|json| serde_json::from_str::<Content>(&json).ok());
                     let Some(content) = content.filter(|_| now < member_deadline) else {
                         // Past its own deadline (its payload may already be cleared): it expired,
                         // and must be neither sent nor reported as sent with the rest of the batch.
-                        sqlx::query($crate::store::claims::EXPIRE_MEMBER_SQL)
-                            .bind(m.try_get::<String, _>("event_id")?)
+                        Stmt::new($crate::store::claims::EXPIRE_MEMBER_SQL)
+                            .bind(m.col::<String>("event_id")?)
                             .bind(&batch_id)
                             .bind(now)
-                            .execute(&mut **tx)
+                            .execute(tx)
                             .await?;
                         continue;
                     };
                     members.entry(batch_id).or_default().push(Member {
-                        notification_epoch: m.try_get("notification_epoch")?,
-                        notification_seq: m.try_get("notification_seq")?,
+                        notification_epoch: m.col("notification_epoch")?,
+                        notification_seq: m.col("notification_seq")?,
                         content,
-                        trace_parent: m.try_get("trace_parent")?,
+                        trace_parent: m.col("trace_parent")?,
                         deadline: member_deadline,
                     });
                 }
@@ -121,29 +122,28 @@ macro_rules! claim_statements {
                             .await?;
                         continue;
                     };
-                    let kind: String = row.try_get("kind")?;
+                    let kind: String = row.col("kind")?;
                     claimed.push(ClaimedBatch {
                         lease_token: token.clone(),
                         lease_expires_at,
-                        registration_id: row.try_get("registration_id")?,
-                        host_fingerprint: row.try_get("host_fingerprint")?,
+                        registration_id: row.col("registration_id")?,
+                        host_fingerprint: row.col("host_fingerprint")?,
                         kind: Kind::parse(&kind).unwrap_or(Kind::Alert),
-                        attempt: u32::try_from(row.try_get::<i32, _>("attempts")? + 1)
-                            .unwrap_or(u32::MAX),
-                        retries: u32::try_from(row.try_get::<i32, _>("retries")?).unwrap_or(0),
+                        attempt: u32::try_from(row.col::<i32>("attempts")? + 1).unwrap_or(u32::MAX),
+                        retries: u32::try_from(row.col::<i32>("retries")?).unwrap_or(0),
                         deadline: members.iter().map(|m| m.deadline).min().unwrap_or(now),
-                        silent: row.try_get::<i32, _>("silent")? != 0,
-                        provider: Provider::parse(&row.try_get::<String, _>("provider")?),
-                        recovered: row.try_get::<String, _>("state")? == "leased",
+                        silent: row.col::<i32>("silent")? != 0,
+                        provider: Provider::parse(&row.col::<String>("provider")?),
+                        recovered: row.col::<String>("state")? == "leased",
                         members,
                         batch_id,
                     });
                 }
                 if !claimed.is_empty() {
-                    let mut lease = sqlx::QueryBuilder::new("UPDATE");
+                    let mut lease = Stmt::build("UPDATE", Self::NUMBERED);
                     lease.push(Self::OR_FAIL);
                     lease.push(" push_delivery_batches SET state = 'leased', lease_token = ");
-                    lease.push_bind(&token);
+                    lease.push_bind(token.as_str());
                     lease.push(", lease_owner = ").push_bind(lane);
                     lease.push(", available_at = ").push_bind(lease_expires_at);
                     lease
@@ -158,7 +158,7 @@ macro_rules! claim_statements {
                         ids.push_bind(batch.batch_id.as_str());
                     }
                     lease.push(")");
-                    lease.build().execute(&mut **tx).await?;
+                    lease.execute(tx).await?;
                 }
                 Ok((claimed, read))
             }
@@ -197,12 +197,12 @@ macro_rules! claim_statements {
                 batch_id: &str,
                 token: &str,
             ) -> Result<bool, sqlx::Error> {
-                let held = sqlx::query($crate::store::claims::HOLD_LEASE_SQL)
+                let held = Stmt::new($crate::store::claims::HOLD_LEASE_SQL)
                     .bind(batch_id)
                     .bind(token)
-                    .execute(&mut **tx)
+                    .execute(tx)
                     .await?;
-                Ok(held.rows_affected() == 1)
+                Ok(held == 1)
             }
         }
     };

@@ -157,12 +157,12 @@ macro_rules! cleanup_statements {
                     let mut tx = self.begin_claim().await?;
                     // Still overdue and not being worked on: an admission or a lane may have moved
                     // it since the list was read.
-                    let still = sqlx::query($crate::store::cleanup::STILL_OVERDUE_SQL)
+                    let still = Stmt::new($crate::store::cleanup::STILL_OVERDUE_SQL)
                         .bind(&batch_id)
                         .bind(now)
-                        .execute(&mut *tx)
+                        .execute(&mut tx)
                         .await?;
-                    if still.rows_affected() == 1 {
+                    if still == 1 {
                         Self::expire_batch(&mut tx, &batch_id, now).await?;
                         expired += 1;
                     }
@@ -185,18 +185,23 @@ macro_rules! cleanup_statements {
                 // statement, whose fresh snapshot sees a recipient an admission added meanwhile.
                 for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
                     let mut tx = self.begin_claim().await?;
-                    let candidates: Vec<String> = sqlx::query_scalar(&format!(
+                    let candidates: Vec<String> = Stmt::new(&format!(
                         "{}{}",
                         $crate::store::cleanup::PAYLOAD_CANDIDATES_SQL,
                         Self::FOR_UPDATE
                     ))
                     .bind(now)
                     .bind(CLEANUP_BATCH)
-                    .fetch_all(&mut *tx)
-                    .await?;
+                    .fetch_all(&mut tx)
+                    .await?
+                    .iter()
+                    .map(|row| row.col("event_id"))
+                    .collect::<Result<_, _>>()?;
                     if !candidates.is_empty() {
-                        let mut clear =
-                            sqlx::QueryBuilder::new($crate::store::cleanup::CLEAR_PAYLOADS_HEAD);
+                        let mut clear = Stmt::build(
+                            $crate::store::cleanup::CLEAR_PAYLOADS_HEAD,
+                            Self::NUMBERED,
+                        );
                         clear.push_bind(now);
                         clear.push($crate::store::cleanup::CLEAR_PAYLOADS_MIDDLE);
                         let mut list = clear.separated(", ");
@@ -204,8 +209,7 @@ macro_rules! cleanup_statements {
                             list.push_bind(id.as_str());
                         }
                         clear.push(")");
-                        cleaned.cleared_payloads +=
-                            clear.build().execute(&mut *tx).await?.rows_affected();
+                        cleaned.cleared_payloads += clear.execute(&mut tx).await?;
                     }
                     tx.commit().await?;
                     if candidates.len() < CLEANUP_BATCH as usize

@@ -1,5 +1,6 @@
-//! The queue's four tables behind one trait. The SQL is written once (`$N` parameters bind the same
-//! way on SQLite and PostgreSQL) and expanded for each backend; what differs is how a transaction
+//! The queue's four tables behind one trait. The SQL is written once (`sql`: statements that run on
+//! sqlx's transactions and on the SQLite writer's own connection, `direct`) and expanded for each
+//! backend; what differs is how a transaction
 //! locks (`BEGIN IMMEDIATE` on SQLite; a per-host advisory lock and `FOR UPDATE SKIP LOCKED` on
 //! PostgreSQL) and how other replicas are woken (`pg_notify` on PostgreSQL).
 //!
@@ -14,8 +15,10 @@ mod any;
 mod backends;
 mod claims;
 mod cleanup;
+mod direct;
 mod reports;
 mod rounds;
+pub(crate) mod sql;
 
 pub use any::AnyQueueStore;
 pub use backends::{Backend, PgQueueStore, SqliteQueueStore};
@@ -28,6 +31,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use orca_push_storage::Pool;
 use rand::RngCore as _;
+use sql::{Exec as _, Row as _, Stmt};
 use sqlx::Row as _;
 
 use crate::error::QueueError;

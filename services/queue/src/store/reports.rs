@@ -35,8 +35,8 @@ pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = " push_events SET payload_
 
 /// The pending recipients of a list of batches finished at a time take their batch's state, after
 /// `UPDATE` and the backend's `OR_FAIL`, then `updated_at = ` and that time, `FINISHED_RECIPIENTS_AT`
-/// and the time again: the list, then `)`. Joined after the batches' update on SQLite
-/// (`JOINS_STATEMENTS`), where it cannot take the ids that update returned: every finish writes a
+/// and the time again: the list, then `)`. Joined after the batches' update on sqlx's SQLite
+/// connection (`Exec::joins`), where it cannot take the ids that update returned: every finish writes a
 /// batch's recipients in its own transaction, and a recipient only ever joins a batch that is not
 /// finished, so the only finished batches with a pending recipient are the ones the update before
 /// just ended (and the time, which that update set, narrows it to those).
@@ -131,23 +131,23 @@ macro_rules! report_statements {
                 if rows.is_empty() {
                     return Ok(finished);
                 }
-                if Self::JOINS_STATEMENTS {
+                if tx.joins() && Self::FOR_UPDATE.is_empty() {
                     return Self::finish_batches_joined(tx, batches, &rows, now).await;
                 }
                 if !Self::FOR_UPDATE.is_empty() {
                     let mut lock =
-                        sqlx::QueryBuilder::new($crate::store::reports::LOCK_BATCHES_HEAD);
+                        Stmt::build($crate::store::reports::LOCK_BATCHES_HEAD, Self::NUMBERED);
                     let mut list = lock.separated(", ");
                     for &i in &rows {
                         list.push_bind(batches[i].0);
                     }
                     lock.push(") ORDER BY batch_id");
                     lock.push(Self::FOR_UPDATE);
-                    lock.build().persistent(false).fetch_all(&mut **tx).await?;
+                    lock.persistent(false).fetch_all(tx).await?;
                 }
                 // Every batch in one statement; each is finished only under its own lease.
-                let mut update = Self::finish_batches_query(batches, &rows, now);
-                let ended = Self::ended_batches(tx, &mut update, rows.len()).await?;
+                let update = Self::finish_batches_query(batches, &rows, now);
+                let ended = Self::ended_batches(tx, update, rows.len()).await?;
                 for &i in &rows {
                     let (batch_id, _, state, _, _) = batches[i];
                     if ended.contains(batch_id) {
@@ -160,7 +160,7 @@ macro_rules! report_statements {
                 }
                 for (state, ids) in &by_state {
                     let mut recipients =
-                        sqlx::QueryBuilder::new("UPDATE push_event_recipients SET status = ");
+                        Stmt::build("UPDATE push_event_recipients SET status = ", Self::NUMBERED);
                     recipients.push_bind(*state);
                     recipients.push(", updated_at = ").push_bind(now);
                     recipients.push(" WHERE status = 'pending' AND batch_id IN (");
@@ -169,7 +169,7 @@ macro_rules! report_statements {
                         list.push_bind(*id);
                     }
                     recipients.push(")");
-                    recipients.build().execute(&mut **tx).await?;
+                    recipients.execute(tx).await?;
                 }
                 if by_state.is_empty() {
                     return Ok(finished);
@@ -179,18 +179,20 @@ macro_rules! report_statements {
                     // Lock the events first (in id order): the clearing statement below then reads
                     // the recipients after any admission that is adding one to these events (it
                     // holds the event's row lock) has committed.
-                    let mut lock =
-                        sqlx::QueryBuilder::new($crate::store::reports::LOCK_FINISHED_EVENTS_HEAD);
+                    let mut lock = Stmt::build(
+                        $crate::store::reports::LOCK_FINISHED_EVENTS_HEAD,
+                        Self::NUMBERED,
+                    );
                     let mut list = lock.separated(", ");
                     for id in ended() {
                         list.push_bind(id);
                     }
                     lock.push(")) ORDER BY e.event_id");
                     lock.push(Self::FOR_UPDATE);
-                    lock.build().fetch_all(&mut **tx).await?;
+                    lock.fetch_all(tx).await?;
                 }
                 // A payload is kept while any recipient still waits for it.
-                let mut clear = sqlx::QueryBuilder::new("UPDATE");
+                let mut clear = Stmt::build("UPDATE", Self::NUMBERED);
                 clear
                     .push(Self::OR_FAIL)
                     .push($crate::store::reports::CLEAR_FINISHED_PAYLOADS_HEAD);
@@ -199,7 +201,7 @@ macro_rules! report_statements {
                     list.push_bind(id);
                 }
                 clear.push("))");
-                clear.build().execute(&mut **tx).await?;
+                clear.execute(tx).await?;
                 Ok(finished)
             }
 
@@ -209,9 +211,9 @@ macro_rules! report_statements {
                 batches: &[(&'a str, Option<&'a str>, &'a str, &'a str, bool)],
                 rows: &[usize],
                 now: i64,
-            ) -> sqlx::QueryBuilder<'a, <$store as Backend>::Db> {
+            ) -> Stmt<'a> {
                 let mut update =
-                    sqlx::QueryBuilder::new($crate::store::reports::FINISH_BATCHES_HEAD);
+                    Stmt::build($crate::store::reports::FINISH_BATCHES_HEAD, Self::NUMBERED);
                 update.push_values(rows, |mut row, &i| {
                     let (batch_id, lease, state, reason, answered) = batches[i];
                     row.push_bind(batch_id)
@@ -233,23 +235,22 @@ macro_rules! report_statements {
             /// batches: the ids of those it ended.
             async fn ended_batches(
                 tx: &mut <$store as Backend>::Tx,
-                query: &mut sqlx::QueryBuilder<'_, <$store as Backend>::Db>,
+                query: Stmt<'_>,
                 rows: usize,
             ) -> Result<std::collections::HashSet<String>, sqlx::Error> {
                 query
-                    .build()
                     .persistent(Self::keep_statement(rows))
-                    .fetch_all(&mut **tx)
+                    .fetch_all(tx)
                     .await?
                     .iter()
-                    .map(|row| row.try_get::<String, _>("batch_id"))
+                    .map(|row| row.col::<String>("batch_id"))
                     .collect()
             }
 
-            /// `finish_batches` as one query of three statements (SQLite, `JOINS_STATEMENTS`):
-            /// the batches, their recipients (`FINISHED_RECIPIENTS_HEAD`) and the payloads no
-            /// recipient waits for, in one round trip to the connection's thread where they were
-            /// three. The last two take every batch of the list, the ones whose lease was lost
+            /// `finish_batches` as one query of three statements (sqlx's SQLite connection,
+            /// `Exec::joins`): the batches, their recipients (`FINISHED_RECIPIENTS_HEAD`) and the
+            /// payloads no recipient waits for, in one round trip to the connection's thread where
+            /// they were three. It takes no row locks, so only a backend that needs none joins. The last two take every batch of the list, the ones whose lease was lost
             /// too: those have no recipient to write, and a payload is cleared only when no
             /// recipient waits for it, whichever batch names it.
             async fn finish_batches_joined(
@@ -280,7 +281,7 @@ macro_rules! report_statements {
                 }
                 query.push("))");
                 // Only the first statement returns rows: the batches it ended.
-                let ended = Self::ended_batches(tx, &mut query, rows.len()).await?;
+                let ended = Self::ended_batches(tx, query, rows.len()).await?;
                 let mut finished = vec![false; batches.len()];
                 for &i in rows {
                     finished[i] = ended.contains(batches[i].0);
@@ -374,31 +375,32 @@ macro_rules! report_statements {
                 if !Self::hold_lease(&mut tx, batch_id, token).await? {
                     return Ok(RetryResult::LeaseLost);
                 }
-                let deadline: i64 = sqlx::query_scalar($crate::store::reports::DEADLINE_SQL)
+                let deadline: i64 = Stmt::new($crate::store::reports::DEADLINE_SQL)
                     .bind(batch_id)
-                    .fetch_one(&mut *tx)
-                    .await?;
+                    .fetch_one(&mut tx)
+                    .await?
+                    .col("deadline")?;
                 // A retry is never moved earlier to fit the deadline: it expires instead.
                 if at >= deadline {
-                    sqlx::query($crate::store::reports::COUNT_RETRY_SQL)
+                    Stmt::new($crate::store::reports::COUNT_RETRY_SQL)
                         .bind(batch_id)
                         .bind(attempts)
                         .bind(retries)
-                        .execute(&mut *tx)
+                        .execute(&mut tx)
                         .await?;
                     Self::expire_batch(&mut tx, batch_id, now).await?;
                     tx.commit().await?;
                     return Ok(RetryResult::Expired);
                 }
                 // Only if the batch changed between the first statement and this transaction.
-                sqlx::query($crate::store::reports::RETRY_SCHEDULE_SQL)
+                Stmt::new($crate::store::reports::RETRY_SCHEDULE_SQL)
                     .bind(batch_id)
                     .bind(at)
                     .bind(reason)
                     .bind(attempts)
                     .bind(retries)
                     .bind(token)
-                    .execute(&mut *tx)
+                    .execute(&mut tx)
                     .await?;
                 Self::wake_replicas(&mut tx, "").await?;
                 tx.commit().await?;
@@ -437,13 +439,12 @@ macro_rules! report_statements {
                 // claim would expire it and no probe would go out). Those are left to cleanup. The
                 // outer conditions are checked again on a row another transaction changed meanwhile
                 // (PostgreSQL re-reads it), so a release racing a claim never cuts a live lease.
-                let released = sqlx::query($crate::store::reports::RELEASE_SQL)
+                let released = Stmt::new($crate::store::reports::RELEASE_SQL)
                     .bind(provider.as_str())
                     .bind(now)
                     .bind(limit)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
+                    .execute(&mut tx)
+                    .await?;
                 if released > 0 {
                     Self::wake_replicas(&mut tx, "").await?;
                 }

@@ -1,0 +1,396 @@
+//! The queue's statements, written once and run on either kind of transaction: sqlx's (PostgreSQL,
+//! and SQLite outside the writer's rounds) or the SQLite writer's own connection
+//! (`super::direct`).
+//!
+//! A [`Stmt`] is SQL text with `$N` parameters (which both backends and both SQLite drivers bind by
+//! number) and its arguments; it is built as sqlx's `QueryBuilder` is. An [`Exec`] runs it and
+//! hands back rows whose columns are read by name ([`Row`]).
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+use std::future::Future;
+
+/// One argument, typed as the statement binds it: PostgreSQL checks a parameter's type, a NULL's
+/// too.
+#[derive(Debug, Clone)]
+pub enum Arg<'a> {
+    Text(Option<Cow<'a, str>>),
+    Int(Option<i64>),
+    Int32(Option<i32>),
+}
+
+impl<'a> From<&'a str> for Arg<'a> {
+    fn from(value: &'a str) -> Self {
+        Arg::Text(Some(Cow::Borrowed(value)))
+    }
+}
+
+impl<'a> From<&'a String> for Arg<'a> {
+    fn from(value: &'a String) -> Self {
+        Arg::Text(Some(Cow::Borrowed(value.as_str())))
+    }
+}
+
+impl From<String> for Arg<'_> {
+    fn from(value: String) -> Self {
+        Arg::Text(Some(Cow::Owned(value)))
+    }
+}
+
+impl<'a> From<Option<&'a str>> for Arg<'a> {
+    fn from(value: Option<&'a str>) -> Self {
+        Arg::Text(value.map(Cow::Borrowed))
+    }
+}
+
+impl From<Option<String>> for Arg<'_> {
+    fn from(value: Option<String>) -> Self {
+        Arg::Text(value.map(Cow::Owned))
+    }
+}
+
+impl From<i64> for Arg<'_> {
+    fn from(value: i64) -> Self {
+        Arg::Int(Some(value))
+    }
+}
+
+impl From<Option<i64>> for Arg<'_> {
+    fn from(value: Option<i64>) -> Self {
+        Arg::Int(value)
+    }
+}
+
+impl From<i32> for Arg<'_> {
+    fn from(value: i32) -> Self {
+        Arg::Int32(Some(value))
+    }
+}
+
+impl From<Option<i32>> for Arg<'_> {
+    fn from(value: Option<i32>) -> Self {
+        Arg::Int32(value)
+    }
+}
+
+/// A statement (or, where the executor [`Exec::joins`], several joined by `;`) and its arguments.
+#[derive(Debug, Clone)]
+pub struct Stmt<'a> {
+    /// Borrowed until something is pushed: a whole statement is not copied.
+    sql: Cow<'a, str>,
+    args: Vec<Arg<'a>>,
+    /// Kept prepared after it runs (sqlx's `persistent`).
+    keep: bool,
+    /// Its parameters are `$N`, bound by number; else `?`, bound in order. SQLite parses `$N` as a
+    /// name, looked up among those before it, so a statement of thousands of them (a group's
+    /// rows) costs quadratic time to prepare and to bind: only PostgreSQL's built statements use
+    /// them.
+    numbered: bool,
+}
+
+impl<'a> Stmt<'a> {
+    /// A whole statement whose `$N` the `bind`s fill in order.
+    pub fn new(sql: &'a str) -> Self {
+        Self::build(sql, true)
+    }
+
+    /// The head of a statement the `push` methods finish, its parameters numbered (`$N`,
+    /// PostgreSQL's) or not (`?`, SQLite's).
+    pub fn build(head: &'a str, numbered: bool) -> Self {
+        Self {
+            sql: Cow::Borrowed(head),
+            args: Vec::new(),
+            keep: true,
+            numbered,
+        }
+    }
+
+    /// The next argument of a statement written with its own `$N`.
+    pub fn bind(mut self, value: impl Into<Arg<'a>>) -> Self {
+        self.args.push(value.into());
+        self
+    }
+
+    /// Whether the statement stays prepared once run (by default it does).
+    pub fn persistent(mut self, keep: bool) -> Self {
+        self.keep = keep;
+        self
+    }
+
+    pub fn push(&mut self, sql: &str) -> &mut Self {
+        self.sql.to_mut().push_str(sql);
+        self
+    }
+
+    /// A parameter (`$N` or `?`) here, bound to `value`.
+    pub fn push_bind(&mut self, value: impl Into<Arg<'a>>) -> &mut Self {
+        self.args.push(value.into());
+        let sql = self.sql.to_mut();
+        if self.numbered {
+            // Writing to a String cannot fail.
+            let _ = write!(sql, "${}", self.args.len());
+        } else {
+            sql.push('?');
+        }
+        self
+    }
+
+    /// Pieces pushed with `separator` between them.
+    pub fn separated(&mut self, separator: &'static str) -> Separated<'_, 'a> {
+        Separated {
+            stmt: self,
+            separator,
+            first: true,
+        }
+    }
+
+    /// `VALUES (..), (..)`: one tuple per item, its values bound by `push_tuple`.
+    pub fn push_values<I: IntoIterator>(
+        &mut self,
+        items: I,
+        mut push_tuple: impl FnMut(Separated<'_, 'a>, I::Item),
+    ) -> &mut Self {
+        self.push("VALUES ");
+        for (i, item) in items.into_iter().enumerate() {
+            if i > 0 {
+                self.push(", ");
+            }
+            self.push("(");
+            push_tuple(self.separated(", "), item);
+            self.push(")");
+        }
+        self
+    }
+
+    /// Runs in `tx`: the rows changed (summed over joined statements).
+    pub async fn execute<E: Exec>(self, tx: &mut E) -> Result<u64, sqlx::Error> {
+        tx.run(self).await
+    }
+
+    /// Runs in `tx`: the rows returned.
+    pub async fn fetch_all<E: Exec>(self, tx: &mut E) -> Result<Vec<E::Row>, sqlx::Error> {
+        tx.rows(self).await
+    }
+
+    /// Runs in `tx`: the first row returned, if any.
+    pub async fn fetch_optional<E: Exec>(self, tx: &mut E) -> Result<Option<E::Row>, sqlx::Error> {
+        tx.opt(self).await
+    }
+
+    /// Runs in `tx`: the first row returned; an error if none.
+    pub async fn fetch_one<E: Exec>(self, tx: &mut E) -> Result<E::Row, sqlx::Error> {
+        tx.one(self).await
+    }
+
+    pub fn sql(&self) -> &str {
+        &self.sql
+    }
+
+    pub fn args(&self) -> &[Arg<'a>] {
+        &self.args
+    }
+
+    pub fn keep(&self) -> bool {
+        self.keep
+    }
+
+    pub fn numbered(&self) -> bool {
+        self.numbered
+    }
+}
+
+/// Pieces of a statement with a separator between them (sqlx's `Separated`).
+pub struct Separated<'s, 'a> {
+    stmt: &'s mut Stmt<'a>,
+    separator: &'static str,
+    first: bool,
+}
+
+impl<'a> Separated<'_, 'a> {
+    pub fn push_bind(&mut self, value: impl Into<Arg<'a>>) -> &mut Self {
+        if !self.first {
+            self.stmt.push(self.separator);
+        }
+        self.first = false;
+        self.stmt.push_bind(value);
+        self
+    }
+}
+
+/// A column's value, read from either driver's row.
+pub trait Col:
+    Sized
+    + for<'r> sqlx::Decode<'r, sqlx::Sqlite>
+    + sqlx::Type<sqlx::Sqlite>
+    + for<'r> sqlx::Decode<'r, sqlx::Postgres>
+    + sqlx::Type<sqlx::Postgres>
+{
+    /// From a column of the SQLite writer's own connection; `None` if it holds another type.
+    fn from_direct(value: rusqlite::types::ValueRef<'_>) -> Option<Self>;
+}
+
+impl Col for i64 {
+    fn from_direct(value: rusqlite::types::ValueRef<'_>) -> Option<Self> {
+        value.as_i64().ok()
+    }
+}
+
+impl Col for i32 {
+    fn from_direct(value: rusqlite::types::ValueRef<'_>) -> Option<Self> {
+        value.as_i64().ok().and_then(|v| i32::try_from(v).ok())
+    }
+}
+
+impl Col for String {
+    fn from_direct(value: rusqlite::types::ValueRef<'_>) -> Option<Self> {
+        value.as_str().ok().map(str::to_owned)
+    }
+}
+
+impl<T: Col> Col for Option<T>
+where
+    Option<T>: for<'r> sqlx::Decode<'r, sqlx::Sqlite>
+        + sqlx::Type<sqlx::Sqlite>
+        + for<'r> sqlx::Decode<'r, sqlx::Postgres>
+        + sqlx::Type<sqlx::Postgres>,
+{
+    fn from_direct(value: rusqlite::types::ValueRef<'_>) -> Option<Self> {
+        match value {
+            rusqlite::types::ValueRef::Null => Some(None),
+            value => T::from_direct(value).map(Some),
+        }
+    }
+}
+
+/// A row whose columns are read by name.
+pub trait Row {
+    fn col<T: Col>(&self, name: &str) -> Result<T, sqlx::Error>;
+}
+
+impl Row for sqlx::sqlite::SqliteRow {
+    fn col<T: Col>(&self, name: &str) -> Result<T, sqlx::Error> {
+        sqlx::Row::try_get(self, name)
+    }
+}
+
+impl Row for sqlx::postgres::PgRow {
+    fn col<T: Col>(&self, name: &str) -> Result<T, sqlx::Error> {
+        sqlx::Row::try_get(self, name)
+    }
+}
+
+/// A transaction the queue's statements run in.
+pub trait Exec: Send {
+    type Row: Row + Send;
+
+    /// Whether a statement of several joined by `;` runs in one go, saving round trips to a
+    /// connection's thread (sqlx's SQLite driver). Where it does not, they go one by one.
+    fn joins(&self) -> bool;
+
+    /// Runs `stmt`: the rows it changed (summed over joined statements).
+    fn run(&mut self, stmt: Stmt<'_>) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Runs `stmt`: the rows it returned.
+    fn rows(
+        &mut self,
+        stmt: Stmt<'_>,
+    ) -> impl Future<Output = Result<Vec<Self::Row>, sqlx::Error>> + Send;
+
+    /// The first row `stmt` returns, if any.
+    fn opt(
+        &mut self,
+        stmt: Stmt<'_>,
+    ) -> impl Future<Output = Result<Option<Self::Row>, sqlx::Error>> + Send
+    where
+        Self: Sized,
+    {
+        async move { Ok(self.rows(stmt).await?.into_iter().next()) }
+    }
+
+    /// The first row `stmt` returns; an error if none.
+    fn one(&mut self, stmt: Stmt<'_>) -> impl Future<Output = Result<Self::Row, sqlx::Error>> + Send
+    where
+        Self: Sized,
+    {
+        async move { self.opt(stmt).await?.ok_or(sqlx::Error::RowNotFound) }
+    }
+}
+
+/// `stmt` as sqlx's query for `$db`, with its arguments.
+macro_rules! sqlx_query {
+    ($db:ty, $arguments:ty, $stmt:expr) => {{
+        let stmt: &Stmt<'_> = $stmt;
+        let mut arguments = <$arguments>::default();
+        for arg in &stmt.args {
+            let added = match arg {
+                Arg::Text(v) => sqlx::Arguments::add(&mut arguments, v.as_deref()),
+                Arg::Int(v) => sqlx::Arguments::add(&mut arguments, *v),
+                Arg::Int32(v) => sqlx::Arguments::add(&mut arguments, *v),
+            };
+            added.map_err(sqlx::Error::Encode)?;
+        }
+        sqlx::query_with::<$db, _>(&stmt.sql, arguments).persistent(stmt.keep)
+    }};
+}
+
+/// Runs a statement in sqlx's transaction `$tx`.
+macro_rules! sqlx_exec {
+    ($db:ty, $arguments:ty, $row:ty, $joins:expr) => {
+        impl<'c> Exec for sqlx::Transaction<'c, $db> {
+            type Row = $row;
+
+            fn joins(&self) -> bool {
+                $joins
+            }
+
+            async fn run(&mut self, stmt: Stmt<'_>) -> Result<u64, sqlx::Error> {
+                let query = sqlx_query!($db, $arguments, &stmt);
+                Ok(query.execute(&mut **self).await?.rows_affected())
+            }
+
+            async fn rows(&mut self, stmt: Stmt<'_>) -> Result<Vec<$row>, sqlx::Error> {
+                let query = sqlx_query!($db, $arguments, &stmt);
+                query.fetch_all(&mut **self).await
+            }
+        }
+    };
+}
+
+sqlx_exec!(
+    sqlx::Postgres,
+    sqlx::postgres::PgArguments,
+    sqlx::postgres::PgRow,
+    false
+);
+sqlx_exec!(
+    sqlx::Sqlite,
+    sqlx::sqlite::SqliteArguments<'_>,
+    sqlx::sqlite::SqliteRow,
+    true
+);
+
+#[cfg(test)]
+mod tests {
+    use super::Stmt;
+
+    #[test]
+    fn a_built_statement_numbers_its_parameters_in_order() {
+        let mut q = Stmt::build("INSERT INTO t (a, b) ", true);
+        q.push_values([(1_i64, "x"), (2, "y")], |mut row, (a, b)| {
+            row.push_bind(a).push_bind(b);
+        });
+        q.push(" WHERE c IN (");
+        let mut list = q.separated(", ");
+        list.push_bind("p");
+        list.push_bind(None::<&str>);
+        q.push(")");
+        assert_eq!(
+            q.sql(),
+            "INSERT INTO t (a, b) VALUES ($1, $2), ($3, $4) WHERE c IN ($5, $6)"
+        );
+        assert_eq!(q.args().len(), 6);
+        let mut q = Stmt::build("SELECT ", false);
+        q.push_bind(1_i64).push(", ").push_bind("a");
+        assert_eq!(q.sql(), "SELECT ?, ?");
+    }
+}
