@@ -344,8 +344,8 @@ pub(crate) use batched_admission;
 mod tests {
     use super::Writes;
 
-    /// SQLite binds a joined query's parameters by number across its statements, so each
-    /// statement gets its own rows (sqlx runs such a query on its connection's thread in one go).
+    /// sqlx binds a joined query's `?` parameters in order from one statement to the next, so each
+    /// statement gets its own rows (it runs such a query on its connection's thread in one go).
     #[tokio::test]
     async fn a_joined_query_writes_each_statement_with_its_own_rows() {
         let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();

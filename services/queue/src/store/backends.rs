@@ -97,7 +97,8 @@ impl SqliteQueueStore {
     /// such batch was a fifth of the one writer connection's time at 100 end-to-end flows.
     pub(super) const HANDS_OFF: bool = true;
     /// Its rounds run their statements on their own connection, on the writer's thread
-    /// (`super::direct`), which may wait for the disk: not on a runtime serving requests.
+    /// (`super::direct`), and wait there for the disk rather than on a runtime serving requests
+    /// (only if that thread's runtime cannot be built does the writer share the main one).
     pub(super) const WRITER_THREAD: bool = true;
 
     /// A writer's round: on the writer's own connection where there is one.

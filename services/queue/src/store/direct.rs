@@ -6,7 +6,7 @@
 //! (`begin_group_write`: admissions, the lanes' claims and reports) run instead on a connection
 //! opened here with rusqlite, which links the same SQLite library as sqlx, so a round's statements
 //! run on the writer's own thread. Everything else (reads, lease renewals, retries, clean-up,
-//! migrations) keeps sqlx's pools.
+//! migrations, and what a failed round does apart: `claim`, `complete`) keeps sqlx's pools.
 //!
 //! The connection is opened on the writer's first round, with the pool writer's durability and
 //! the pragmas `orca_push_storage::open_sqlite` gives it. A round holds the pool's one writer
@@ -66,6 +66,15 @@ impl Direct {
         let Some(c) = conn.as_ref() else {
             return Ok(None);
         };
+        // A transaction left open (a ROLLBACK that failed as a round ended) would fail every
+        // BEGIN after it: end it, or give the connection up and open another next round.
+        if !c.is_autocommit() && c.execute_batch("ROLLBACK").is_err() {
+            tracing::warn!(
+                "the queue writer's own SQLite connection was left in a transaction; it is opened again"
+            );
+            *conn = None;
+            return Ok(None);
+        }
         c.execute_batch("BEGIN IMMEDIATE").map_err(storage)?;
         Ok(Some(DirectTx {
             conn,

@@ -158,10 +158,15 @@ macro_rules! report_statements {
                         }
                     }
                 }
+                // Their texts differ with the number of ids: kept as a group's statements are
+                // (`keep_statement`), or a round's reports of up to 512 batches would fill the
+                // statement cache.
                 for (state, ids) in &by_state {
-                    let mut recipients =
-                        Stmt::build("UPDATE push_event_recipients SET status = ", Self::NUMBERED);
-                    recipients.push_bind(*state);
+                    let mut recipients = Stmt::build("UPDATE", Self::NUMBERED);
+                    recipients
+                        .push(Self::OR_FAIL)
+                        .push(" push_event_recipients SET status = ")
+                        .push_bind(*state);
                     recipients.push(", updated_at = ").push_bind(now);
                     recipients.push(" WHERE status = 'pending' AND batch_id IN (");
                     let mut list = recipients.separated(", ");
@@ -169,7 +174,10 @@ macro_rules! report_statements {
                         list.push_bind(*id);
                     }
                     recipients.push(")");
-                    recipients.execute(tx).await?;
+                    recipients
+                        .persistent(Self::keep_statement(ids.len()))
+                        .execute(tx)
+                        .await?;
                 }
                 if by_state.is_empty() {
                     return Ok(finished);
@@ -201,7 +209,10 @@ macro_rules! report_statements {
                     list.push_bind(id);
                 }
                 clear.push("))");
-                clear.execute(tx).await?;
+                clear
+                    .persistent(Self::keep_statement(ended().count()))
+                    .execute(tx)
+                    .await?;
                 Ok(finished)
             }
 
@@ -287,6 +298,21 @@ macro_rules! report_statements {
                     finished[i] = ended.contains(batches[i].0);
                 }
                 Ok(finished)
+            }
+
+            /// A writer's round of reports alone (`write_round`), in a round's transaction.
+            async fn report_round(
+                &self,
+                completions: &[Completion],
+                now: i64,
+            ) -> Result<Vec<bool>, QueueError> {
+                if completions.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let mut tx = self.begin_group_write(&[]).await?;
+                let recorded = Self::finish_reported(&mut tx, completions, now).await?;
+                tx.commit().await?;
+                Ok(recorded)
             }
 
             /// `QueueStore::complete`.

@@ -64,7 +64,7 @@ macro_rules! round_statements {
                 if group.is_empty() && claims.is_empty() {
                     return Round {
                         admitted: Vec::new(),
-                        reported: self.complete_leased(reports, now).await,
+                        reported: self.report_round(reports, now).await,
                         claimed: Vec::new(),
                     };
                 }

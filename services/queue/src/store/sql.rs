@@ -2,8 +2,9 @@
 //! and SQLite outside the writer's rounds) or the SQLite writer's own connection
 //! (`super::direct`).
 //!
-//! A [`Stmt`] is SQL text with `$N` parameters (which both backends and both SQLite drivers bind by
-//! number) and its arguments; it is built as sqlx's `QueryBuilder` is. An [`Exec`] runs it and
+//! A [`Stmt`] is SQL text and its arguments: a whole statement with `$N` parameters (which both
+//! backends and both SQLite drivers bind by number), or one built as sqlx's `QueryBuilder` builds,
+//! its parameters `$N` on PostgreSQL and `?` on SQLite (bound in order). An [`Exec`] runs it and
 //! hands back rows whose columns are read by name ([`Row`]).
 
 use std::borrow::Cow;
