@@ -300,19 +300,14 @@ macro_rules! report_statements {
                 Ok(finished)
             }
 
-            /// A writer's round of reports alone (`write_round`), in a round's transaction.
+            /// A writer's round of reports alone (`write_round`), in a round's transaction: on
+            /// SQLite the writer's own connection.
             async fn report_round(
                 &self,
                 completions: &[Completion],
                 now: i64,
             ) -> Result<Vec<bool>, QueueError> {
-                if completions.is_empty() {
-                    return Ok(Vec::new());
-                }
-                let mut tx = self.begin_group_write(&[]).await?;
-                let recorded = Self::finish_reported(&mut tx, completions, now).await?;
-                tx.commit().await?;
-                Ok(recorded)
+                self.complete_with(completions, now, true).await
             }
 
             /// `QueueStore::complete`.
@@ -321,10 +316,25 @@ macro_rules! report_statements {
                 completions: &[Completion],
                 now: i64,
             ) -> Result<Vec<bool>, QueueError> {
+                self.complete_with(completions, now, false).await
+            }
+
+            /// Records `completions` in a transaction of their own: a round's
+            /// (`begin_group_write`) or a claim's (`begin_claim`).
+            async fn complete_with(
+                &self,
+                completions: &[Completion],
+                now: i64,
+                in_round: bool,
+            ) -> Result<Vec<bool>, QueueError> {
                 if completions.is_empty() {
                     return Ok(Vec::new());
                 }
-                let mut tx = self.begin_claim().await?;
+                let mut tx = if in_round {
+                    self.begin_group_write(&[]).await?
+                } else {
+                    self.begin_claim().await?
+                };
                 let recorded = Self::finish_reported(&mut tx, completions, now).await?;
                 tx.commit().await?;
                 Ok(recorded)
