@@ -35,7 +35,8 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Default)]
 pub struct Direct {
     conn: Arc<Mutex<Option<Connection>>>,
-    /// Set once opening failed: the writer keeps sqlx's pool from then on.
+    /// Set once opening failed (said in the log) or found the database in memory: the writer
+    /// keeps sqlx's pool from then on.
     broken: AtomicBool,
 }
 
@@ -85,8 +86,7 @@ impl Direct {
 }
 
 /// Opens a connection to the file of the pool's writer connection `pool`, with its durability and
-/// pragmas;
-/// `None` for a database in memory.
+/// pragmas; `None` for a database in memory.
 async fn open(pool: &mut sqlx::SqliteConnection) -> Result<Option<Connection>, sqlx::Error> {
     let path: String =
         sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
@@ -160,14 +160,14 @@ impl DirectTx {
         mut row: impl FnMut(&rusqlite::Row<'_>) -> Result<(), sqlx::Error>,
     ) -> Result<u64, sqlx::Error> {
         let conn = self.conn()?;
-        let mut prepared = if stmt.keep() {
-            conn.prepare_cached(stmt.sql()).map_err(storage)?
+        if stmt.keep() {
+            let mut kept = conn.prepare_cached(stmt.sql()).map_err(storage)?;
+            bind_and_run(&mut kept, stmt, &mut row, conn)
         } else {
             // Not kept: finalized once run, as sqlx's `persistent(false)`.
             let mut once = conn.prepare(stmt.sql()).map_err(storage)?;
-            return bind_and_run(&mut once, stmt, &mut row, conn);
-        };
-        bind_and_run(&mut prepared, stmt, &mut row, conn)
+            bind_and_run(&mut once, stmt, &mut row, conn)
+        }
     }
 }
 
