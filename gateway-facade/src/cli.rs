@@ -282,12 +282,16 @@ fn init_telemetry(
     config: &Config,
     service_name: &str,
 ) -> anyhow::Result<orca_push_telemetry::TelemetryGuard> {
-    let provider = orca_push_telemetry::tracer_provider(
-        telemetry_resource(config, service_name),
-        config.common.telemetry.otlp.as_ref(),
+    let export = config.common.telemetry.otlp.as_ref();
+    let provider =
+        orca_push_telemetry::tracer_provider(telemetry_resource(config, service_name), export)
+            .context("OTLP span export")?;
+    orca_push_telemetry::init(
+        provider,
+        config.common.telemetry.log_format,
+        orca_push_telemetry::SpanDetail::exporting(export.is_some()),
     )
-    .context("OTLP span export")?;
-    orca_push_telemetry::init(provider, config.common.telemetry.log_format).context("telemetry")
+    .context("telemetry")
 }
 
 /// The OpenTelemetry resource of this process: `OTEL_SERVICE_NAME` or the role's name, and the

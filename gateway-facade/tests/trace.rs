@@ -28,9 +28,12 @@ async fn one_trace_spans_the_http_request_and_the_grpc_call() {
     let provider = SdkTracerProvider::builder()
         .with_simple_exporter(exporter.clone())
         .build();
-    let _telemetry =
-        orca_push_telemetry::init(provider.clone(), orca_push_telemetry::LogFormat::Text)
-            .expect("telemetry");
+    let _telemetry = orca_push_telemetry::init(
+        provider.clone(),
+        orca_push_telemetry::LogFormat::Text,
+        orca_push_telemetry::SpanDetail::Exported,
+    )
+    .expect("telemetry");
 
     // The auth service, for real, on a loopback port; the others are never reached.
     let (database, _guard) = fresh(Backend::Sqlite).await;

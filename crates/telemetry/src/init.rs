@@ -8,6 +8,8 @@ use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
+use crate::span_detail::{Detailed, SpanDetail};
+
 /// Flushes and shuts the tracer provider down when dropped, so no span is lost at exit.
 #[must_use = "dropping the guard flushes and stops tracing"]
 pub struct TelemetryGuard {
@@ -196,15 +198,20 @@ pub enum LogFormat {
 }
 
 /// Installs the process's subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`) and
-/// spans to `provider`. Fails if a subscriber is already installed.
+/// spans to `provider`, with what `detail` says they are made for (`SpanDetail::exporting`: is
+/// there a collector). Fails if a subscriber is already installed.
 pub fn init(
     provider: SdkTracerProvider,
     format: LogFormat,
+    detail: SpanDetail,
 ) -> Result<TelemetryGuard, tracing_subscriber::util::TryInitError> {
-    init_with_log_writer(provider, format, std::io::stderr)
+    install_propagator();
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    subscriber_logging(&provider, format, std::io::stderr, log_filter(), detail).try_init()?;
+    Ok(TelemetryGuard { provider })
 }
 
-/// [`init`], with logs going to `writer` (tests read them back).
+/// [`init`] for spans that are exported, with logs going to `writer` (tests read them back).
 pub fn init_with_log_writer<W>(
     provider: SdkTracerProvider,
     format: LogFormat,
@@ -225,7 +232,8 @@ fn log_filter() -> tracing_subscriber::EnvFilter {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
 }
 
-/// The subscriber [`init`] installs, for a caller (a test) that scopes it instead.
+/// The subscriber [`init`] installs for exported spans, for a caller (a test) that scopes it
+/// instead.
 pub fn subscriber<W>(
     provider: &SdkTracerProvider,
     format: LogFormat,
@@ -234,15 +242,16 @@ pub fn subscriber<W>(
 where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
-    subscriber_logging(provider, format, writer, log_filter())
+    subscriber_logging(provider, format, writer, log_filter(), SpanDetail::Exported)
 }
 
-/// [`subscriber`], with `logs` instead of `RUST_LOG`.
+/// [`subscriber`], with `logs` instead of `RUST_LOG` and spans made for `detail`.
 fn subscriber_logging<W>(
     provider: &SdkTracerProvider,
     format: LogFormat,
     writer: W,
     logs: tracing_subscriber::EnvFilter,
+    detail: SpanDetail,
 ) -> impl tracing::Subscriber + Send + Sync + 'static
 where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
@@ -274,7 +283,11 @@ where
     };
     tracing_subscriber::registry()
         .with(LogsAndTracedSpans::new(logs))
-        .with(span_layer(tracer, format))
+        .with(Detailed::new(
+            span_layer(tracer, format),
+            detail,
+            format == LogFormat::Json,
+        ))
         .with(text)
         .with(plain)
         .with(json)
@@ -479,6 +492,16 @@ mod tests {
         logs: &str,
         f: impl FnOnce() -> R,
     ) -> (R, Vec<serde_json::Value>) {
+        json_logged_for(provider, logs, SpanDetail::Exported, f)
+    }
+
+    /// [`json_logged`], with spans made for `detail`.
+    fn json_logged_for<R>(
+        provider: &SdkTracerProvider,
+        logs: &str,
+        detail: SpanDetail,
+        f: impl FnOnce() -> R,
+    ) -> (R, Vec<serde_json::Value>) {
         let buffer = crate::json_log::tests::Buffer::default();
         let writer = buffer.clone();
         let subscriber = subscriber_logging(
@@ -486,6 +509,7 @@ mod tests {
             LogFormat::Json,
             move || writer.clone(),
             tracing_subscriber::EnvFilter::new(logs),
+            detail,
         );
         let result = tracing::subscriber::with_default(subscriber, f);
         (result, buffer.lines())
@@ -547,5 +571,124 @@ mod tests {
             lines[0]["spans"],
             serde_json::json!(["http.server", "grpc.client"])
         );
+    }
+
+    /// The ids a trace needs, read inside spans made without a collector: the parent's trace id
+    /// (seen from a child), a remote caller's (continued by `set_parent`), and whether the child's
+    /// context names the parent's trace.
+    fn trace_read_inside(
+        parent: &tracing::Span,
+        remote: &opentelemetry::Context,
+    ) -> [opentelemetry::trace::TraceId; 3] {
+        let from_parent = parent.in_scope(|| {
+            let child = tracing::info_span!("grpc.client", rpc.method = "Enqueue");
+            child.record("rpc.method", "Claim");
+            child.follows_from(parent);
+            child.context().span().span_context().trace_id()
+        });
+        let continued = tracing::info_span!("grpc.server", rpc.method = "Enqueue");
+        continued.set_parent(remote.clone()).unwrap();
+        let continued = continued.context().span().span_context().trace_id();
+        [
+            parent.context().span().span_context().trace_id(),
+            from_parent,
+            continued,
+        ]
+    }
+
+    /// A remote caller's context, as a `traceparent` header gives it.
+    fn remote_caller() -> (opentelemetry::Context, opentelemetry::trace::TraceId) {
+        use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+        let trace_id = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
+        let remote = SpanContext::new(
+            trace_id,
+            SpanId::from_hex("00f067aa0ba902b7").unwrap(),
+            TraceFlags::SAMPLED,
+            true,
+            TraceState::default(),
+        );
+        (
+            opentelemetry::Context::new().with_remote_span_context(remote),
+            trace_id,
+        )
+    }
+
+    /// Without a collector, spans still carry the trace from parent to child and from a remote
+    /// caller on, and nothing is built for export: a provider that could export gets no span.
+    #[test]
+    fn spans_without_a_collector_carry_the_trace_and_build_nothing_else() {
+        let (exporter, provider) = exporting();
+        let (remote, remote_trace) = remote_caller();
+        let subscriber = subscriber_logging(
+            &provider,
+            LogFormat::Text,
+            std::io::sink,
+            tracing_subscriber::EnvFilter::new("info"),
+            SpanDetail::ContextOnly,
+        );
+        let [parent, child, continued] = tracing::subscriber::with_default(subscriber, || {
+            tracing::info_span!("unasked", n = 1).in_scope(|| {});
+            let parent = tracing::info_span!("http.server", http.route = "/v1/send");
+            trace_read_inside(&parent, &remote)
+        });
+        assert_ne!(parent, opentelemetry::trace::TraceId::INVALID);
+        assert_eq!(child, parent);
+        assert_eq!(continued, remote_trace);
+        provider.force_flush().unwrap();
+        // A span whose context was asked for (the three read) is an SDK span, ended as it drops
+        // (the process's provider has nowhere to send it), with no field. The one never asked
+        // is never built.
+        let spans = exporter.get_finished_spans().unwrap();
+        assert_eq!(spans.len(), 3, "{spans:?}");
+        assert!(spans.iter().all(|s| s.attributes.is_empty()), "{spans:?}");
+    }
+
+    /// With a collector the same spans are exported whole: fields as last recorded, parents, the
+    /// remote caller's trace, and end times (stamped at the close, not at each exit).
+    #[test]
+    fn spans_for_a_collector_are_exported_whole() {
+        let (exporter, provider) = exporting();
+        let (remote, remote_trace) = remote_caller();
+        let subscriber = subscriber(&provider, LogFormat::Text, std::io::sink);
+        let [parent, child, continued] = tracing::subscriber::with_default(subscriber, || {
+            tracing::info_span!("unasked", n = 1).in_scope(|| {});
+            let parent = tracing::info_span!("http.server", http.route = "/v1/send");
+            trace_read_inside(&parent, &remote)
+        });
+        assert_eq!(child, parent);
+        assert_eq!(continued, remote_trace);
+        provider.force_flush().unwrap();
+        let spans = exporter.get_finished_spans().unwrap();
+        assert_eq!(spans.len(), 4);
+        let unasked = spans.iter().find(|s| s.name == "unasked").unwrap();
+        assert_eq!(unasked.attributes.len(), 1);
+        let client = spans.iter().find(|s| s.name == "grpc.client").unwrap();
+        let method: Vec<String> = client
+            .attributes
+            .iter()
+            .map(|kv| format!("{}={}", kv.key, kv.value))
+            .collect();
+        // Recorded after the span started (its context was asked for): added, as the SDK does.
+        assert_eq!(method, ["rpc.method=Enqueue", "rpc.method=Claim"]);
+        assert_eq!(client.links.len(), 1, "follows_from makes a link");
+        assert!(spans.iter().all(|s| s.end_time >= s.start_time));
+    }
+
+    /// JSON lines still carry the trace's ids without a collector.
+    #[test]
+    fn json_lines_carry_the_trace_without_a_collector() {
+        let (exporter, provider) = exporting();
+        let (trace_id, lines) = json_logged_for(&provider, "info", SpanDetail::ContextOnly, || {
+            let parent = tracing::info_span!("http.server", http.route = "/v1/send");
+            parent.in_scope(|| {
+                tracing::info_span!("grpc.client").in_scope(|| tracing::info!("inside"));
+            });
+            parent.context().span().span_context().trace_id()
+        });
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert_eq!(lines[0]["trace_id"], trace_id.to_string());
+        provider.force_flush().unwrap();
+        let spans = exporter.get_finished_spans().unwrap();
+        assert!(spans.iter().all(|s| s.attributes.is_empty()), "{spans:?}");
     }
 }

@@ -8,6 +8,7 @@
 mod grpc;
 mod init;
 mod json_log;
+mod span_detail;
 mod text_log;
 
 pub use grpc::{GrpcClientLayer, GrpcClientService, GrpcServerLayer, traced, traced_in_process};
@@ -15,6 +16,7 @@ pub use init::{
     ExportError, LogFormat, OtlpExport, OtlpProtocol, TelemetryGuard, init, init_with_log_writer,
     install_propagator, meter_provider, resource, subscriber, tracer_provider,
 };
+pub use span_detail::SpanDetail;
 
 use opentelemetry::propagation::{Extractor, Injector};
 

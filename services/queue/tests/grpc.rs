@@ -10,10 +10,12 @@ use tokio_util::sync::CancellationToken;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
-    // As in every process: spans exist, so an admission has a trace context to keep.
+    // As in every process without a collector: spans exist, so an admission has a trace context
+    // to keep.
     let _telemetry = orca_push_telemetry::init(
         opentelemetry_sdk::trace::SdkTracerProvider::builder().build(),
         orca_push_telemetry::LogFormat::Text,
+        orca_push_telemetry::SpanDetail::ContextOnly,
     )
     .unwrap();
     let (config, _guard) = fresh(Backend::Sqlite).await;
