@@ -199,7 +199,8 @@ pub enum LogFormat {
 
 /// Installs the process's subscriber: logs to stderr (filtered by `RUST_LOG`, default `info`) and
 /// spans to `provider`, with what `detail` says they are made for (`SpanDetail::exporting`: is
-/// there a collector). Fails if a subscriber is already installed.
+/// there a collector; a provider that exports gets field-less spans all named `span` if told
+/// `ContextOnly`). Fails if a subscriber is already installed.
 pub fn init(
     provider: SdkTracerProvider,
     format: LogFormat,
@@ -257,6 +258,10 @@ where
     W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
 {
     let tracer = provider.tracer("orca-push");
+    // JSON lines print the ids of the span they are logged in, which the OpenTelemetry layer
+    // assigns as it starts the span: on its first entry with activation, else only once a child
+    // or a propagation asks for its context.
+    let activation = format == LogFormat::Json;
     let colored = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let (text, plain, json) = match format {
         LogFormat::Text if colored => (
@@ -284,9 +289,9 @@ where
     tracing_subscriber::registry()
         .with(LogsAndTracedSpans::new(logs))
         .with(Detailed::new(
-            span_layer(tracer, format),
+            span_layer(tracer, activation),
             detail,
-            format == LogFormat::Json,
+            activation,
         ))
         .with(text)
         .with(plain)
@@ -395,14 +400,14 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
 /// The layer that turns tracing spans into OpenTelemetry spans, carrying only what a trace needs:
 /// the span's own fields, its parent and links, its times and status. The crate's defaults also
 /// time every poll (`busy_ns`/`idle_ns`), attach the span's context to the thread on every poll
-/// (kept for JSON logs, below), and add the source file, line, module, target and thread (name
+/// (kept for JSON logs: `activation`), and add the source file, line, module, target and thread (name
 /// allocated) to every span: work on every span of every request for attributes nothing here
 /// reads (the layer was a tenth of the request threads' samples in a profile of SQLite admission
 /// at 64 connections). Context is propagated from the tracing span
 /// (`OpenTelemetrySpanExt::context`), never from OpenTelemetry's thread-local current context.
 fn span_layer<S>(
     tracer: opentelemetry_sdk::trace::SdkTracer,
-    format: LogFormat,
+    activation: bool,
 ) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::SdkTracer>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
@@ -413,10 +418,7 @@ where
         .with_threads(false)
         .with_target(false)
         .with_tracked_inactivity(false)
-        // JSON lines print the ids of the span they are logged in, which the layer assigns as it
-        // starts the span: on its first entry with activation, else only once a child or a
-        // propagation asks for its context.
-        .with_context_activation(format == LogFormat::Json)
+        .with_context_activation(activation)
 }
 
 /// The fmt layer writing JSON lines (`LogFormat::Json`) to `writer`.
@@ -643,24 +645,34 @@ mod tests {
         assert!(spans.iter().all(|s| s.attributes.is_empty()), "{spans:?}");
     }
 
-    /// With a collector the same spans are exported whole: fields as last recorded, parents, the
-    /// remote caller's trace, and end times (stamped at the close, not at each exit).
+    /// With a collector the same spans are exported whole: every field recorded, parents, links,
+    /// the remote caller's trace, and the end each span was left at.
     #[test]
     fn spans_for_a_collector_are_exported_whole() {
         let (exporter, provider) = exporting();
         let (remote, remote_trace) = remote_caller();
         let subscriber = subscriber(&provider, LogFormat::Text, std::io::sink);
-        let [parent, child, continued] = tracing::subscriber::with_default(subscriber, || {
-            tracing::info_span!("unasked", n = 1).in_scope(|| {});
-            let parent = tracing::info_span!("http.server", http.route = "/v1/send");
-            trace_read_inside(&parent, &remote)
-        });
+        let ([parent, child, continued], left) =
+            tracing::subscriber::with_default(subscriber, || {
+                // Entered once, then kept a while before it closes: it ends as it was left.
+                let unasked = tracing::info_span!("unasked", n = 1);
+                unasked.in_scope(|| {});
+                let left = std::time::SystemTime::now();
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                drop(unasked);
+                let parent = tracing::info_span!("http.server", http.route = "/v1/send");
+                (trace_read_inside(&parent, &remote), left)
+            });
         assert_eq!(child, parent);
         assert_eq!(continued, remote_trace);
         provider.force_flush().unwrap();
         let spans = exporter.get_finished_spans().unwrap();
         assert_eq!(spans.len(), 4);
         let unasked = spans.iter().find(|s| s.name == "unasked").unwrap();
+        assert!(
+            unasked.end_time <= left,
+            "ended at its last exit, not its close"
+        );
         assert_eq!(unasked.attributes.len(), 1);
         let client = spans.iter().find(|s| s.name == "grpc.client").unwrap();
         let method: Vec<String> = client
@@ -668,10 +680,9 @@ mod tests {
             .iter()
             .map(|kv| format!("{}={}", kv.key, kv.value))
             .collect();
-        // Recorded after the span started (its context was asked for): added, as the SDK does.
+        // A field recorded again is appended to the span's attributes, not replaced.
         assert_eq!(method, ["rpc.method=Enqueue", "rpc.method=Claim"]);
         assert_eq!(client.links.len(), 1, "follows_from makes a link");
-        assert!(spans.iter().all(|s| s.end_time >= s.start_time));
     }
 
     /// JSON lines still carry the trace's ids without a collector.
@@ -688,7 +699,9 @@ mod tests {
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert_eq!(lines[0]["trace_id"], trace_id.to_string());
         provider.force_flush().unwrap();
+        // The parent, started as it was entered, ends as it drops: with no field.
         let spans = exporter.get_finished_spans().unwrap();
+        assert!(!spans.is_empty());
         assert!(spans.iter().all(|s| s.attributes.is_empty()), "{spans:?}");
     }
 }

@@ -7,7 +7,7 @@
 //! trace and span ids, its parent and its links, which the layer makes as a span opens (and starts
 //! only once a child, a log line or a `traceparent` asks for them). Profiled at 1,000 end-to-end
 //! APNs flows on SQLite, field copying, exits and closes were about 5% of the gateway's samples
-//! (round 23 in docs/benchmarks.md).
+//! (round 23 in docs/benchmarks.md). With a collector the layer is told everything, as before.
 
 use std::any::TypeId;
 
@@ -51,9 +51,12 @@ impl SpanDetail {
     }
 }
 
-/// `inner` (the OpenTelemetry layer) told only what `detail` needs. Its exits are passed on only
-/// when it attaches each span's context to the thread while the span is entered (JSON logs read
-/// it there): otherwise they only stamp an end time, and a span's close stamps one as well.
+/// `inner` (the OpenTelemetry layer) told only what `detail` needs. Without a collector its exits
+/// are passed on only when it attaches each span's context to the thread while the span is
+/// entered (`activates_context`, which must be what the layer was built with: JSON logs read the
+/// context there, and each enter's guard is dropped at the exit); otherwise an exit only stamps an
+/// end time no one reads. Exported, a span keeps the end the layer gives it: its last exit, which
+/// for a span that children outlive comes well before its close.
 pub(crate) struct Detailed<L> {
     inner: L,
     detail: SpanDetail,
@@ -65,7 +68,7 @@ impl<L> Detailed<L> {
         Self {
             inner,
             detail,
-            exits: activates_context,
+            exits: activates_context || detail == SpanDetail::Exported,
         }
     }
 
