@@ -14,26 +14,33 @@
 //! A read that raced a write is never kept: every invalidation bumps a generation, and a read is
 //! kept only if none happened since the read began. Kept entries are exact, not merely fresh, so
 //! they need no expiry; the cap only bounds memory.
+//!
+//! Each entry holds its registrations as a delivery needs them (token and APNs environment
+//! included), and each registration names its host, so a lane's look-up of the phones of a claim
+//! (`deliveries`) is answered here too for every host a send has resolved, under the same rules:
+//! at 100 end-to-end flows that read was a thread hop per claim and some 5% of the gateway's
+//! samples (round 23 in docs/benchmarks.md).
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::store::ResolvedRow;
+use crate::store::DeliveryRow;
 
-/// Hosts kept at most; when full, the cache starts again empty (a host costs about 200 bytes).
+/// Hosts kept at most; when full, the cache starts again empty (a host with two phones costs
+/// about 700 bytes).
 pub const MAX_CACHED_HOSTS: usize = 50_000;
 /// A relayed cache serves entries only while its relay was heard this recently (heartbeats come
 /// about every 200 ms).
 pub const RELAY_SILENCE: std::time::Duration = std::time::Duration::from_millis(600);
 
-/// Every registration of one host: id, platform and whether it is dead.
-pub type HostRegistrations = Arc<[ResolvedRow]>;
+/// Every registration of one host, as a delivery needs it.
+pub type HostRegistrations = Arc<[DeliveryRow]>;
 
 #[derive(Debug)]
 pub struct ResolveCache {
-    hosts: Mutex<HashMap<String, Kept>>,
+    kept: Mutex<Kept>,
     /// Bumped by every invalidation, before its host is dropped.
     generation: AtomicU64,
     max_hosts: usize,
@@ -41,11 +48,63 @@ pub struct ResolveCache {
     relay: Option<Relay>,
 }
 
-#[derive(Debug, Clone)]
+/// The kept hosts, and the host of each of their registrations.
+#[derive(Debug, Default)]
 struct Kept {
+    hosts: HashMap<String, Host>,
+    registrations: HashMap<String, String>,
+}
+
+#[derive(Debug, Clone)]
+struct Host {
     rows: HostRegistrations,
     /// The relay connection it was read under (0 for an exact cache).
     connection: u64,
+}
+
+impl Kept {
+    fn clear(&mut self) {
+        self.hosts.clear();
+        self.registrations.clear();
+    }
+
+    fn insert(&mut self, host: &str, entry: Host) {
+        for row in entry.rows.iter() {
+            self.registrations
+                .insert(row.registration_id.clone(), host.to_owned());
+        }
+        if let Some(replaced) = self.hosts.insert(host.to_owned(), entry) {
+            self.forget(host, &replaced);
+        }
+    }
+
+    fn remove(&mut self, host: &str) {
+        if let Some(removed) = self.hosts.remove(host) {
+            self.forget(host, &removed);
+        }
+    }
+
+    /// Drops the registrations of `entry` that still name `host` (and are not in its entry now).
+    fn forget(&mut self, host: &str, entry: &Host) {
+        let current = self.hosts.get(host);
+        for row in entry.rows.iter() {
+            let id = &row.registration_id;
+            let still_kept =
+                current.is_some_and(|h| h.rows.iter().any(|r| r.registration_id == *id));
+            if !still_kept && self.registrations.get(id).is_some_and(|h| h == host) {
+                self.registrations.remove(id);
+            }
+        }
+    }
+
+    /// The kept row of `id`, read under `connection`.
+    fn delivery(&self, id: &str, connection: u64) -> Option<&DeliveryRow> {
+        let host = self.hosts.get(self.registrations.get(id)?)?;
+        if host.connection != connection {
+            return None;
+        }
+        host.rows.iter().find(|row| row.registration_id == id)
+    }
 }
 
 #[derive(Debug)]
@@ -83,7 +142,7 @@ impl Default for ResolveCache {
 impl ResolveCache {
     pub fn with_capacity(max_hosts: usize) -> Self {
         Self {
-            hosts: Mutex::new(HashMap::new()),
+            kept: Mutex::new(Kept::default()),
             generation: AtomicU64::new(0),
             max_hosts,
             relay: None,
@@ -108,7 +167,7 @@ impl ResolveCache {
             relay.heard_at.store(0, Ordering::SeqCst);
             relay.connection.fetch_add(1, Ordering::SeqCst);
         }
-        self.hosts().clear();
+        self.kept().clear();
     }
 
     /// The relay heard a heartbeat: every write committed before it was sent has been relayed.
@@ -133,9 +192,9 @@ impl ResolveCache {
         }
     }
 
-    fn hosts(&self) -> MutexGuard<'_, HashMap<String, Kept>> {
-        // A panic while holding the lock leaves a map that is still consistent: keep using it.
-        self.hosts.lock().unwrap_or_else(|p| p.into_inner())
+    fn kept(&self) -> MutexGuard<'_, Kept> {
+        // No code that can panic runs between a change to one map and the other: keep using it.
+        self.kept.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The host's registrations: kept ones, or `read`'s, which are kept if no write committed
@@ -143,11 +202,11 @@ impl ResolveCache {
     pub async fn host<F, Fut, E>(&self, host: &str, read: F) -> Result<HostRegistrations, E>
     where
         F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<Vec<ResolvedRow>, E>>,
+        Fut: Future<Output = Result<Vec<DeliveryRow>, E>>,
     {
         let vouching = self.vouching();
         if let Some(connection) = vouching
-            && let Some(kept) = self.hosts().get(host)
+            && let Some(kept) = self.kept().hosts.get(host)
             && kept.connection == connection
         {
             metrics::counter!("orca_push_registry_resolves_total", "source" => "memory")
@@ -160,17 +219,17 @@ impl ResolveCache {
         let Some(connection) = vouching else {
             return Ok(rows);
         };
-        let mut hosts = self.hosts();
+        let mut kept = self.kept();
         // Checked under the lock that `invalidate` takes after bumping: a write that committed
         // (or was relayed) after this read began either shows here or drops the entry after it
         // is inserted.
         if self.generation.load(Ordering::SeqCst) == began {
-            if hosts.len() >= self.max_hosts {
-                hosts.clear();
+            if kept.hosts.len() >= self.max_hosts {
+                kept.clear();
             }
-            hosts.insert(
-                host.to_owned(),
-                Kept {
+            kept.insert(
+                host,
+                Host {
                     rows: rows.clone(),
                     connection,
                 },
@@ -179,15 +238,38 @@ impl ResolveCache {
         Ok(rows)
     }
 
+    /// The kept rows of `ids` (at the index each was asked at), and the indexes of those not
+    /// kept, for the caller to read.
+    pub fn deliveries(&self, ids: &[String]) -> (Vec<Option<DeliveryRow>>, Vec<usize>) {
+        let mut rows = vec![None; ids.len()];
+        let mut missing = Vec::new();
+        let vouching = self.vouching();
+        {
+            let kept = self.kept();
+            for (i, id) in ids.iter().enumerate() {
+                match vouching.and_then(|connection| kept.delivery(id, connection)) {
+                    Some(row) => rows[i] = Some(row.clone()),
+                    None => missing.push(i),
+                }
+            }
+        }
+        let source = |found: bool| if found { "memory" } else { "database" };
+        metrics::counter!("orca_push_registry_delivery_lookups_total", "source" => source(true))
+            .increment((ids.len() - missing.len()) as u64);
+        metrics::counter!("orca_push_registry_delivery_lookups_total", "source" => source(false))
+            .increment(missing.len() as u64);
+        (rows, missing)
+    }
+
     /// Called after a write that may change what `host` resolves to has committed (or, relayed,
     /// was announced).
     pub fn invalidate(&self, host: &str) {
         self.generation.fetch_add(1, Ordering::SeqCst);
-        self.hosts().remove(host);
+        self.kept().remove(host);
     }
 
     pub fn len(&self) -> usize {
-        self.hosts().len()
+        self.kept().hosts.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -200,16 +282,90 @@ mod tests {
     use super::*;
     use crate::device::Platform;
 
-    fn row(id: &str, dead: bool) -> ResolvedRow {
-        ResolvedRow {
+    fn row(id: &str, dead: bool) -> DeliveryRow {
+        DeliveryRow {
             registration_id: id.to_owned(),
+            host_fingerprint: "h".to_owned(),
             platform: Platform::Android,
+            token: format!("token-of-{id}"),
+            apns_environment: None,
             dead,
         }
     }
 
-    async fn read_ok(rows: Vec<ResolvedRow>) -> Result<Vec<ResolvedRow>, ()> {
+    async fn read_ok(rows: Vec<DeliveryRow>) -> Result<Vec<DeliveryRow>, ()> {
         Ok(rows)
+    }
+
+    fn ids(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|id| (*id).to_owned()).collect()
+    }
+
+    /// The tokens found for `asked`, and the indexes left to read.
+    fn delivered(cache: &ResolveCache, asked: &[&str]) -> (Vec<Option<String>>, Vec<usize>) {
+        let (rows, missing) = cache.deliveries(&ids(asked));
+        (
+            rows.into_iter().map(|r| r.map(|r| r.token)).collect(),
+            missing,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_kept_hosts_phones_answer_deliveries_until_a_write_drops_them() {
+        let cache = ResolveCache::default();
+        cache
+            .host("h", || read_ok(vec![row("a", false), row("b", false)]))
+            .await
+            .unwrap();
+        let (tokens, missing) = delivered(&cache, &["b", "x", "a"]);
+        assert_eq!(
+            tokens,
+            [Some("token-of-b".into()), None, Some("token-of-a".into())]
+        );
+        assert_eq!(missing, [1], "an id of no kept host is read");
+
+        cache.invalidate("h");
+        assert_eq!(delivered(&cache, &["a", "b"]).1, [0, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_host_kept_again_forgets_the_phones_it_no_longer_has() {
+        let cache = ResolveCache::default();
+        // Two reads of one host in flight, no write between them: the one that ends last (with
+        // one phone deleted meanwhile, say) replaces the other's entry.
+        cache
+            .host("h", || async {
+                cache
+                    .host("h", || read_ok(vec![row("a", false), row("b", false)]))
+                    .await?;
+                Ok::<_, ()>(vec![row("a", false)])
+            })
+            .await
+            .unwrap();
+        let (tokens, missing) = delivered(&cache, &["a", "b"]);
+        assert_eq!(tokens[0].as_deref(), Some("token-of-a"));
+        assert_eq!(missing, [1]);
+    }
+
+    #[tokio::test]
+    async fn a_relayed_cache_answers_deliveries_only_while_its_relay_is_heard() {
+        let cache = ResolveCache::relayed();
+        cache.relay_connected();
+        cache.relay_heard();
+        cache
+            .host("h", || read_ok(vec![row("a", false)]))
+            .await
+            .unwrap();
+        assert!(delivered(&cache, &["a"]).1.is_empty());
+        cache.relay_lost();
+        assert_eq!(delivered(&cache, &["a"]).1, [0]);
+        cache.relay_connected();
+        cache.relay_heard();
+        assert_eq!(
+            delivered(&cache, &["a"]).1,
+            [0],
+            "read under an earlier connection"
+        );
     }
 
     #[tokio::test]
@@ -274,7 +430,7 @@ mod tests {
     async fn a_failed_read_is_not_kept() {
         let cache = ResolveCache::default();
         let failed = cache
-            .host("h", || async { Err::<Vec<ResolvedRow>, _>("down") })
+            .host("h", || async { Err::<Vec<DeliveryRow>, _>("down") })
             .await;
         assert_eq!(failed.unwrap_err(), "down");
         assert!(cache.is_empty());

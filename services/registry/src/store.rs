@@ -98,8 +98,8 @@ pub trait RegistryStore: Send + Sync + 'static {
 /// heartbeats, with an empty payload): see `resolve_cache`.
 pub const DEVICES_CHANNEL: &str = "orca_push_devices";
 
-const HOST_REGISTRATIONS_SQL: &str =
-    "SELECT registration_id, platform, dead_at FROM push_devices WHERE host_fingerprint = $1";
+const HOST_REGISTRATIONS_SQL: &str = "SELECT registration_id, platform, token, apns_environment, \
+     dead_at FROM push_devices WHERE host_fingerprint = $1";
 
 fn platform_of(value: &str) -> Result<Platform, sqlx::Error> {
     Platform::parse(value)
@@ -120,9 +120,9 @@ fn environment_of(value: Option<String>) -> Result<Option<ApnsEnvironment>, sqlx
 macro_rules! registry_store {
     ($store:ident) => {
         impl $store {
-            /// Every registration of `host` (at most 64, by the device cap): one static statement,
-            /// whatever ids a send names.
-            async fn host_registrations(&self, host: &str) -> Result<Vec<ResolvedRow>, RegistryError> {
+            /// Every registration of `host` (at most 64, by the device cap), as a delivery needs
+            /// it: one static statement, whatever ids a send names.
+            async fn host_registrations(&self, host: &str) -> Result<Vec<DeliveryRow>, RegistryError> {
                 use tracing::Instrument as _;
                 let rows = sqlx::query(HOST_REGISTRATIONS_SQL)
                     .bind(host)
@@ -131,14 +131,55 @@ macro_rules! registry_store {
                     .await?;
                 rows.iter()
                     .map(|row| {
-                        Ok(ResolvedRow {
+                        Ok(DeliveryRow {
                             registration_id: row.try_get("registration_id")?,
+                            host_fingerprint: host.to_owned(),
                             platform: platform_of(row.try_get("platform")?)?,
+                            token: row.try_get("token")?,
+                            apns_environment: environment_of(row.try_get("apns_environment")?)?,
                             dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
                         })
                     })
                     .collect::<Result<_, sqlx::Error>>()
                     .map_err(Into::into)
+            }
+
+            /// The rows of `ids` from the database, keyed by id (unknown ids absent).
+            async fn read_deliveries(
+                &self,
+                ids: &[&String],
+            ) -> Result<std::collections::HashMap<String, DeliveryRow>, RegistryError> {
+                use tracing::Instrument as _;
+                let mut query = sqlx::QueryBuilder::new(
+                    "SELECT registration_id, host_fingerprint, platform, token, apns_environment, dead_at \
+                     FROM push_devices WHERE registration_id IN (",
+                );
+                let mut list = query.separated(", ");
+                for id in ids {
+                    list.push_bind(*id);
+                }
+                query.push(")");
+                let rows = query
+                    .build()
+                    .fetch_all(self.reader())
+                    .instrument(orca_push_storage::db_span(Self::DB_SYSTEM, "for_delivery"))
+                    .await?;
+                let mut found = std::collections::HashMap::with_capacity(rows.len());
+                for row in rows {
+                    let id: String = row.try_get("registration_id")?;
+                    found.insert(
+                        id.clone(),
+                        DeliveryRow {
+                            registration_id: id,
+                            host_fingerprint: row.try_get("host_fingerprint")?,
+                            platform: platform_of(row.try_get("platform")?)?,
+                            token: row.try_get("token")?,
+                            apns_environment: environment_of(row.try_get("apns_environment")?)?,
+                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
+                        },
+                    );
+                }
+                Ok(found)
             }
 
             fn changed(&self, host: &str) {
@@ -270,7 +311,16 @@ macro_rules! registry_store {
                 // In the order asked; ids the host does not own are left out.
                 Ok(ids
                     .iter()
-                    .filter_map(|id| owned.iter().find(|row| row.registration_id == *id).cloned())
+                    .filter_map(|id| {
+                        owned
+                            .iter()
+                            .find(|row| row.registration_id == *id)
+                            .map(|row| ResolvedRow {
+                                registration_id: row.registration_id.clone(),
+                                platform: row.platform,
+                                dead: row.dead,
+                            })
+                    })
                     .collect())
             }
 
@@ -278,34 +328,26 @@ macro_rules! registry_store {
                 if ids.is_empty() {
                     return Ok(Vec::new());
                 }
-                // One read for a whole claim's devices (ids are capped at MAX_IDS_PER_CALL).
-                let mut query = sqlx::QueryBuilder::new(
-                    "SELECT registration_id, host_fingerprint, platform, token, apns_environment, dead_at \
-                     FROM push_devices WHERE registration_id IN (",
-                );
-                let mut list = query.separated(", ");
-                for id in ids {
-                    list.push_bind(id);
-                }
-                query.push(")");
-                let rows = query.build().fetch_all(self.reader()).await?;
-                let mut found = std::collections::HashMap::with_capacity(rows.len());
-                for row in rows {
-                    let id: String = row.try_get("registration_id")?;
-                    found.insert(
-                        id.clone(),
-                        DeliveryRow {
-                            registration_id: id,
-                            host_fingerprint: row.try_get("host_fingerprint")?,
-                            platform: platform_of(row.try_get("platform")?)?,
-                            token: row.try_get("token")?,
-                            apns_environment: environment_of(row.try_get("apns_environment")?)?,
-                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
-                        },
-                    );
+                // The phones of hosts a send resolved are kept (`resolve_cache`); the rest in one
+                // read (ids are capped at MAX_IDS_PER_CALL).
+                let (mut rows, missing) = match self.resolve_cache() {
+                    Some(cache) => cache.deliveries(ids),
+                    None => (vec![None; ids.len()], (0..ids.len()).collect()),
+                };
+                if !missing.is_empty() {
+                    let asked: Vec<&String> = missing.iter().map(|&i| &ids[i]).collect();
+                    let mut found = self.read_deliveries(&asked).await?;
+                    for i in missing {
+                        rows[i] = found.remove(&ids[i]);
+                    }
                 }
                 // In the order asked, once each; unknown ids are left out.
-                Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
+                let mut seen = std::collections::HashSet::with_capacity(ids.len());
+                Ok(rows
+                    .into_iter()
+                    .flatten()
+                    .filter(|row| seen.insert(row.registration_id.clone()))
+                    .collect())
             }
 
             async fn mark_dead(
@@ -536,8 +578,12 @@ impl RegistryStore for AnyRegistryStore {
             AnyRegistryStore::Postgres(s) => s.resolve(host, ids).await,
         }
     }
+    /// As `resolve`: only a read of the database gets a `db` span, named `for_delivery` as before.
     async fn for_delivery(&self, ids: &[String]) -> Result<Vec<DeliveryRow>, RegistryError> {
-        delegate!(self, s => s.for_delivery(ids))
+        match self {
+            AnyRegistryStore::Sqlite(s) => s.for_delivery(ids).await,
+            AnyRegistryStore::Postgres(s) => s.for_delivery(ids).await,
+        }
     }
     async fn mark_dead(
         &self,

@@ -76,6 +76,7 @@ on_both_backends!(
     hosts_with_devices_names_only_hosts_that_have_some,
     for_delivery_reads_many_devices_in_the_order_asked,
     only_a_resolve_that_reads_has_a_db_span,
+    a_resolved_hosts_phones_are_looked_up_without_a_read,
 );
 
 async fn for_delivery_reads_many_devices_in_the_order_asked(backend: Backend) {
@@ -412,4 +413,73 @@ async fn only_a_resolve_that_reads_has_a_db_span(backend: Backend) {
     assert_eq!(h.registry.resolve(HOST, ids).await.unwrap().len(), 1);
     let cached = backend == Backend::Sqlite;
     assert_eq!(spans.taken(), usize::from(!cached), "cached: {cached}");
+}
+
+/// A lane's look-up of phones whose host a send resolved reads nothing on SQLite (the registry
+/// owns the file), and sees a new token at once: the write drops the host's entry. On PostgreSQL
+/// without a relay every look-up reads.
+async fn a_resolved_hosts_phones_are_looked_up_without_a_read(backend: Backend) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let h = harness(backend).await;
+    let phone = h
+        .registry
+        .register(&ios(HOST, "phone", "aaaaaaaaaaaaaaaaaaaa"))
+        .await
+        .unwrap();
+    let tablet = h
+        .registry
+        .register(&android(OTHER, "tablet", &"b".repeat(40)))
+        .await
+        .unwrap();
+    let spans = DbSpans::default();
+    let _default =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let cached = backend == Backend::Sqlite;
+    let tokens = |rows: Vec<orca_push_registry::store::DeliveryRow>| -> Vec<(String, String)> {
+        rows.into_iter()
+            .map(|r| (r.registration_id, r.token))
+            .collect()
+    };
+
+    h.registry
+        .resolve(HOST, std::slice::from_ref(&phone))
+        .await
+        .unwrap();
+    spans.taken();
+    let both = [tablet.clone(), phone.clone(), phone.clone()];
+    let found = tokens(h.registry.for_delivery(&both).await.unwrap());
+    assert_eq!(
+        found,
+        [
+            (tablet.clone(), "b".repeat(40)),
+            (phone.clone(), "aaaaaaaaaaaaaaaaaaaa".to_owned())
+        ],
+        "in the order asked, once each"
+    );
+    assert_eq!(spans.taken(), 1, "the unresolved host's phone is read");
+    let alone = std::slice::from_ref(&phone);
+    assert_eq!(
+        tokens(h.registry.for_delivery(alone).await.unwrap()),
+        [(phone.clone(), "aaaaaaaaaaaaaaaaaaaa".to_owned())]
+    );
+    assert_eq!(spans.taken(), usize::from(!cached), "cached: {cached}");
+
+    h.registry
+        .register(&ios(HOST, "phone", "cccccccccccccccccccc"))
+        .await
+        .unwrap();
+    spans.taken();
+    assert_eq!(
+        tokens(h.registry.for_delivery(alone).await.unwrap()),
+        [(phone.clone(), "cccccccccccccccccccc".to_owned())],
+        "a new token at once"
+    );
+    assert_eq!(spans.taken(), 1);
+    h.registry.resolve(HOST, alone).await.unwrap();
+    spans.taken();
+    let found = h.registry.for_delivery(alone).await.unwrap();
+    assert_eq!(found[0].token, "cccccccccccccccccccc");
+    assert_eq!(found[0].apns_environment, Some(ApnsEnvironment::Production));
+    assert_eq!(found[0].host_fingerprint, HOST);
+    assert_eq!(spans.taken(), usize::from(!cached));
 }
