@@ -28,9 +28,16 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::store::DeliveryRow;
 
-/// Hosts kept at most; when full, the cache starts again empty (a host with two phones costs
-/// about 1 KB: each phone keeps its token and its host).
+/// Hosts kept at most; when full, the cache starts again empty.
 pub const MAX_CACHED_HOSTS: usize = 50_000;
+/// What the kept rows may take (their ids, hosts and tokens, and a share of the maps); past it the
+/// cache starts again empty. A host with two phones takes about 1 KB, so this holds some 30,000
+/// such hosts; a host may register 64 phones with tokens of up to 4 KiB, and a count of hosts
+/// alone would let hosts made for the purpose hold gigabytes.
+pub const MAX_CACHED_BYTES: usize = 32 << 20;
+/// What a kept row takes besides its strings: the row, its strings' headers, its place in the two
+/// maps (an estimate; it only bounds the cache).
+const ROW_OVERHEAD: usize = 160;
 /// A relayed cache serves entries only while its relay was heard this recently (heartbeats come
 /// about every 200 ms).
 pub const RELAY_SILENCE: std::time::Duration = std::time::Duration::from_millis(600);
@@ -44,6 +51,7 @@ pub struct ResolveCache {
     /// Bumped by every invalidation, before its host is dropped.
     generation: AtomicU64,
     max_hosts: usize,
+    max_bytes: usize,
     /// `None`: exact. Otherwise what the relay has been heard of.
     relay: Option<Relay>,
 }
@@ -53,6 +61,8 @@ pub struct ResolveCache {
 struct Kept {
     hosts: HashMap<String, Host>,
     registrations: HashMap<String, String>,
+    /// What the kept hosts' rows take (`Host::bytes`).
+    bytes: usize,
 }
 
 /// Counts only: the rows hold push tokens, which no log may carry.
@@ -61,6 +71,7 @@ impl std::fmt::Debug for Kept {
         f.debug_struct("Kept")
             .field("hosts", &self.hosts.len())
             .field("registrations", &self.registrations.len())
+            .field("bytes", &self.bytes)
             .finish()
     }
 }
@@ -70,12 +81,32 @@ struct Host {
     rows: HostRegistrations,
     /// The relay connection it was read under (0 for an exact cache).
     connection: u64,
+    /// What its rows take, as `MAX_CACHED_BYTES` counts.
+    bytes: usize,
+}
+
+impl Host {
+    fn new(host: &str, rows: HostRegistrations, connection: u64) -> Self {
+        let bytes = host.len()
+            + rows
+                .iter()
+                .map(|r| {
+                    ROW_OVERHEAD + 2 * r.registration_id.len() + 2 * host.len() + r.token.len()
+                })
+                .sum::<usize>();
+        Self {
+            rows,
+            connection,
+            bytes,
+        }
+    }
 }
 
 impl Kept {
     fn clear(&mut self) {
         self.hosts.clear();
         self.registrations.clear();
+        self.bytes = 0;
     }
 
     fn insert(&mut self, host: &str, entry: Host) {
@@ -83,13 +114,16 @@ impl Kept {
             self.registrations
                 .insert(row.registration_id.clone(), host.to_owned());
         }
+        self.bytes += entry.bytes;
         if let Some(replaced) = self.hosts.insert(host.to_owned(), entry) {
+            self.bytes -= replaced.bytes;
             self.forget(host, &replaced);
         }
     }
 
     fn remove(&mut self, host: &str) {
         if let Some(removed) = self.hosts.remove(host) {
+            self.bytes -= removed.bytes;
             self.forget(host, &removed);
         }
     }
@@ -107,13 +141,15 @@ impl Kept {
         }
     }
 
-    /// The kept row of `id`, read under `connection`.
-    fn delivery(&self, id: &str, connection: u64) -> Option<&DeliveryRow> {
+    /// The kept rows of the host `id` belongs to (read under `connection`), and where `id` is in
+    /// them.
+    fn delivery(&self, id: &str, connection: u64) -> Option<(HostRegistrations, usize)> {
         let host = self.hosts.get(self.registrations.get(id)?)?;
         if host.connection != connection {
             return None;
         }
-        host.rows.iter().find(|row| row.registration_id == id)
+        let at = host.rows.iter().position(|row| row.registration_id == id)?;
+        Some((host.rows.clone(), at))
     }
 }
 
@@ -151,10 +187,16 @@ impl Default for ResolveCache {
 
 impl ResolveCache {
     pub fn with_capacity(max_hosts: usize) -> Self {
+        Self::with_limits(max_hosts, MAX_CACHED_BYTES)
+    }
+
+    /// At most `max_hosts` hosts whose rows take at most `max_bytes` (`MAX_CACHED_BYTES`).
+    pub fn with_limits(max_hosts: usize, max_bytes: usize) -> Self {
         Self {
             kept: Mutex::new(Kept::default()),
             generation: AtomicU64::new(0),
             max_hosts,
+            max_bytes,
             relay: None,
         }
     }
@@ -234,16 +276,14 @@ impl ResolveCache {
         // (or was relayed) after this read began either shows here or drops the entry after it
         // is inserted.
         if self.generation.load(Ordering::SeqCst) == began {
-            if kept.hosts.len() >= self.max_hosts {
+            let entry = Host::new(host, rows.clone(), connection);
+            if kept.hosts.len() >= self.max_hosts || kept.bytes + entry.bytes > self.max_bytes {
                 kept.clear();
             }
-            kept.insert(
-                host,
-                Host {
-                    rows: rows.clone(),
-                    connection,
-                },
-            );
+            // A host past the whole budget is served, not kept.
+            if entry.bytes <= self.max_bytes {
+                kept.insert(host, entry);
+            }
         }
         Ok(rows)
     }
@@ -251,18 +291,26 @@ impl ResolveCache {
     /// The kept rows of `ids` (at the index each was asked at), and the indexes of those not
     /// kept, for the caller to read.
     pub fn deliveries(&self, ids: &[String]) -> (Vec<Option<DeliveryRow>>, Vec<usize>) {
-        let mut rows = vec![None; ids.len()];
         let mut missing = Vec::new();
         let vouching = self.vouching();
-        {
+        // Shared under the lock, copied after it.
+        let found: Vec<Option<(HostRegistrations, usize)>> = {
             let kept = self.kept();
-            for (i, id) in ids.iter().enumerate() {
-                match vouching.and_then(|connection| kept.delivery(id, connection)) {
-                    Some(row) => rows[i] = Some(row.clone()),
-                    None => missing.push(i),
+            ids.iter()
+                .map(|id| vouching.and_then(|connection| kept.delivery(id, connection)))
+                .collect()
+        };
+        let rows: Vec<Option<DeliveryRow>> = found
+            .into_iter()
+            .enumerate()
+            .map(|(i, found)| {
+                let row = found.map(|(rows, at)| rows[at].clone());
+                if row.is_none() {
+                    missing.push(i);
                 }
-            }
-        }
+                row
+            })
+            .collect();
         let source = |found: bool| if found { "memory" } else { "database" };
         metrics::counter!("orca_push_registry_delivery_lookups_total", "source" => source(true))
             .increment((ids.len() - missing.len()) as u64);
@@ -338,6 +386,13 @@ mod tests {
         assert_eq!(delivered(&cache, &["a", "b"]).1, [0, 1]);
     }
 
+    #[test]
+    fn a_rows_debug_leaves_its_token_out() {
+        let printed = format!("{:?}", row("a", false));
+        assert!(!printed.contains("token-of-a"), "{printed}");
+        assert!(printed.contains("token_bytes: 10"), "{printed}");
+    }
+
     #[tokio::test]
     async fn the_cache_prints_counts_not_tokens() {
         let cache = ResolveCache::default();
@@ -367,6 +422,59 @@ mod tests {
         let (tokens, missing) = delivered(&cache, &["a", "b"]);
         assert_eq!(tokens[0].as_deref(), Some("token-of-a"));
         assert_eq!(missing, [1]);
+        let printed = format!("{cache:?}");
+        assert!(
+            printed.contains("registrations: 1"),
+            "b forgotten: {printed}"
+        );
+        cache.invalidate("h");
+        let printed = format!("{cache:?}");
+        assert!(printed.contains("registrations: 0"), "{printed}");
+        assert!(printed.contains("bytes: 0"), "{printed}");
+    }
+
+    #[tokio::test]
+    async fn a_read_kept_under_a_lost_relay_connection_answers_no_delivery() {
+        let cache = ResolveCache::relayed();
+        cache.relay_connected();
+        cache.relay_heard();
+        // The relay reconnects while the read is in flight: announcements may have been lost
+        // in between, so what the read saw is kept under the old connection and not served.
+        cache
+            .host("h", || async {
+                cache.relay_connected();
+                cache.relay_heard();
+                Ok::<_, ()>(vec![row("a", false)])
+            })
+            .await
+            .unwrap();
+        assert_eq!(cache.len(), 1);
+        assert_eq!(delivered(&cache, &["a"]).1, [0]);
+    }
+
+    #[tokio::test]
+    async fn a_cache_past_its_bytes_starts_again_empty() {
+        let one_host = Host::new("h", vec![row("a", false)].into(), 0).bytes;
+        let cache = ResolveCache::with_limits(100, 2 * one_host);
+        for host in ["h", "g"] {
+            cache
+                .host(host, || read_ok(vec![row("a", false)]))
+                .await
+                .unwrap();
+        }
+        assert_eq!(cache.len(), 2);
+        cache
+            .host("f", || read_ok(vec![row("c", false)]))
+            .await
+            .unwrap();
+        assert_eq!(cache.len(), 1, "started again with f alone");
+        assert_eq!(delivered(&cache, &["c"]).1, Vec::<usize>::new());
+        // A host past the whole budget is answered, not kept.
+        let mut big = row("d", false);
+        big.token = "t".repeat(4 * one_host);
+        let answered = cache.host("e", || read_ok(vec![big])).await.unwrap();
+        assert_eq!(answered.len(), 1);
+        assert!(!cache.kept().hosts.contains_key("e"));
     }
 
     #[tokio::test]

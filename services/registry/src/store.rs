@@ -35,8 +35,8 @@ pub struct DeviceRow {
     pub filter: Option<DeviceFilter>,
 }
 
-/// A registration as a delivery needs it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A registration as a delivery needs it. Its `Debug` leaves the token out.
+#[derive(Clone, PartialEq, Eq)]
 pub struct DeliveryRow {
     pub registration_id: String,
     pub host_fingerprint: String,
@@ -44,6 +44,18 @@ pub struct DeliveryRow {
     pub token: String,
     pub apns_environment: Option<ApnsEnvironment>,
     pub dead: bool,
+}
+
+impl std::fmt::Debug for DeliveryRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeliveryRow")
+            .field("registration_id", &self.registration_id)
+            .field("platform", &self.platform)
+            .field("token_bytes", &self.token.len())
+            .field("apns_environment", &self.apns_environment)
+            .field("dead", &self.dead)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What send needs to know of one id the host owns.

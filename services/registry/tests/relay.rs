@@ -45,6 +45,24 @@ async fn resolve_until(
     false
 }
 
+/// Looks `id` up for delivery on `registry` until `done` holds of the answer, for at most
+/// `within`.
+async fn delivered_until(
+    registry: &DeviceRegistry<AnyRegistryStore>,
+    id: &str,
+    within: Duration,
+    done: impl Fn(&[orca_push_registry::store::DeliveryRow]) -> bool,
+) -> bool {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if done(&registry.for_delivery(&[id.to_owned()]).await.unwrap()) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_drops_what_another_replica_changed() {
     let (config, _guard) = fresh(Backend::Postgres).await;
@@ -99,6 +117,23 @@ async fn a_replica_drops_what_another_replica_changed() {
         alive,
         "still resolved dead after another replica revived it"
     );
+    // A lane's look-up here takes the kept host's phone, with the new token.
+    let new_token = delivered_until(&watching, &id, Duration::from_secs(1), |rows| {
+        rows.len() == 1 && rows[0].token == token('b') && !rows[0].dead
+    })
+    .await;
+    assert!(new_token, "a look-up here never saw the new token");
+
+    // A newer token there: a look-up here sees it soon after, kept or read.
+    writing
+        .register(&android("phone", &token('c')))
+        .await
+        .unwrap();
+    let newer = delivered_until(&watching, &id, Duration::from_secs(1), |rows| {
+        rows.len() == 1 && rows[0].token == token('c')
+    })
+    .await;
+    assert!(newer, "still looked up the old token a second after");
 
     // Deleted there: gone here.
     writing.delete(HOST, &id).await.unwrap();
@@ -106,6 +141,11 @@ async fn a_replica_drops_what_another_replica_changed() {
     assert!(
         gone,
         "still resolved a second after another replica deleted it"
+    );
+    let gone = delivered_until(&watching, &id, Duration::from_secs(1), <[_]>::is_empty).await;
+    assert!(
+        gone,
+        "still looked up a second after another replica deleted it"
     );
     shutdown.cancel();
 }

@@ -330,7 +330,9 @@ impl Sender {
 
     /// The devices of a claim's batches, by registration id, in one registry call. The registry is
     /// the truth: a device deleted, marked dead or given a new token since admission is seen here,
-    /// just before the attempts.
+    /// just before the attempts (on PostgreSQL a replica's kept copy of a host follows another
+    /// replica's write by the time its relay takes to hear of it; a token the provider then
+    /// refuses is marked dead only while it is still the registration's).
     async fn look_up(
         &self,
         batches: &[queue_pb::ClaimedBatch],
