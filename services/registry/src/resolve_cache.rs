@@ -116,14 +116,14 @@ impl Kept {
         }
         self.bytes += entry.bytes;
         if let Some(replaced) = self.hosts.insert(host.to_owned(), entry) {
-            self.bytes -= replaced.bytes;
+            self.bytes = self.bytes.saturating_sub(replaced.bytes);
             self.forget(host, &replaced);
         }
     }
 
     fn remove(&mut self, host: &str) {
         if let Some(removed) = self.hosts.remove(host) {
-            self.bytes -= removed.bytes;
+            self.bytes = self.bytes.saturating_sub(removed.bytes);
             self.forget(host, &removed);
         }
     }

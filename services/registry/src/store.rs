@@ -110,8 +110,14 @@ pub trait RegistryStore: Send + Sync + 'static {
 /// heartbeats, with an empty payload): see `resolve_cache`.
 pub const DEVICES_CHANNEL: &str = "orca_push_devices";
 
-const HOST_REGISTRATIONS_SQL: &str = "SELECT registration_id, platform, token, apns_environment, \
-     dead_at FROM push_devices WHERE host_fingerprint = $1";
+/// A `DeliveryRow`'s columns (`delivery_row`), before the condition.
+macro_rules! delivery_columns {
+    () => {
+        "SELECT registration_id, host_fingerprint, platform, token, apns_environment, dead_at \
+         FROM push_devices WHERE "
+    };
+}
+const HOST_REGISTRATIONS_SQL: &str = concat!(delivery_columns!(), "host_fingerprint = $1");
 
 fn platform_of(value: &str) -> Result<Platform, sqlx::Error> {
     Platform::parse(value)
@@ -130,7 +136,7 @@ fn environment_of(value: Option<String>) -> Result<Option<ApnsEnvironment>, sqlx
 
 /// SQL shared by both backends; each expands it over its own pool and row types.
 macro_rules! registry_store {
-    ($store:ident) => {
+    ($store:ident, $row:ty) => {
         impl $store {
             /// Every registration of `host` (at most 64, by the device cap), as a delivery needs
             /// it: one static statement, whatever ids a send names.
@@ -142,18 +148,21 @@ macro_rules! registry_store {
                     .instrument(orca_push_storage::db_span(Self::DB_SYSTEM, "resolve"))
                     .await?;
                 rows.iter()
-                    .map(|row| {
-                        Ok(DeliveryRow {
-                            registration_id: row.try_get("registration_id")?,
-                            host_fingerprint: host.to_owned(),
-                            platform: platform_of(row.try_get("platform")?)?,
-                            token: row.try_get("token")?,
-                            apns_environment: environment_of(row.try_get("apns_environment")?)?,
-                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
-                        })
-                    })
+                    .map(Self::delivery_row)
                     .collect::<Result<_, sqlx::Error>>()
                     .map_err(Into::into)
+            }
+
+            /// A row of `delivery_columns!`.
+            fn delivery_row(row: &$row) -> Result<DeliveryRow, sqlx::Error> {
+                Ok(DeliveryRow {
+                    registration_id: row.try_get("registration_id")?,
+                    host_fingerprint: row.try_get("host_fingerprint")?,
+                    platform: platform_of(row.try_get("platform")?)?,
+                    token: row.try_get("token")?,
+                    apns_environment: environment_of(row.try_get("apns_environment")?)?,
+                    dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
+                })
             }
 
             /// The rows of `ids` from the database, keyed by id (unknown ids absent).
@@ -162,10 +171,8 @@ macro_rules! registry_store {
                 ids: &[&String],
             ) -> Result<std::collections::HashMap<String, DeliveryRow>, RegistryError> {
                 use tracing::Instrument as _;
-                let mut query = sqlx::QueryBuilder::new(
-                    "SELECT registration_id, host_fingerprint, platform, token, apns_environment, dead_at \
-                     FROM push_devices WHERE registration_id IN (",
-                );
+                let mut query = sqlx::QueryBuilder::new(delivery_columns!());
+                query.push("registration_id IN (");
                 let mut list = query.separated(", ");
                 for id in ids {
                     list.push_bind(*id);
@@ -177,19 +184,9 @@ macro_rules! registry_store {
                     .instrument(orca_push_storage::db_span(Self::DB_SYSTEM, "for_delivery"))
                     .await?;
                 let mut found = std::collections::HashMap::with_capacity(rows.len());
-                for row in rows {
-                    let id: String = row.try_get("registration_id")?;
-                    found.insert(
-                        id.clone(),
-                        DeliveryRow {
-                            registration_id: id,
-                            host_fingerprint: row.try_get("host_fingerprint")?,
-                            platform: platform_of(row.try_get("platform")?)?,
-                            token: row.try_get("token")?,
-                            apns_environment: environment_of(row.try_get("apns_environment")?)?,
-                            dead: row.try_get::<Option<i64>, _>("dead_at")?.is_some(),
-                        },
-                    );
+                for row in &rows {
+                    let row = Self::delivery_row(row)?;
+                    found.insert(row.registration_id.clone(), row);
                 }
                 Ok(found)
             }
@@ -355,10 +352,10 @@ macro_rules! registry_store {
                 }
                 // In the order asked, once each; unknown ids are left out.
                 let mut seen = std::collections::HashSet::with_capacity(ids.len());
-                Ok(rows
-                    .into_iter()
-                    .flatten()
-                    .filter(|row| seen.insert(row.registration_id.clone()))
+                Ok(ids
+                    .iter()
+                    .zip(rows)
+                    .filter_map(|(id, row)| if seen.insert(id.as_str()) { row } else { None })
                     .collect())
             }
 
@@ -518,8 +515,8 @@ impl PgRegistryStore {
     }
 }
 
-registry_store!(SqliteRegistryStore);
-registry_store!(PgRegistryStore);
+registry_store!(SqliteRegistryStore, sqlx::sqlite::SqliteRow);
+registry_store!(PgRegistryStore, sqlx::postgres::PgRow);
 
 /// Either backend, chosen at start-up.
 #[derive(Debug, Clone)]
