@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::future::Future;
 
 use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::engine::general_purpose::{self, GeneralPurpose, URL_SAFE_NO_PAD};
 use orca_push_storage::Pool;
 use rand::RngCore as _;
 use sql::{Exec as _, Row as _, Stmt};
@@ -56,26 +56,47 @@ pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {
 /// The channel replicas listen on for newly due work (PostgreSQL).
 pub const WAKE_CHANNEL: &str = "orca_push_queue";
 
-/// An unguessable token (a lease's): 18 random bytes, base64url (24 characters).
+/// An unguessable token (a lease's): 18 random bytes, base64url (24 characters). The bytes come
+/// from the thread's generator (ChaCha12, seeded and reseeded from the OS), not a system call each.
 pub fn random_id() -> String {
     let mut bytes = [0u8; 18];
-    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    rand::thread_rng().fill_bytes(&mut bytes);
     URL_SAFE_NO_PAD.encode(bytes)
 }
 
+/// base64url's 64 characters in ASCII order, the order SQLite compares text in, so that an id's
+/// text sorts as its bytes do.
+const SORTED_ALPHABET: base64::alphabet::Alphabet = match base64::alphabet::Alphabet::new(
+    "-0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz",
+) {
+    Ok(alphabet) => alphabet,
+    Err(_) => panic!("64 distinct characters"),
+};
+
+/// Base64 in `SORTED_ALPHABET`, without padding.
+const SORTED: GeneralPurpose = GeneralPurpose::new(&SORTED_ALPHABET, general_purpose::NO_PAD);
+
 /// A new event or batch id: the current Unix millisecond (6 bytes, big-endian), then 12 random
-/// bytes, base64url (24 characters, as before). Ids made together share their first characters, so
-/// a group's rows land side by side in the id indexes (the events' and batches' keys, the
-/// recipients' key and batch index) instead of one random leaf page each: fewer pages written per
-/// commit. 96 random bits keep them unguessable; nothing relies on their order.
+/// bytes, in base64url's characters put in ASCII order (24 characters). An id made later sorts
+/// after, so new rows land at the end of the id indexes (the events' and batches' keys, the
+/// recipients' key and batch index), where one page takes a round's entries. In base64url's own
+/// order ('Z' < 'a' but 'z' > '0') the millisecond's characters wrapped around every 64 ms and a
+/// commit wrote some two pages of each such index (docs/benchmarks.md, round 24). 96 random bits
+/// keep the ids unguessable; nothing else relies on their order.
 pub fn ordered_id() -> String {
     let ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
+    let mut random = [0u8; 12];
+    rand::thread_rng().fill_bytes(&mut random);
+    ordered_id_at(ms, random)
+}
+
+fn ordered_id_at(ms: u128, random: [u8; 12]) -> String {
     let mut bytes = [0u8; 18];
     bytes[..6].copy_from_slice(&ms.to_be_bytes()[10..]);
-    rand::rngs::OsRng.fill_bytes(&mut bytes[6..]);
-    URL_SAFE_NO_PAD.encode(bytes)
+    bytes[6..].copy_from_slice(&random);
+    SORTED.encode(bytes)
 }
 
 /// What an admission did.
@@ -522,7 +543,7 @@ mod tests {
     use super::*;
 
     fn millis_of(id: &str) -> u64 {
-        let bytes = URL_SAFE_NO_PAD.decode(id).unwrap();
+        let bytes = SORTED.decode(id).unwrap();
         bytes[..6].iter().fold(0, |ms, b| ms << 8 | u64::from(*b))
     }
 
@@ -536,10 +557,28 @@ mod tests {
         assert_eq!((a.len(), b.len()), (24, 24));
         for id in [&a, &b] {
             assert!(millis_of(id).abs_diff(now) < 5_000, "{id}");
+            assert!(
+                id.bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+            );
         }
         // The 16 characters after the 8 of the millisecond are the random bytes.
         assert_ne!(a[8..], b[8..]);
         assert_eq!(random_id().len(), 24);
+    }
+
+    /// An id of a later millisecond sorts after any id of an earlier one, whatever their random
+    /// bytes, as SQLite compares them (bytewise): in base64url's own alphabet the ids of this
+    /// range fall back to a lower place each time a character wraps from 'z' to '0'.
+    #[test]
+    fn an_id_of_a_later_millisecond_sorts_after() {
+        let start: u128 = 1_796_000_000_000;
+        let mut last = ordered_id_at(start, [0xff; 12]);
+        for ms in (start + 1)..(start + 300_000) {
+            let low = ordered_id_at(ms, [0; 12]);
+            assert!(low > last, "{ms}: {low} <= {last}");
+            last = ordered_id_at(ms, [0xff; 12]);
+        }
     }
 
     /// Every statement that finds batches by registration reads the index of live batches:
