@@ -12,7 +12,7 @@ use orca_push_internal_auth::InternalChannel;
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
 use orca_push_storage::Clock;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
@@ -61,7 +61,10 @@ const CLAIM_BATCHES_BACKLOGGED: usize = 64;
 /// The drain grace (8 s) plus this stays under the platform's 10 s.
 const REPORT_GRACE: Duration = Duration::from_secs(1);
 /// How long a claim waits for due work before asking again.
-const CLAIM_WAIT_MS: u32 = 10_000;
+const CLAIM_WAIT: Duration = Duration::from_secs(10);
+/// How long a lane whose share of a provider is (nearly) full waits, at most, before it asks again
+/// for the other provider's work, when its last claim found none.
+const SATURATED_POLL: Duration = Duration::from_millis(100);
 
 /// How many batches the lane's claims ask for at most (never more than it has room for), after
 /// one that could ask for `size`, asked for `asked` and got `got`: twice as many (up to
@@ -156,13 +159,63 @@ impl ProviderRoom {
         }
     }
 
-    fn try_take(&self, target: &Target) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let room = if target.provider() == "apns" {
+    fn each(&self) -> [(queue_pb::Provider, &Arc<Semaphore>); 2] {
+        [
+            (queue_pb::Provider::Apns, &self.apns),
+            (queue_pb::Provider::Fcm, &self.fcm),
+        ]
+    }
+
+    /// A place in the share of the provider of a device of `platform`, if one is free.
+    fn try_take(&self, platform: i32) -> Option<OwnedSemaphorePermit> {
+        let room = if platform == registry_pb::Platform::Ios as i32 {
             &self.apns
         } else {
             &self.fcm
         };
         room.clone().try_acquire_owned().ok()
+    }
+
+    /// What the lane's next claim may take: the providers to leave alone (`held` ones and those
+    /// with fewer than `CLAIM_BATCHES` places free) and the fewest places free among the rest,
+    /// so that no batch it brings back finds its provider's share full. None when every provider
+    /// is left alone.
+    fn claimable(&self, held: &[i32]) -> (Vec<i32>, Option<usize>) {
+        let mut skip = held.to_vec();
+        let mut least: Option<usize> = None;
+        for (provider, room) in self.each() {
+            let provider = provider as i32;
+            if skip.contains(&provider) {
+                continue;
+            }
+            let free = room.available_permits();
+            if free < CLAIM_BATCHES {
+                skip.push(provider);
+            } else {
+                least = Some(least.map_or(free, |l| l.min(free)));
+            }
+        }
+        (skip, least)
+    }
+
+    /// Resolves once a provider that is not `held` has `CLAIM_BATCHES` places free again (at
+    /// once if one has; never if every provider is held). The places are only looked at, not
+    /// kept: the claim that follows counts them again.
+    async fn freed(&self, held: &[i32]) {
+        let freed = |provider: queue_pb::Provider, room: &Arc<Semaphore>| {
+            let room = room.clone();
+            let held = held.contains(&(provider as i32));
+            async move {
+                if held {
+                    std::future::pending::<()>().await;
+                }
+                let _ = room.acquire_many(CLAIM_BATCHES as u32).await;
+            }
+        };
+        tokio::select! {
+            _ = freed(queue_pb::Provider::Apns, &self.apns) => {}
+            _ = freed(queue_pb::Provider::Fcm, &self.fcm) => {}
+        }
     }
 }
 
@@ -230,13 +283,33 @@ impl Sender {
                     Err(_) => break,
                 },
             };
-            let want = (capacity.available_permits() + 1).min(claim_size);
             // A held provider's work stays in the queue until its probe is due: claiming it
             // would only hand it back (a claim and a retry per new send during an outage).
-            let (skip_providers, hold_ends) = self.breakers.held(std::time::Instant::now());
-            let wait_ms = hold_ends.map_or(CLAIM_WAIT_MS, |left| {
-                u32::try_from(left.as_millis()).map_or(CLAIM_WAIT_MS, |ms| ms.min(CLAIM_WAIT_MS))
-            });
+            let (held, hold_ends) = self.breakers.held(std::time::Instant::now());
+            let hold_wait = hold_ends.map_or(CLAIM_WAIT, |left| left.min(CLAIM_WAIT));
+            // So is the work of a provider whose share of this lane is (nearly) full: another
+            // lane takes it, or this one once places free. Taken and found with no place, it
+            // would go back for `SATURATED_RETRY`.
+            let (skip_providers, least_free) = provider_room.claimable(&held);
+            let saturated = skip_providers.len() > held.len();
+            if saturated && least_free.is_none() {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    () = provider_room.freed(&held) => {}
+                    () = tokio::time::sleep(hold_wait) => {}
+                }
+                continue;
+            }
+            let want = (capacity.available_permits() + 1)
+                .min(claim_size)
+                .min(least_free.unwrap_or(usize::MAX));
+            // With a provider left alone for its share, the claim does not wait for work: the
+            // lane waits below for either places or a while, whichever comes first.
+            let wait_ms = if saturated {
+                0
+            } else {
+                u32::try_from(hold_wait.as_millis()).unwrap_or(u32::MAX)
+            };
             let mut queue = self.queue.clone();
             let claimed = tokio::select! {
                 _ = stop.cancelled() => break,
@@ -263,6 +336,14 @@ impl Sender {
                     }
                 }
             };
+            if saturated && batches.is_empty() {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    () = provider_room.freed(&held) => {}
+                    () = tokio::time::sleep(SATURATED_POLL) => {}
+                }
+                continue;
+            }
             let devices = self.look_up(&batches).await;
             let mut room = Some(room);
             let mut batches = batches.into_iter();
@@ -287,12 +368,16 @@ impl Sender {
                         }
                     },
                 };
+                // Its place in the provider's share, taken here so that the next claim counts it.
+                let place = match &device {
+                    Ok(Some(device)) if !device.dead => provider_room.try_take(device.platform),
+                    _ => None,
+                };
                 let sender = self.clone();
                 let reporter = reporter.clone();
-                let provider_room = provider_room.clone();
                 in_flight.spawn(async move {
                     sender
-                        .deliver(Job::from_claim(batch), device, &provider_room, &reporter)
+                        .deliver(Job::from_claim(batch), device, place, &reporter)
                         .await;
                     drop(permit);
                 });
@@ -403,7 +488,7 @@ impl Sender {
         &self,
         job: Job,
         device: Lookup,
-        provider_room: &ProviderRoom,
+        place: Option<OwnedSemaphorePermit>,
         reporter: &Reporter,
     ) {
         // Its own trace, linked to the trace of every event it carries.
@@ -415,7 +500,7 @@ impl Sender {
             orca.attempt = job.attempt,
         );
         orca_push_telemetry::link_traces(&span, &job.member_traceparents);
-        self.deliver_in_span(job, device, provider_room, reporter)
+        self.deliver_in_span(job, device, place, reporter)
             .instrument(span)
             .await;
     }
@@ -424,7 +509,7 @@ impl Sender {
         &self,
         job: Job,
         device: Lookup,
-        provider_room: &ProviderRoom,
+        place: Option<OwnedSemaphorePermit>,
         reporter: &Reporter,
     ) {
         let renewing = CancellationToken::new();
@@ -437,7 +522,7 @@ impl Sender {
             self.clock.clone(),
             renewing.clone(),
         ));
-        let outcome = self.attempt(&job, device, provider_room).await;
+        let outcome = self.attempt(&job, device, place).await;
         renewing.cancel();
         let _ = renewer.await;
         if let Err(status) = self.report(&job, outcome, reporter).await {
@@ -446,7 +531,13 @@ impl Sender {
         }
     }
 
-    async fn attempt(&self, job: &Job, device: Lookup, provider_room: &ProviderRoom) -> Outcome {
+    /// `place` is the batch's place in its provider's share of the lane (None if it was full).
+    async fn attempt(
+        &self,
+        job: &Job,
+        device: Lookup,
+        place: Option<OwnedSemaphorePermit>,
+    ) -> Outcome {
         let now = now_ms(&*self.clock);
         if now >= job.deadline_ms {
             return Outcome::HandBack(now, "deadline");
@@ -476,7 +567,7 @@ impl Sender {
                 return Outcome::HandBack(at_ms(now, wait), "provider_held");
             }
         };
-        let Some(_room) = provider_room.try_take(&target) else {
+        let Some(_place) = place else {
             return Outcome::HandBack(at_ms(now, SATURATED_RETRY), "provider_saturated");
         };
         // Nothing is sent past the earliest member's deadline, however the provider stalls.
@@ -723,5 +814,91 @@ mod tests {
         // Short of room, the lane asked for less than it could: a full answer still grows it.
         assert_eq!(next_claim_size(64, 20, 20), 64);
         assert_eq!(next_claim_size(16, 3, 3), 32);
+    }
+
+    const IOS: i32 = registry_pb::Platform::Ios as i32;
+    const ANDROID: i32 = registry_pb::Platform::Android as i32;
+    const APNS: i32 = queue_pb::Provider::Apns as i32;
+    const FCM: i32 = queue_pb::Provider::Fcm as i32;
+
+    #[test]
+    fn a_claim_takes_no_more_than_the_fullest_providers_share_has_room_for() {
+        let room = ProviderRoom::new();
+        assert_eq!(room.claimable(&[]), (vec![], Some(IN_FLIGHT_PER_PROVIDER)));
+        let apns: Vec<_> = (0..IN_FLIGHT_PER_PROVIDER - 20)
+            .map(|_| room.try_take(IOS).unwrap())
+            .collect();
+        assert_eq!(
+            room.claimable(&[]),
+            (vec![], Some(20)),
+            "20 places left for APNs"
+        );
+        let fcm = room.try_take(ANDROID).unwrap();
+        assert_eq!(room.claimable(&[]), (vec![], Some(20)));
+        drop(fcm);
+        // Under CLAIM_BATCHES places: APNs work is left to other lanes, FCM's still taken.
+        let more: Vec<_> = (0..5).map(|_| room.try_take(IOS).unwrap()).collect();
+        assert_eq!(
+            room.claimable(&[]),
+            (vec![APNS], Some(IN_FLIGHT_PER_PROVIDER))
+        );
+        // A held provider is skipped as before, and counts for nothing.
+        assert_eq!(room.claimable(&[FCM]), (vec![FCM, APNS], None));
+        drop(more);
+        assert_eq!(room.claimable(&[FCM]), (vec![FCM], Some(20)));
+        drop(apns);
+    }
+
+    #[test]
+    fn a_full_share_has_no_place_to_give() {
+        let room = ProviderRoom::new();
+        let taken: Vec<_> = (0..IN_FLIGHT_PER_PROVIDER)
+            .map(|_| room.try_take(IOS).unwrap())
+            .collect();
+        assert!(room.try_take(IOS).is_none());
+        assert!(
+            room.try_take(ANDROID).is_some(),
+            "the other provider's share is apart"
+        );
+        drop(taken);
+        assert!(room.try_take(IOS).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_saturated_lane_wakes_when_its_share_has_room_again() {
+        let room = ProviderRoom::new();
+        let mut apns: Vec<_> = (0..IN_FLIGHT_PER_PROVIDER)
+            .map(|_| room.try_take(IOS).unwrap())
+            .collect();
+        let fcm: Vec<_> = (0..IN_FLIGHT_PER_PROVIDER)
+            .map(|_| room.try_take(ANDROID).unwrap())
+            .collect();
+        let soon = Duration::from_millis(50);
+        assert!(
+            tokio::time::timeout(soon, room.freed(&[])).await.is_err(),
+            "both shares full"
+        );
+        apns.truncate(apns.len() - (CLAIM_BATCHES - 1));
+        assert!(
+            tokio::time::timeout(soon, room.freed(&[])).await.is_err(),
+            "one place short of a claim"
+        );
+        apns.pop();
+        tokio::time::timeout(soon, room.freed(&[]))
+            .await
+            .expect("a claim's worth of places");
+        // A held provider's places never wake the lane: its hold's end does.
+        assert!(
+            tokio::time::timeout(soon, room.freed(&[APNS]))
+                .await
+                .is_err(),
+            "only APNs has room, and it is held"
+        );
+        assert_eq!(
+            room.claimable(&[]),
+            (vec![FCM], Some(CLAIM_BATCHES)),
+            "the places looked at were given back"
+        );
+        drop(fcm);
     }
 }
