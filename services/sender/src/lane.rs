@@ -198,15 +198,15 @@ impl ProviderRoom {
         (skip, least)
     }
 
-    /// Resolves once a provider that is not `held` has `CLAIM_BATCHES` places free again (at
-    /// once if one has; never if every provider is held). The places are only looked at, not
-    /// kept: the claim that follows counts them again.
-    async fn freed(&self, held: &[i32]) {
+    /// Resolves once one of the `saturated` providers has `CLAIM_BATCHES` places free again (at
+    /// once if one has; never if none is named). The places are only looked at, not kept: the
+    /// claim that follows counts them again.
+    async fn freed(&self, saturated: &[i32]) {
         let freed = |provider: queue_pb::Provider, room: &Arc<Semaphore>| {
             let room = room.clone();
-            let held = held.contains(&(provider as i32));
+            let named = saturated.contains(&(provider as i32));
             async move {
-                if held {
+                if !named {
                     std::future::pending::<()>().await;
                 }
                 let _ = room.acquire_many(CLAIM_BATCHES as u32).await;
@@ -291,11 +291,15 @@ impl Sender {
             // lane takes it, or this one once places free. Taken and found with no place, it
             // would go back for `SATURATED_RETRY`.
             let (skip_providers, least_free) = provider_room.claimable(&held);
-            let saturated = skip_providers.len() > held.len();
-            if saturated && least_free.is_none() {
+            let saturated: Vec<i32> = skip_providers
+                .iter()
+                .filter(|provider| !held.contains(provider))
+                .copied()
+                .collect();
+            if !saturated.is_empty() && least_free.is_none() {
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    () = provider_room.freed(&held) => {}
+                    () = provider_room.freed(&saturated) => {}
                     () = tokio::time::sleep(hold_wait) => {}
                 }
                 continue;
@@ -303,9 +307,10 @@ impl Sender {
             let want = (capacity.available_permits() + 1)
                 .min(claim_size)
                 .min(least_free.unwrap_or(usize::MAX));
-            // With a provider left alone for its share, the claim does not wait for work: the
-            // lane waits below for either places or a while, whichever comes first.
-            let wait_ms = if saturated {
+            // With a provider left alone for its share, the claim does not wait for work: if it
+            // finds none, the lane waits for that provider's places or `SATURATED_POLL`,
+            // whichever comes first.
+            let wait_ms = if !saturated.is_empty() {
                 0
             } else {
                 u32::try_from(hold_wait.as_millis()).unwrap_or(u32::MAX)
@@ -336,10 +341,10 @@ impl Sender {
                     }
                 }
             };
-            if saturated && batches.is_empty() {
+            if !saturated.is_empty() && batches.is_empty() {
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    () = provider_room.freed(&held) => {}
+                    () = provider_room.freed(&saturated) => {}
                     () = tokio::time::sleep(SATURATED_POLL) => {}
                 }
                 continue;
@@ -870,35 +875,33 @@ mod tests {
         let mut apns: Vec<_> = (0..IN_FLIGHT_PER_PROVIDER)
             .map(|_| room.try_take(IOS).unwrap())
             .collect();
-        let fcm: Vec<_> = (0..IN_FLIGHT_PER_PROVIDER)
-            .map(|_| room.try_take(ANDROID).unwrap())
-            .collect();
         let soon = Duration::from_millis(50);
-        assert!(
-            tokio::time::timeout(soon, room.freed(&[])).await.is_err(),
-            "both shares full"
-        );
-        apns.truncate(apns.len() - (CLAIM_BATCHES - 1));
-        assert!(
-            tokio::time::timeout(soon, room.freed(&[])).await.is_err(),
-            "one place short of a claim"
-        );
-        apns.pop();
-        tokio::time::timeout(soon, room.freed(&[]))
-            .await
-            .expect("a claim's worth of places");
-        // A held provider's places never wake the lane: its hold's end does.
+        // FCM's share is empty, but the lane waits for APNs places, not for FCM's.
         assert!(
             tokio::time::timeout(soon, room.freed(&[APNS]))
                 .await
                 .is_err(),
-            "only APNs has room, and it is held"
+            "APNs full"
+        );
+        apns.truncate(apns.len() - (CLAIM_BATCHES - 1));
+        assert!(
+            tokio::time::timeout(soon, room.freed(&[APNS]))
+                .await
+                .is_err(),
+            "one place short of a claim"
+        );
+        apns.pop();
+        tokio::time::timeout(soon, room.freed(&[APNS]))
+            .await
+            .expect("a claim's worth of places");
+        assert!(
+            tokio::time::timeout(soon, room.freed(&[])).await.is_err(),
+            "nothing to wait for: only the lane's timer ends the wait"
         );
         assert_eq!(
             room.claimable(&[]),
-            (vec![FCM], Some(CLAIM_BATCHES)),
+            (vec![], Some(CLAIM_BATCHES)),
             "the places looked at were given back"
         );
-        drop(fcm);
     }
 }
