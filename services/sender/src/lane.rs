@@ -381,8 +381,9 @@ impl Sender {
                 let sender = self.clone();
                 let reporter = reporter.clone();
                 in_flight.spawn(async move {
-                    sender
-                        .deliver(Job::from_claim(batch), device, place, &reporter)
+                    // A delivery's state is some 10 KiB: boxed, the task's cell holds a pointer,
+                    // and spawning and finishing move that rather than the whole state.
+                    Box::pin(sender.deliver(Job::from_claim(batch), device, place, &reporter))
                         .await;
                     drop(permit);
                 });
