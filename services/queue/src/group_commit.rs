@@ -37,6 +37,10 @@ pub const MAX_ROUND_CLAIMS: usize = 16;
 const PIPELINE_FROM: usize = 16;
 /// Admissions and reports waiting for a writer before callers wait to hand theirs over.
 const WAITING: usize = 4 * MAX_GROUP;
+/// How long a writer waits for work before it gives back what its rounds keep from one to the
+/// next (`QueueStore::writers_busy`): a little longer than the gap between rounds under a steady
+/// load, which the timer's millisecond ticks round up.
+const IDLE_AFTER: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// What waits for a writer's round. Not boxed: the channel's slots are as large as an admission
 /// either way, and a box would cost every admission an allocation.
@@ -246,6 +250,7 @@ struct Writer<S> {
 
 impl<S: QueueStore> Writer<S> {
     async fn run(self) {
+        self.store.writers_busy(true);
         while let Some(batch) = self.next_round().await {
             // Traced under the first caller's span (an admission's if any), linked from the
             // others'.
@@ -276,6 +281,7 @@ impl<S: QueueStore> Writer<S> {
                 metrics::counter!("orca_push_queue_writer_panics_total").increment(1);
             }
         }
+        self.store.writers_busy(false);
     }
 
     /// Waits for one admission or report, then takes whatever else is already waiting. None:
@@ -283,7 +289,20 @@ impl<S: QueueStore> Writer<S> {
     async fn next_round(&self) -> Option<Batch> {
         let mut queue = self.queue.lock().await;
         let mut batch = Batch::default();
-        batch.add(queue.recv().await?);
+        let first = match queue.try_recv() {
+            Ok(work) => work,
+            // What a round kept for the next goes back once no work came for `IDLE_AFTER`.
+            Err(_) => match tokio::time::timeout(IDLE_AFTER, queue.recv()).await {
+                Ok(work) => work?,
+                Err(_) => {
+                    self.store.writers_busy(false);
+                    let work = queue.recv().await?;
+                    self.store.writers_busy(true);
+                    work
+                }
+            },
+        };
+        batch.add(first);
         while !batch.full() {
             match queue.try_recv() {
                 Ok(next) => batch.add(next),

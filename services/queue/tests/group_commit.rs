@@ -787,6 +787,30 @@ async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
     assert!(admit(3).await.unwrap().is_err());
 }
 
+/// The SQLite writer keeps the pool's writer connection from one round to the next, and gives it
+/// back once no work comes: a write waiting there (a retry, the checkpoint's last step) is not
+/// kept waiting by a writer with nothing to do.
+#[tokio::test]
+async fn an_idle_sqlite_writer_gives_the_pools_writer_back() {
+    let (config, _guard) = orca_push_storage::testing::fresh(Backend::Sqlite).await;
+    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+    let Pool::Sqlite(writer) = pool.clone() else {
+        unreachable!("a SQLite configuration opens SQLite");
+    };
+    let queue = orca_push_queue::DeliveryQueue::new(
+        orca_push_queue::AnyQueueStore::new(pool),
+        std::sync::Arc::new(orca_push_storage::ManualClock::new(T0)),
+        WINDOW,
+        std::sync::Arc::new(orca_push_queue::Wake::new()),
+    );
+    queue.enqueue(&alert(1, &["phone-1"])).await.unwrap();
+    let taken = tokio::time::timeout(std::time::Duration::from_secs(5), writer.acquire()).await;
+    assert!(
+        matches!(taken, Ok(Ok(_))),
+        "the idle writer kept the pool's writer"
+    );
+}
+
 /// With work piling up behind a round, its sync runs beside the next one: a later round commits
 /// while the earlier one still waits for its sync, and neither is answered before its sync.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -93,6 +93,12 @@ impl QueueStore for AnyQueueStore {
             Self::Postgres(s) => s.writer_thread(),
         }
     }
+    fn writers_busy(&self, busy: bool) {
+        match self {
+            Self::Sqlite(s) => s.writers_busy(busy),
+            Self::Postgres(s) => s.writers_busy(busy),
+        }
+    }
     fn wal_sync(&self) -> Option<&orca_push_storage::WalSync> {
         match self {
             Self::Sqlite(s) => s.wal_sync.as_deref(),

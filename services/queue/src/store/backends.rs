@@ -112,7 +112,17 @@ impl SqliteQueueStore {
         self.begin_claim().await
     }
 
+    /// While the writer is busy its rounds keep the pool's writer connection from one to the
+    /// next (`super::direct`).
+    pub(super) fn keep_between_rounds(&self, keep: bool) {
+        self.direct.keep(keep);
+    }
+
     pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+        // The writer may keep the pool's writer connection between rounds (`super::direct`):
+        // this transaction needs it now (on the writer's thread, a failed round's work done
+        // apart would otherwise wait for itself).
+        self.direct.release();
         Ok(super::direct::SqliteTx::Pool(
             self.pool.begin_with("BEGIN IMMEDIATE").await?,
         ))
@@ -203,6 +213,9 @@ impl PgQueueStore {
     pub(super) const HANDS_OFF: bool = false;
     /// Its connections belong to the main runtime's I/O driver: the writers run there.
     pub(super) const WRITER_THREAD: bool = false;
+
+    /// A round keeps nothing for the next.
+    pub(super) fn keep_between_rounds(&self, _keep: bool) {}
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
     /// hosts never each hold what the other waits for. In the same round trip, the rest of the
     /// transaction uses generic plans: a kept statement is then planned once per connection, where

@@ -13,10 +13,17 @@
 //! connection while it runs, unused: the other writes (and the checkpoint's last step, which must
 //! see no commit while it copies) still queue in that pool behind the rounds, in order, instead of
 //! sleeping in SQLite's busy handler, as when every write took that connection.
+//!
+//! While the writer says it is busy (`Direct::keep`), a round keeps that connection for the next,
+//! for at most `GATE_HELD_AT_MOST` in all, and gives it back once the writer has no work. sqlx
+//! tests a connection given back to its pool with a round trip to the connection's thread before
+//! the next caller may take it: taken and given back every round, that round trip (a wake-up of
+//! sqlx's thread, then of the writer's) stood between each round's sync and the next's BEGIN.
 
 use std::sync::Arc;
+use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
 use rusqlite::{Connection, OpenFlags};
@@ -31,10 +38,54 @@ const STATEMENTS_KEPT: usize = orca_push_storage::SQLITE_WRITER_STATEMENTS;
 /// How long a statement waits for another connection's write transaction, as the pools do.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The longest the writer keeps the pool's writer connection over rounds that follow each other:
+/// a write waiting in the pool (a retry, a lease renewal, the checkpoint's last step) gets it
+/// after at most this and a round (sqlx's pool hands a connection given back to those waiting
+/// first).
+pub const GATE_HELD_AT_MOST: Duration = Duration::from_millis(10);
+
+/// The pool writer's connection, held by the writer's rounds (see the module).
+#[derive(Debug)]
+struct Gate {
+    conn: sqlx::pool::PoolConnection<sqlx::Sqlite>,
+    since: Instant,
+}
+
+/// Where the gate waits between rounds, while the writer keeps it.
+#[derive(Debug, Default)]
+struct Kept {
+    keep: AtomicBool,
+    gate: std::sync::Mutex<Option<Gate>>,
+}
+
+impl Kept {
+    fn take(&self) -> Option<Gate> {
+        self.gate
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        // sqlx gives a pool connection back from a task on the current runtime, and panics
+        // without one: outside a runtime (a store dropped as the process ends), the connection is
+        // let go of instead.
+        if let Some(gate) = self.take()
+            && tokio::runtime::Handle::try_current().is_err()
+        {
+            drop(gate.conn.detach());
+        }
+    }
+}
+
 /// The writer's own connection, opened on first use.
 #[derive(Debug, Default)]
 pub struct Direct {
     conn: Arc<Mutex<Option<Connection>>>,
+    /// The pool writer's connection, kept between rounds that follow each other.
+    kept: Arc<Kept>,
     /// Set once opening failed (said in the log) or found the database in memory: the writer
     /// keeps sqlx's pool from then on.
     broken: AtomicBool,
@@ -47,10 +98,22 @@ impl Direct {
         if self.broken.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        let mut gate = pool.acquire().await?;
+        // Kept from the last round if that was lately; given back first if not, so that writes
+        // waiting in the pool go before this round.
+        let kept = self
+            .kept
+            .take()
+            .filter(|gate| gate.since.elapsed() < GATE_HELD_AT_MOST);
+        let mut gate = match kept {
+            Some(gate) => gate,
+            None => Gate {
+                conn: pool.acquire().await?,
+                since: Instant::now(),
+            },
+        };
         let mut conn = self.conn.clone().lock_owned().await;
         if conn.is_none() {
-            match open(&mut gate).await {
+            match open(&mut gate.conn).await {
                 Ok(Some(opened)) => *conn = Some(opened),
                 // A database in memory, which a second connection would not share.
                 Ok(None) => {
@@ -76,12 +139,31 @@ impl Direct {
             *conn = None;
             return Ok(None);
         }
-        c.execute_batch("BEGIN IMMEDIATE").map_err(storage)?;
-        Ok(Some(DirectTx {
+        let mut tx = DirectTx {
             conn,
-            open: true,
-            _gate: gate,
-        }))
+            open: false,
+            gate: Some(gate),
+            home: self.kept.clone(),
+        };
+        tx.conn()?
+            .execute_batch("BEGIN IMMEDIATE")
+            .map_err(storage)?;
+        tx.open = true;
+        Ok(Some(tx))
+    }
+
+    /// Whether a round keeps the pool's writer connection for the next: while the writer is
+    /// busy. Not keeping it gives back what a round kept.
+    pub fn keep(&self, keep: bool) {
+        self.kept.keep.store(keep, Ordering::Relaxed);
+        if !keep {
+            self.release();
+        }
+    }
+
+    /// Gives the pool's writer connection back, if a round kept it.
+    pub fn release(&self) {
+        drop(self.kept.take());
     }
 }
 
@@ -126,8 +208,10 @@ async fn open(pool: &mut sqlx::SqliteConnection) -> Result<Option<Connection>, s
 pub struct DirectTx {
     conn: OwnedMutexGuard<Option<Connection>>,
     open: bool,
-    /// The pool writer's connection, held for the transaction (see the module).
-    _gate: sqlx::pool::PoolConnection<sqlx::Sqlite>,
+    /// The pool writer's connection, held for the transaction (see the module), then kept in
+    /// `home` for the next round.
+    gate: Option<Gate>,
+    home: Arc<Kept>,
 }
 
 impl DirectTx {
@@ -225,6 +309,13 @@ impl Drop for DirectTx {
     fn drop(&mut self) {
         if self.open {
             let _ = self.end("ROLLBACK");
+        }
+        if self.home.keep.load(Ordering::Relaxed) {
+            *self
+                .home
+                .gate
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = self.gate.take();
         }
     }
 }
@@ -413,7 +504,7 @@ impl Exec for SqliteTx {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{SqliteQueueStore, migrate};
+    use crate::store::{QueueStore as _, SqliteQueueStore, migrate};
     use orca_push_storage::SqliteDurability;
 
     /// A migrated queue database in a fresh folder, at `durability`.
@@ -540,7 +631,89 @@ mod tests {
         let early = tokio::time::timeout(Duration::from_millis(100), &mut waiting).await;
         assert!(early.is_err(), "the pool's writer was free during a round");
         tx.commit().await.unwrap();
-        waiting.await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("given back at the round's end while the writer is not busy")
+            .unwrap()
+            .unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// While the writer is busy, a round keeps the pool's writer for the next, until the writer
+    /// says it has no work.
+    #[tokio::test]
+    async fn a_busy_writers_round_keeps_the_pools_writer_until_the_writer_idles() {
+        let (store, dir) = store(SqliteDurability::Full).await;
+        store.writers_busy(true);
+        let tx = store.begin_group_write(&[]).await.unwrap();
+        let pool = store.pool.clone();
+        let mut waiting = tokio::spawn(async move { pool.acquire().await.map(drop) });
+        let early = tokio::time::timeout(Duration::from_millis(100), &mut waiting).await;
+        assert!(early.is_err(), "the pool's writer was free during a round");
+        tx.commit().await.unwrap();
+        let kept = tokio::time::timeout(Duration::from_millis(100), &mut waiting).await;
+        assert!(kept.is_err(), "the round gave the pool's writer back");
+        store.writers_busy(false);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("given back once the writer idles")
+            .unwrap()
+            .unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A round that begins more than `GATE_HELD_AT_MOST` after the pool's writer was taken gives
+    /// it back first: a write waiting there goes before it.
+    #[tokio::test]
+    async fn a_write_waiting_in_the_pool_goes_before_a_round_once_the_hold_is_over() {
+        let (store, dir) = store(SqliteDurability::Full).await;
+        store.writers_busy(true);
+        store
+            .begin_group_write(&[])
+            .await
+            .unwrap()
+            .commit()
+            .await
+            .unwrap();
+        let pool = store.pool.clone();
+        let (took, mut taken) = tokio::sync::oneshot::channel();
+        let waiting = tokio::spawn(async move {
+            let conn = pool.acquire().await.unwrap();
+            took.send(()).unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(conn);
+        });
+        tokio::time::sleep(GATE_HELD_AT_MOST * 2).await;
+        assert!(taken.try_recv().is_err(), "the kept writer was taken");
+        let tx = store.begin_group_write(&[]).await.unwrap();
+        assert!(
+            taken.try_recv().is_ok(),
+            "the round went before the write waiting in the pool"
+        );
+        tx.commit().await.unwrap();
+        waiting.await.unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A transaction on the pool (a failed round's work done apart, on the writer's own thread)
+    /// takes the pool's writer a round kept rather than wait for it.
+    #[tokio::test]
+    async fn a_pool_transaction_takes_the_writer_a_round_kept() {
+        let (store, dir) = store(SqliteDurability::Full).await;
+        store.writers_busy(true);
+        store
+            .begin_group_write(&[])
+            .await
+            .unwrap()
+            .commit()
+            .await
+            .unwrap();
+        let tx = tokio::time::timeout(Duration::from_secs(5), store.begin_claim())
+            .await
+            .expect("the pool's writer was kept from a transaction on the pool")
+            .unwrap();
+        assert!(matches!(tx, SqliteTx::Pool(_)));
+        tx.rollback().await.unwrap();
         std::fs::remove_dir_all(dir).unwrap();
     }
 

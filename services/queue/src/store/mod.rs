@@ -331,6 +331,10 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     fn group_writers(&self) -> usize;
     /// Whether each writer gets a thread of its own (see `group_commit`).
     fn writer_thread(&self) -> bool;
+    /// Whether the writers are busy: while they are, a round may keep for the next what it
+    /// would otherwise give back (on SQLite the pool's writer connection, `direct`); told they
+    /// are not, it gives that back.
+    fn writers_busy(&self, _busy: bool) {}
     /// Where a writer's round commits without waiting for the disk, what syncs it before the
     /// round is answered (`orca_push_storage::wal_sync`).
     fn wal_sync(&self) -> Option<&orca_push_storage::WalSync> {
@@ -445,6 +449,9 @@ macro_rules! queue_store {
             }
             fn writer_thread(&self) -> bool {
                 Self::WRITER_THREAD
+            }
+            fn writers_busy(&self, busy: bool) {
+                self.keep_between_rounds(busy);
             }
             async fn claim(
                 &self,
