@@ -21,9 +21,11 @@ use sqlx::SqlitePool;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 
 /// The size a WAL is cut back to when it starts over (SQLite's `journal_size_limit`, in bytes):
-/// room for a second of the heaviest load measured (some 45 MB of frames), so that the file's
-/// blocks are written over rather than allocated again.
-pub(crate) const WAL_BYTES_KEPT: &str = "67108864";
+/// room for a second of the heaviest load measured, so that the file's blocks are written over
+/// rather than allocated again. The queue's WAL took 100-134 MB a second in the admission
+/// benchmark at 8 connections (docs/benchmarks.md, round 26); cut back to 64 MiB, half of each
+/// second's syncs extended the file, and each such sync wrote its inode and block maps as well.
+pub(crate) const WAL_BYTES_KEPT: &str = "268435456";
 
 /// What a PASSIVE checkpoint reports: the frames in the WAL when it began, and how many of them
 /// are now in the database file. Frames committed while it ran are in neither.
