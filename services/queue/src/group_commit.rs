@@ -291,6 +291,7 @@ impl<S: QueueStore> Writer<S> {
         let mut batch = Batch::default();
         let first = match queue.try_recv() {
             Ok(work) => work,
+            Err(_) if !self.store.keeps_between_rounds() => queue.recv().await?,
             // What a round kept for the next goes back once no work came for `IDLE_AFTER`.
             Err(_) => match tokio::time::timeout(IDLE_AFTER, queue.recv()).await {
                 Ok(work) => work?,

@@ -93,6 +93,12 @@ impl QueueStore for AnyQueueStore {
             Self::Postgres(s) => s.writer_thread(),
         }
     }
+    fn keeps_between_rounds(&self) -> bool {
+        match self {
+            Self::Sqlite(s) => s.keeps_between_rounds(),
+            Self::Postgres(s) => s.keeps_between_rounds(),
+        }
+    }
     fn writers_busy(&self, busy: bool) {
         match self {
             Self::Sqlite(s) => s.writers_busy(busy),

@@ -100,6 +100,8 @@ impl SqliteQueueStore {
     /// (`super::direct`), and wait there for the disk rather than on a runtime serving requests
     /// (only if that thread's runtime cannot be built does the writer share the main one).
     pub(super) const WRITER_THREAD: bool = true;
+    /// Its rounds keep the pool's writer connection from one to the next (`super::direct`).
+    pub(super) const KEEPS_BETWEEN_ROUNDS: bool = true;
 
     /// A writer's round: on the writer's own connection where there is one.
     pub(super) async fn begin_group_write(
@@ -118,13 +120,17 @@ impl SqliteQueueStore {
         self.direct.keep(keep);
     }
 
-    pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        // The writer may keep the pool's writer connection between rounds (`super::direct`):
-        // this transaction needs it now (on the writer's thread, a failed round's work done
-        // apart would otherwise wait for itself).
+    /// The pool for a write outside the rounds. The writer may keep the pool's writer connection
+    /// between rounds (`super::direct`): asked for it, a round gives it back at its end (on the
+    /// writer's own thread, a failed round's work done apart would otherwise wait for itself).
+    pub(super) fn writes(&self) -> &sqlx::SqlitePool {
         self.direct.release();
+        &self.pool
+    }
+
+    pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         Ok(super::direct::SqliteTx::Pool(
-            self.pool.begin_with("BEGIN IMMEDIATE").await?,
+            self.writes().begin_with("BEGIN IMMEDIATE").await?,
         ))
     }
 
@@ -213,9 +219,15 @@ impl PgQueueStore {
     pub(super) const HANDS_OFF: bool = false;
     /// Its connections belong to the main runtime's I/O driver: the writers run there.
     pub(super) const WRITER_THREAD: bool = false;
+    pub(super) const KEEPS_BETWEEN_ROUNDS: bool = false;
 
     /// A round keeps nothing for the next.
     pub(super) fn keep_between_rounds(&self, _keep: bool) {}
+
+    /// The pool for a write outside the rounds.
+    pub(super) fn writes(&self) -> &sqlx::PgPool {
+        &self.pool
+    }
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
     /// hosts never each hold what the other waits for. In the same round trip, the rest of the
     /// transaction uses generic plans: a kept statement is then planned once per connection, where

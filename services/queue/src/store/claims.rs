@@ -185,7 +185,7 @@ macro_rules! claim_statements {
                     .bind(batch_id)
                     .bind(token)
                     .bind(until)
-                    .execute(&self.pool)
+                    .execute(self.writes())
                     .await?;
                 Ok(renewed.rows_affected() == 1)
             }

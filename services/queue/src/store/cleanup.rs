@@ -99,12 +99,12 @@ macro_rules! cleanup_statements {
                     sqlx::query($crate::store::cleanup::DELETE_OLD_RECIPIENTS)
                         .bind(horizon)
                         .bind(CLEANUP_BATCH)
-                        .execute(&self.pool)
+                        .execute(self.writes())
                         .await?;
                     let events = sqlx::query($crate::store::cleanup::DELETE_OLD_EVENTS)
                         .bind(horizon)
                         .bind(CLEANUP_BATCH)
-                        .execute(&self.pool)
+                        .execute(self.writes())
                         .await?
                         .rows_affected();
                     cleaned.deleted_events += events;
@@ -126,7 +126,7 @@ macro_rules! cleanup_statements {
                         let deleted = sqlx::query(statement)
                             .bind(horizon)
                             .bind(CLEANUP_BATCH)
-                            .execute(&self.pool)
+                            .execute(self.writes())
                             .await?
                             .rows_affected();
                         *count += deleted;

@@ -14,8 +14,9 @@
 //! see no commit while it copies) still queue in that pool behind the rounds, in order, instead of
 //! sleeping in SQLite's busy handler, as when every write took that connection.
 //!
-//! While the writer says it is busy (`Direct::keep`), a round keeps that connection for the next,
-//! for at most `GATE_HELD_AT_MOST` in all, and gives it back once the writer has no work. sqlx
+//! While the writer says it is busy (`Direct::keep`), a round keeps that connection for the next
+//! until `GATE_HELD_AT_MOST` after it was taken, or until a write outside the rounds asks for it
+//! (`Direct::release`), and gives it back once the writer has no work. sqlx
 //! tests a connection given back to its pool with a round trip to the connection's thread before
 //! the next caller may take it: taken and given back every round, that round trip (a wake-up of
 //! sqlx's thread, then of the writer's) stood between each round's sync and the next's BEGIN.
@@ -39,9 +40,11 @@ const STATEMENTS_KEPT: usize = orca_push_storage::SQLITE_WRITER_STATEMENTS;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest the writer keeps the pool's writer connection over rounds that follow each other:
-/// a write waiting in the pool (a retry, a lease renewal, the checkpoint's last step) gets it
-/// after at most this and a round (sqlx's pool hands a connection given back to those waiting
-/// first).
+/// a round that commits later than this after it was taken gives it back at its commit, before
+/// its sync, and one that begins later gives it back first (sqlx's pool hands a connection given
+/// back to those waiting first). A write of the store's that asks for it (`Direct::release`) gets
+/// it at the end of the round under way; another (the checkpoint's last step) after at most this
+/// and a round.
 pub const GATE_HELD_AT_MOST: Duration = Duration::from_millis(10);
 
 /// The pool writer's connection, held by the writer's rounds (see the module).
@@ -51,32 +54,60 @@ struct Gate {
     since: Instant,
 }
 
-/// Where the gate waits between rounds, while the writer keeps it.
+/// Where the gate waits between rounds, and whether a round keeps it: one lock for all three, so
+/// that a round's end and the writer's word that it is idle cannot pass each other.
 #[derive(Debug, Default)]
-struct Kept {
-    keep: AtomicBool,
-    gate: std::sync::Mutex<Option<Gate>>,
+struct Kept(std::sync::Mutex<KeptState>);
+
+#[derive(Debug, Default)]
+struct KeptState {
+    /// The writer is busy: a round keeps the gate for the next.
+    keep: bool,
+    /// A write outside the rounds asked for the gate while a round held it: that round gives it
+    /// back.
+    wanted: bool,
+    gate: Option<Gate>,
 }
 
 impl Kept {
+    fn state(&self) -> std::sync::MutexGuard<'_, KeptState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn take(&self) -> Option<Gate> {
-        self.gate
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
+        self.state().gate.take()
+    }
+
+    /// A round's end: the gate is kept for the next round while the writer is busy, nobody asked
+    /// for it and the hold is not over; else given back.
+    fn round_ended(&self, gate: Gate) {
+        let mut state = self.state();
+        if state.keep && !state.wanted && gate.since.elapsed() < GATE_HELD_AT_MOST {
+            state.gate = Some(gate);
+        } else {
+            state.wanted = false;
+            drop(state);
+            give_back(gate);
+        }
     }
 }
 
 impl Drop for Kept {
     fn drop(&mut self) {
-        // sqlx gives a pool connection back from a task on the current runtime, and panics
-        // without one: outside a runtime (a store dropped as the process ends), the connection is
-        // let go of instead.
-        if let Some(gate) = self.take()
-            && tokio::runtime::Handle::try_current().is_err()
-        {
-            drop(gate.conn.detach());
+        if let Some(gate) = self.take() {
+            give_back(gate);
         }
+    }
+}
+
+/// Gives the gate back to its pool. sqlx does that from a task on the current runtime, and panics
+/// without one: outside a runtime (a store dropped as the process ends) the connection is let go
+/// of instead.
+fn give_back(gate: Gate) {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        drop(gate.conn);
+    } else {
+        drop(gate.conn.detach());
     }
 }
 
@@ -100,16 +131,17 @@ impl Direct {
         }
         // Kept from the last round if that was lately; given back first if not, so that writes
         // waiting in the pool go before this round.
-        let kept = self
-            .kept
-            .take()
-            .filter(|gate| gate.since.elapsed() < GATE_HELD_AT_MOST);
-        let mut gate = match kept {
-            Some(gate) => gate,
-            None => Gate {
-                conn: pool.acquire().await?,
-                since: Instant::now(),
-            },
+        let mut gate = match self.kept.take() {
+            Some(gate) if gate.since.elapsed() < GATE_HELD_AT_MOST => gate,
+            stale => {
+                if let Some(gate) = stale {
+                    give_back(gate);
+                }
+                Gate {
+                    conn: pool.acquire().await?,
+                    since: Instant::now(),
+                }
+            }
         };
         let mut conn = self.conn.clone().lock_owned().await;
         if conn.is_none() {
@@ -155,15 +187,25 @@ impl Direct {
     /// Whether a round keeps the pool's writer connection for the next: while the writer is
     /// busy. Not keeping it gives back what a round kept.
     pub fn keep(&self, keep: bool) {
-        self.kept.keep.store(keep, Ordering::Relaxed);
-        if !keep {
-            self.release();
+        let mut state = self.kept.state();
+        state.keep = keep;
+        let kept = if keep { None } else { state.gate.take() };
+        drop(state);
+        if let Some(gate) = kept {
+            give_back(gate);
         }
     }
 
-    /// Gives the pool's writer connection back, if a round kept it.
+    /// A write outside the rounds needs the pool's writer connection: given back now if a round
+    /// kept it, else by the round that holds it, at its end.
     pub fn release(&self) {
-        drop(self.kept.take());
+        let mut state = self.kept.state();
+        let kept = state.gate.take();
+        state.wanted = kept.is_none();
+        drop(state);
+        if let Some(gate) = kept {
+            give_back(gate);
+        }
     }
 }
 
@@ -310,12 +352,8 @@ impl Drop for DirectTx {
         if self.open {
             let _ = self.end("ROLLBACK");
         }
-        if self.home.keep.load(Ordering::Relaxed) {
-            *self
-                .home
-                .gate
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = self.gate.take();
+        if let Some(gate) = self.gate.take() {
+            self.home.round_ended(gate);
         }
     }
 }
@@ -639,18 +677,28 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// Runs rounds of nothing for a busy writer until one ends inside the hold and so keeps the
+    /// pool's writer (a loaded machine may stall one past it).
+    async fn round_kept(store: &SqliteQueueStore) {
+        store.writers_busy(true);
+        for _ in 0..5 {
+            let tx = store.begin_group_write(&[]).await.unwrap();
+            tx.commit().await.unwrap();
+            if store.direct.kept.state().gate.is_some() {
+                return;
+            }
+        }
+        panic!("no round ended inside the hold");
+    }
+
     /// While the writer is busy, a round keeps the pool's writer for the next, until the writer
     /// says it has no work.
     #[tokio::test]
     async fn a_busy_writers_round_keeps_the_pools_writer_until_the_writer_idles() {
         let (store, dir) = store(SqliteDurability::Full).await;
-        store.writers_busy(true);
-        let tx = store.begin_group_write(&[]).await.unwrap();
+        round_kept(&store).await;
         let pool = store.pool.clone();
         let mut waiting = tokio::spawn(async move { pool.acquire().await.map(drop) });
-        let early = tokio::time::timeout(Duration::from_millis(100), &mut waiting).await;
-        assert!(early.is_err(), "the pool's writer was free during a round");
-        tx.commit().await.unwrap();
         let kept = tokio::time::timeout(Duration::from_millis(100), &mut waiting).await;
         assert!(kept.is_err(), "the round gave the pool's writer back");
         store.writers_busy(false);
@@ -667,14 +715,7 @@ mod tests {
     #[tokio::test]
     async fn a_write_waiting_in_the_pool_goes_before_a_round_once_the_hold_is_over() {
         let (store, dir) = store(SqliteDurability::Full).await;
-        store.writers_busy(true);
-        store
-            .begin_group_write(&[])
-            .await
-            .unwrap()
-            .commit()
-            .await
-            .unwrap();
+        round_kept(&store).await;
         let pool = store.pool.clone();
         let (took, mut taken) = tokio::sync::oneshot::channel();
         let waiting = tokio::spawn(async move {
@@ -695,19 +736,61 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// A round that ends more than `GATE_HELD_AT_MOST` after the pool's writer was taken gives it
+    /// back at its end, though the writer is busy.
+    #[tokio::test]
+    async fn a_round_ending_after_the_hold_gives_the_pools_writer_back() {
+        let (store, dir) = store(SqliteDurability::Full).await;
+        store.writers_busy(true);
+        let tx = store.begin_group_write(&[]).await.unwrap();
+        tokio::time::sleep(GATE_HELD_AT_MOST * 2).await;
+        tx.commit().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), store.pool.acquire())
+            .await
+            .expect("the pool's writer kept past the hold")
+            .unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A write of the store's outside the rounds (a lease renewal) that asks while a busy
+    /// writer's round holds the pool's writer gets it at that round's end.
+    #[tokio::test]
+    async fn a_write_asking_during_a_round_gets_the_pools_writer_at_its_end() {
+        let (store, dir) = store(SqliteDurability::Full).await;
+        store.writers_busy(true);
+        // Until a round ends inside the hold, so that the renewal's asking, not the hold's end,
+        // is what gives the pool's writer back (a loaded machine may stall one past it).
+        for attempt in 0.. {
+            assert!(attempt < 5, "no round ended inside the hold");
+            let began = std::time::Instant::now();
+            let tx = store.begin_group_write(&[]).await.unwrap();
+            let renewing = store.clone();
+            let renew = tokio::spawn(async move { renewing.renew("batch", "token", 1).await });
+            while !store.direct.kept.state().wanted {
+                tokio::task::yield_now().await;
+            }
+            assert!(!renew.is_finished(), "the renewal wrote during a round");
+            tx.commit().await.unwrap();
+            let inside_the_hold = began.elapsed() < GATE_HELD_AT_MOST;
+            let renewed = tokio::time::timeout(Duration::from_secs(5), renew)
+                .await
+                .expect("the round kept the pool's writer from a write that asked for it")
+                .unwrap()
+                .unwrap();
+            assert!(!renewed, "no such lease");
+            if inside_the_hold {
+                break;
+            }
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     /// A transaction on the pool (a failed round's work done apart, on the writer's own thread)
     /// takes the pool's writer a round kept rather than wait for it.
     #[tokio::test]
     async fn a_pool_transaction_takes_the_writer_a_round_kept() {
         let (store, dir) = store(SqliteDurability::Full).await;
-        store.writers_busy(true);
-        store
-            .begin_group_write(&[])
-            .await
-            .unwrap()
-            .commit()
-            .await
-            .unwrap();
+        round_kept(&store).await;
         let tx = tokio::time::timeout(Duration::from_secs(5), store.begin_claim())
             .await
             .expect("the pool's writer was kept from a transaction on the pool")

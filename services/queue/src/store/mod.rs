@@ -335,6 +335,10 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     /// would otherwise give back (on SQLite the pool's writer connection, `direct`); told they
     /// are not, it gives that back.
     fn writers_busy(&self, _busy: bool) {}
+    /// Whether a round may keep anything for the next (`writers_busy`).
+    fn keeps_between_rounds(&self) -> bool {
+        false
+    }
     /// Where a writer's round commits without waiting for the disk, what syncs it before the
     /// round is answered (`orca_push_storage::wal_sync`).
     fn wal_sync(&self) -> Option<&orca_push_storage::WalSync> {
@@ -452,6 +456,9 @@ macro_rules! queue_store {
             }
             fn writers_busy(&self, busy: bool) {
                 self.keep_between_rounds(busy);
+            }
+            fn keeps_between_rounds(&self) -> bool {
+                Self::KEEPS_BETWEEN_ROUNDS
             }
             async fn claim(
                 &self,

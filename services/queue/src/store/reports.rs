@@ -401,7 +401,7 @@ macro_rules! report_statements {
                     .bind(attempts)
                     .bind(retries)
                     .bind(token)
-                    .execute(&self.pool)
+                    .execute(self.writes())
                     .await?;
                 if scheduled.rows_affected() == 1 {
                     Self::wake_replicas_after_commit(&self.pool).await?;
@@ -457,7 +457,7 @@ macro_rules! report_statements {
                     .bind(provider.as_str())
                     .bind(until)
                     .bind(due_before)
-                    .execute(&self.pool)
+                    .execute(self.writes())
                     .await?;
                 Ok(held.rows_affected())
             }
