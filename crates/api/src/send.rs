@@ -101,7 +101,7 @@ impl Notification {
 
     /// Bytes of this notification's UTF-8 JSON: what the 3000-byte cap measures.
     pub fn json_len(&self) -> usize {
-        serde_json::to_vec(self).map_or(usize::MAX, |b| b.len())
+        json_len(self).unwrap_or(usize::MAX)
     }
 
     /// The kind, with the contract's default.
@@ -131,13 +131,28 @@ pub struct SendRequest {
 /// The size cap is on the notification's JSON as parsed, so it is measured before the typed read.
 fn within_size_cap<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Notification, D::Error> {
     let raw = serde_json::Value::deserialize(deserializer)?;
-    let size = serde_json::to_vec(&raw)
-        .map_err(serde::de::Error::custom)?
-        .len();
+    let size = json_len(&raw).map_err(serde::de::Error::custom)?;
     if size > MAX_NOTIFICATION_BYTES {
         return Err(serde::de::Error::custom("notification over 3000 bytes"));
     }
     Notification::deserialize(raw).map_err(serde::de::Error::custom)
+}
+
+/// The length of `value`'s compact JSON, counted as it is written rather than kept.
+fn json_len(value: &impl Serialize) -> serde_json::Result<usize> {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    serde_json::to_writer(&mut count, value)?;
+    Ok(count.0)
 }
 
 impl SendRequest {
