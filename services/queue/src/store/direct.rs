@@ -14,22 +14,17 @@
 //! see no commit while it copies) still queue in that pool behind the rounds, in order, instead of
 //! sleeping in SQLite's busy handler, as when every write took that connection.
 //!
-//! While the writer says it is busy (`Direct::keep`), a round keeps that connection for the next
-//! until `GATE_HELD_AT_MOST` after it was taken, or until a write outside the rounds asks for it
-//! (`Direct::release`), and gives it back once the writer has no work. sqlx
-//! tests a connection given back to its pool with a round trip to the connection's thread before
-//! the next caller may take it: taken and given back every round, that round trip (a wake-up of
-//! sqlx's thread, then of the writer's) stood between each round's sync and the next's BEGIN.
+//! While the writer is busy, a round keeps that connection for the next (`super::gate`).
 
 use std::sync::Arc;
-use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rusqlite::types::{ToSqlOutput, Value, ValueRef};
 use rusqlite::{Connection, OpenFlags};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
+use super::gate::{Gate, Kept};
 use super::sql::{Arg, Col, Exec, Row, Stmt};
 
 /// Prepared statements the connection keeps, as the pool's writer does
@@ -38,80 +33,6 @@ const STATEMENTS_KEPT: usize = orca_push_storage::SQLITE_WRITER_STATEMENTS;
 
 /// How long a statement waits for another connection's write transaction, as the pools do.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The longest the writer keeps the pool's writer connection over rounds that follow each other:
-/// a round that commits later than this after it was taken gives it back at its commit, before
-/// its sync, and one that begins later gives it back first (sqlx's pool hands a connection given
-/// back to those waiting first). A write of the store's that asks for it (`Direct::release`) gets
-/// it at once if it is kept between rounds, else at the end of the round under way; another (the
-/// checkpoint's last step) after at most this and a round.
-pub const GATE_HELD_AT_MOST: Duration = Duration::from_millis(10);
-
-/// The pool writer's connection, held by the writer's rounds (see the module).
-#[derive(Debug)]
-struct Gate {
-    conn: sqlx::pool::PoolConnection<sqlx::Sqlite>,
-    since: Instant,
-}
-
-/// Where the gate waits between rounds, and whether a round keeps it: one lock for all three, so
-/// that a round's end and the writer's word that it is idle cannot pass each other.
-#[derive(Debug, Default)]
-struct Kept(std::sync::Mutex<KeptState>);
-
-#[derive(Debug, Default)]
-struct KeptState {
-    /// The writer is busy: a round keeps the gate for the next.
-    keep: bool,
-    /// A write outside the rounds asked for the gate while a round held it: that round gives it
-    /// back.
-    wanted: bool,
-    gate: Option<Gate>,
-}
-
-impl Kept {
-    fn state(&self) -> std::sync::MutexGuard<'_, KeptState> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn take(&self) -> Option<Gate> {
-        self.state().gate.take()
-    }
-
-    /// A round's end: the gate is kept for the next round while the writer is busy, nobody asked
-    /// for it and the hold is not over; else given back.
-    fn round_ended(&self, gate: Gate) {
-        let mut state = self.state();
-        if state.keep && !state.wanted && gate.since.elapsed() < GATE_HELD_AT_MOST {
-            // One writer: no other round can have kept one meanwhile.
-            debug_assert!(state.gate.is_none(), "two gates kept");
-            state.gate = Some(gate);
-        } else {
-            state.wanted = false;
-            drop(state);
-            give_back(gate);
-        }
-    }
-}
-
-impl Drop for Kept {
-    fn drop(&mut self) {
-        if let Some(gate) = self.take() {
-            give_back(gate);
-        }
-    }
-}
-
-/// Gives the gate back to its pool. sqlx does that from a task on the current runtime, and panics
-/// without one: outside a runtime (a store dropped as the process ends) the connection is let go
-/// of instead.
-fn give_back(gate: Gate) {
-    if tokio::runtime::Handle::try_current().is_ok() {
-        drop(gate.conn);
-    } else {
-        drop(gate.conn.detach());
-    }
-}
 
 /// The writer's own connection, opened on first use.
 #[derive(Debug, Default)]
@@ -131,20 +52,7 @@ impl Direct {
         if self.broken.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        // Kept from the last round if that was lately; given back first if not, so that writes
-        // waiting in the pool go before this round.
-        let mut gate = match self.kept.take() {
-            Some(gate) if gate.since.elapsed() < GATE_HELD_AT_MOST => gate,
-            stale => {
-                if let Some(gate) = stale {
-                    give_back(gate);
-                }
-                Gate {
-                    conn: pool.acquire().await?,
-                    since: Instant::now(),
-                }
-            }
-        };
+        let mut gate = self.kept.take(pool).await?;
         let mut conn = self.conn.clone().lock_owned().await;
         if conn.is_none() {
             match open(&mut gate.conn).await {
@@ -186,29 +94,14 @@ impl Direct {
         Ok(Some(tx))
     }
 
-    /// Whether a round keeps the pool's writer connection for the next: while the writer is
-    /// busy. Not keeping it gives back what a round kept.
+    /// Whether a round keeps the pool's writer connection for the next (`Kept::keep`).
     pub fn keep(&self, keep: bool) {
-        let mut state = self.kept.state();
-        state.keep = keep;
-        let kept = if keep { None } else { state.gate.take() };
-        drop(state);
-        if let Some(gate) = kept {
-            give_back(gate);
-        }
+        self.kept.keep(keep);
     }
 
-    /// A write outside the rounds needs the pool's writer connection: given back now if a round
-    /// kept it, else by the round that holds it, at its end. Asked either way: a round may take
-    /// the connection again before the write queues for it, and then gives it back as it ends.
+    /// A write outside the rounds needs the pool's writer connection (`Kept::release`).
     pub fn release(&self) {
-        let mut state = self.kept.state();
-        let kept = state.gate.take();
-        state.wanted = true;
-        drop(state);
-        if let Some(gate) = kept {
-            give_back(gate);
-        }
+        self.kept.release();
     }
 }
 
@@ -545,6 +438,7 @@ impl Exec for SqliteTx {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::gate::GATE_HELD_AT_MOST;
     use crate::store::{QueueStore as _, SqliteQueueStore, migrate};
     use orca_push_storage::SqliteDurability;
 
@@ -687,7 +581,7 @@ mod tests {
         for _ in 0..50 {
             let tx = store.begin_group_write(&[]).await.unwrap();
             tx.commit().await.unwrap();
-            if store.direct.kept.state().gate.is_some() {
+            if store.direct.kept.holds() {
                 return;
             }
         }
@@ -769,7 +663,7 @@ mod tests {
             let tx = store.begin_group_write(&[]).await.unwrap();
             let renewing = store.clone();
             let renew = tokio::spawn(async move { renewing.renew("batch", "token", 1).await });
-            while !store.direct.kept.state().wanted {
+            while !store.direct.kept.wanted() {
                 tokio::task::yield_now().await;
             }
             assert!(!renew.is_finished(), "the renewal wrote during a round");

@@ -16,6 +16,7 @@ mod backends;
 mod claims;
 mod cleanup;
 mod direct;
+mod gate;
 mod reports;
 mod rounds;
 pub(crate) mod sql;
