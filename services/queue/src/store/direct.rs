@@ -663,9 +663,14 @@ mod tests {
             let tx = store.begin_group_write(&[]).await.unwrap();
             let renewing = store.clone();
             let renew = tokio::spawn(async move { renewing.renew("batch", "token", 1).await });
-            while !store.direct.kept.wanted() {
-                tokio::task::yield_now().await;
-            }
+            let asked = async {
+                while !store.direct.kept.wanted() {
+                    tokio::task::yield_now().await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(5), asked)
+                .await
+                .expect("the renewal never asked for the pool's writer");
             assert!(!renew.is_finished(), "the renewal wrote during a round");
             tx.commit().await.unwrap();
             let inside_the_hold = began.elapsed() < GATE_HELD_AT_MOST;
