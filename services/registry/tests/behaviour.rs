@@ -13,6 +13,7 @@ struct Harness {
 }
 
 async fn harness(backend: Backend) -> Harness {
+    DbSpans::install();
     let (config, guard) = fresh(backend).await;
     let pool = open_and_migrate(&config).await.expect("open and migrate");
     let clock = ManualClock::new(1_800_000_000_000);
@@ -371,11 +372,22 @@ async fn hosts_with_devices_names_only_hosts_that_have_some(backend: Backend) {
     assert_eq!(with, vec![HOST.to_owned()]);
 }
 
-/// Counts the `db` spans opened while it is the default subscriber.
-#[derive(Clone, Default)]
-struct DbSpans(Arc<std::sync::atomic::AtomicUsize>);
+/// Counts the `db` spans opened on the test's thread.
+///
+/// One subscriber serves the whole binary, installed by `harness` before any test makes a span.
+/// A scoped one (`set_default`) is not enough: tracing registers a call site when it is first
+/// reached after some subscriber exists, and while one scoped subscriber is the only one alive it
+/// asks the reaching thread's own default. A parallel test with none could so mark the `db` span
+/// as never wanted, and this test would count nothing (CI saw it once on PostgreSQL).
+struct DbSpans;
 
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for DbSpans {
+thread_local! {
+    static DB_SPANS_HERE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+struct CountDbSpans;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountDbSpans {
     fn on_new_span(
         &self,
         attrs: &tracing::span::Attributes<'_>,
@@ -383,30 +395,43 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for DbSpans {
         _: tracing_subscriber::layer::Context<'_, S>,
     ) {
         if attrs.metadata().name() == "db" {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            DB_SPANS_HERE.with(|n| n.set(n.get() + 1));
         }
     }
 }
 
 impl DbSpans {
+    fn install() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        static INSTALLED: std::sync::Once = std::sync::Once::new();
+        INSTALLED.call_once(|| {
+            tracing::subscriber::set_global_default(
+                tracing_subscriber::registry().with(CountDbSpans),
+            )
+            .expect("no other subscriber in this binary");
+        });
+    }
+
+    fn start() -> Self {
+        DB_SPANS_HERE.with(|n| n.set(0));
+        DbSpans
+    }
+
     fn taken(&self) -> usize {
-        self.0.swap(0, std::sync::atomic::Ordering::SeqCst)
+        DB_SPANS_HERE.with(|n| n.replace(0))
     }
 }
 
 /// A resolve the cache answers reads nothing and has no `db` span (before, every send's resolve
 /// had one); one that reads has. On PostgreSQL without a relay the cache serves nothing.
 async fn only_a_resolve_that_reads_has_a_db_span(backend: Backend) {
-    use tracing_subscriber::layer::SubscriberExt as _;
     let h = harness(backend).await;
     let id = h
         .registry
         .register(&ios(HOST, "phone-1", "aaaaaaaaaaaaaaaaaaaa"))
         .await
         .unwrap();
-    let spans = DbSpans::default();
-    let _default =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let spans = DbSpans::start();
     let ids = std::slice::from_ref(&id);
     assert_eq!(h.registry.resolve(HOST, ids).await.unwrap().len(), 1);
     assert_eq!(spans.taken(), 1, "the first resolve reads");
@@ -419,7 +444,6 @@ async fn only_a_resolve_that_reads_has_a_db_span(backend: Backend) {
 /// owns the file), and sees a new token at once: the write drops the host's entry. On PostgreSQL
 /// without a relay every look-up reads.
 async fn a_resolved_hosts_phones_are_looked_up_without_a_read(backend: Backend) {
-    use tracing_subscriber::layer::SubscriberExt as _;
     let h = harness(backend).await;
     let phone = h
         .registry
@@ -431,9 +455,7 @@ async fn a_resolved_hosts_phones_are_looked_up_without_a_read(backend: Backend) 
         .register(&android(OTHER, "tablet", &"b".repeat(40)))
         .await
         .unwrap();
-    let spans = DbSpans::default();
-    let _default =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let spans = DbSpans::start();
     let cached = backend == Backend::Sqlite;
     let tokens = |rows: Vec<orca_push_registry::store::DeliveryRow>| -> Vec<(String, String)> {
         rows.into_iter()

@@ -287,7 +287,19 @@ pub(super) mod capture {
         }
     }
 
-    impl Subscriber for Lines {
+    thread_local! {
+        static HERE: std::cell::RefCell<Option<Lines>> = const { std::cell::RefCell::new(None) };
+    }
+
+    /// The binary's one subscriber: it keeps the events of the threads that started a capture.
+    ///
+    /// A scoped subscriber (`set_default`) is not enough: tracing registers a call site when it is
+    /// first reached after some subscriber exists, and while one scoped subscriber is the only one
+    /// alive it asks the reaching thread's own default. A parallel test with none could so mark an
+    /// event as never wanted, and the capturing test would miss it.
+    struct ThreadLines;
+
+    impl Subscriber for ThreadLines {
         fn enabled(&self, _: &Metadata<'_>) -> bool {
             true
         }
@@ -297,18 +309,36 @@ pub(super) mod capture {
         fn record(&self, _: &Id, _: &Record<'_>) {}
         fn record_follows_from(&self, _: &Id, _: &Id) {}
         fn event(&self, event: &Event<'_>) {
-            let mut text = Text(format!("{} ", event.metadata().level()));
-            event.record(&mut text);
-            self.0.lock().unwrap().push(text.0);
+            HERE.with_borrow(|lines| {
+                if let Some(lines) = lines {
+                    let mut text = Text(format!("{} ", event.metadata().level()));
+                    event.record(&mut text);
+                    lines.0.lock().unwrap().push(text.0);
+                }
+            });
         }
         fn enter(&self, _: &Id) {}
         fn exit(&self, _: &Id) {}
     }
 
+    /// Ends this thread's capture when dropped.
+    pub(in crate::dispatch) struct Capturing;
+
+    impl Drop for Capturing {
+        fn drop(&mut self) {
+            HERE.set(None);
+        }
+    }
+
     /// Captures this thread's events (the paused-clock runtime runs every task on it).
-    pub(in crate::dispatch) fn start() -> (Lines, tracing::subscriber::DefaultGuard) {
+    pub(in crate::dispatch) fn start() -> (Lines, Capturing) {
+        static INSTALLED: std::sync::Once = std::sync::Once::new();
+        INSTALLED.call_once(|| {
+            tracing::subscriber::set_global_default(ThreadLines)
+                .expect("no other subscriber in this binary");
+        });
         let lines = Lines::default();
-        let guard = tracing::subscriber::set_default(lines.clone());
-        (lines, guard)
+        HERE.set(Some(lines.clone()));
+        (lines, Capturing)
     }
 }
