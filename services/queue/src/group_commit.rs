@@ -845,7 +845,8 @@ mod tests {
         let first = admit(10);
         gate.entered.notified().await;
         let many: Vec<_> = (11..11 + SIDE_BY_SIDE_FROM as i64).map(admit).collect();
-        let began_beside = tokio::time::timeout(Duration::from_secs(5), gate.entered.notified());
+        // At once, not after `GATHER_AT_MOST`.
+        let began_beside = tokio::time::timeout(within, gate.entered.notified());
         assert!(
             began_beside.await.is_ok(),
             "no round began beside the first"

@@ -409,6 +409,7 @@ impl DbSpans {
                 tracing_subscriber::registry().with(CountDbSpans),
             )
             .expect("no other subscriber in this binary");
+            tracing::callsite::rebuild_interest_cache();
         });
     }
 

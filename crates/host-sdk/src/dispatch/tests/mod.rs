@@ -309,8 +309,9 @@ pub(super) mod capture {
         fn record(&self, _: &Id, _: &Record<'_>) {}
         fn record_follows_from(&self, _: &Id, _: &Id) {}
         fn event(&self, event: &Event<'_>) {
-            HERE.with_borrow(|lines| {
-                if let Some(lines) = lines {
+            // `try_with`: an event while a thread's locals are torn down is dropped.
+            let _ = HERE.try_with(|here| {
+                if let Some(lines) = &*here.borrow() {
                     let mut text = Text(format!("{} ", event.metadata().level()));
                     event.record(&mut text);
                     lines.0.lock().unwrap().push(text.0);
@@ -336,6 +337,9 @@ pub(super) mod capture {
         INSTALLED.call_once(|| {
             tracing::subscriber::set_global_default(ThreadLines)
                 .expect("no other subscriber in this binary");
+            // A call site another test reached between the subscriber's registration and its
+            // install as the default was asked of no subscriber: ask again.
+            tracing::callsite::rebuild_interest_cache();
         });
         let lines = Lines::default();
         HERE.set(Some(lines.clone()));
