@@ -709,6 +709,155 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
     }
 }
 
+/// On PostgreSQL a group's plans, made once per connection, look rows up by key however the
+/// tables grow after: made on new, nearly empty tables (a fresh deployment, a benchmark run), the
+/// seen read scanned all of `push_events` and the window update every open window on each call,
+/// until the connection closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
+    let url = orca_push_storage::testing::fresh_postgres_url().await;
+    let config = orca_push_storage::DatabaseConfig::Postgres {
+        url: url.clone().into(),
+    };
+    orca_push_queue::open_and_migrate(&config)
+        .await
+        .expect("open and migrate");
+    // One connection, so that the plans made on the empty tables are the ones used after.
+    let one = orca_push_storage::ServiceStorage {
+        max_connections: 1,
+        ..orca_push_queue::STORAGE
+    };
+    let pool = orca_push_storage::open(&config, &one).await.expect("open");
+    let Pool::Postgres(pg) = pool.clone() else {
+        unreachable!("a PostgreSQL pool")
+    };
+    // The statistics are read on a connection of their own.
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    const TABLES: [&str; 2] = ["push_events", "push_delivery_batches"];
+    for table in TABLES {
+        // An ANALYZE would make the plans again, on the grown tables.
+        sqlx::query(&format!(
+            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+        ))
+        .execute(&pg)
+        .await
+        .unwrap();
+    }
+    let store = orca_push_queue::AnyQueueStore::new(pool.clone());
+    let window = WINDOW as i64;
+    let round = |seq: i64| {
+        let store = store.clone();
+        async move {
+            let group: Vec<_> = (1..=8)
+                .map(|phone| from(HOST, seq * 10 + phone, &format!("phone-{phone}")))
+                .collect();
+            let refs: Vec<_> = group.iter().collect();
+            for result in store
+                .enqueue_group(&refs, T0 as i64 + seq, window, None)
+                .await
+            {
+                result.unwrap();
+            }
+        }
+    };
+    // On the empty tables: the first group opens each phone's window, the second joins them.
+    round(1).await;
+    round(2).await;
+    // The tables grow: 20,000 events of other hosts, 20,000 open windows of other phones.
+    sqlx::query(
+        "INSERT INTO push_events (event_id, host_fingerprint, kind, notification_epoch, \
+         notification_seq, content_hash, accepted_at, expires_at) \
+         SELECT 'bulk-' || i, 'bulkhost' || (i % 500), 'alert', 'e', i, 'h', $1, $1 + 60000 \
+         FROM generate_series(1, 20000) AS i",
+    )
+    .bind(T0 as i64)
+    .execute(&pg)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO push_delivery_batches (batch_id, registration_id, host_fingerprint, kind, \
+         state, coalescible, window_ends_at, available_at, member_count, members_bytes, \
+         routing_bytes, deadline, silent, attempts, created_at, provider) \
+         SELECT 'bulk-' || i, 'bulkphone-' || i, 'bulkhost' || (i % 500), 'alert', 'open', 1, \
+         $1 + 60000, $1 + 60000, 1, 10, 10, $1 + 60000, 0, 0, $1, 'apns' \
+         FROM generate_series(1, 20000) AS i",
+    )
+    .bind(T0 as i64)
+    .execute(&pg)
+    .await
+    .unwrap();
+    let before = table_reads(&pg, &watcher, &TABLES).await;
+    round(3).await;
+    let after = table_reads(&pg, &watcher, &TABLES).await;
+    for ((table, (scans_before, rows_before)), (_, (scans_after, rows_after))) in
+        TABLES.iter().zip(before).zip(TABLES.iter().zip(after))
+    {
+        assert_eq!(scans_after, scans_before, "no sequential scan of {table}");
+        assert!(
+            rows_after - rows_before < 1000,
+            "{table}: {} index entries read for a group of 8",
+            rows_after - rows_before
+        );
+    }
+}
+
+/// Each table's sequential scans and index entries read, once the statistics of everything `pg`'s
+/// one connection ran so far are in: that connection scans a marker table, and the watcher waits
+/// to see it (a server sends a connection's statistics all at once).
+async fn table_reads(
+    pg: &sqlx::PgPool,
+    watcher: &sqlx::PgPool,
+    tables: &[&str],
+) -> Vec<(i64, i64)> {
+    const MARKER: &str = "SELECT COALESCE(seq_scan, 0) FROM pg_stat_user_tables \
+         WHERE relname = '_sqlx_migrations' AND schemaname = $1";
+    let schema = orca_push_queue::STORAGE.postgres_schema;
+    let marker = || {
+        sqlx::query_scalar::<_, i64>(MARKER)
+            .bind(schema)
+            .fetch_one(watcher)
+    };
+    let marked = marker().await.unwrap();
+    // PostgreSQL 15 waits up to 10 s to send an idle connection's statistics unless told not to.
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(pg)
+        .await
+        .unwrap();
+    let marker_scan = if version >= 150_000 {
+        "SELECT COUNT(*), pg_stat_force_next_flush() FROM _sqlx_migrations"
+    } else {
+        "SELECT COUNT(*) FROM _sqlx_migrations"
+    };
+    sqlx::query(marker_scan).execute(pg).await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if marker().await.unwrap() > marked {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server never reported the marker's scan"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let mut reads = Vec::new();
+    for table in tables {
+        let read: (i64, i64) = sqlx::query_as(
+            "SELECT COALESCE(t.seq_scan, 0), \
+             COALESCE((SELECT SUM(i.idx_tup_read) FROM pg_stat_user_indexes i \
+               WHERE i.relid = t.relid), 0)::bigint \
+             FROM pg_stat_user_tables t WHERE t.relname = $1 AND t.schemaname = $2",
+        )
+        .bind(table)
+        .bind(schema)
+        .fetch_one(watcher)
+        .await
+        .unwrap();
+        reads.push(read);
+    }
+    reads
+}
+
 /// A queue whose WAL syncs each wait for the test's word, and answer with it.
 fn gated_queue(
     pool: Pool,

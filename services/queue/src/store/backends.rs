@@ -232,11 +232,23 @@ impl PgQueueStore {
     /// hosts never each hold what the other waits for. In the same round trip, the rest of the
     /// transaction uses generic plans: a kept statement is then planned once per connection, where
     /// PostgreSQL's own choice re-planned the group's reads on every call (its generic estimate
-    /// for a list of rows is worse than the custom plan for one row). Their generic plans use the
-    /// same indexes. `set_config(.., true)` lasts until the transaction ends, so claims, reports
-    /// and clean-up on the same connection plan as before.
+    /// for a list of rows is worse than the custom plan for one row).
+    ///
+    /// A plan made once lasts as long as the connection (or until an `ANALYZE` of its tables), so
+    /// it must not depend on how full the tables were when it was made. Made on new, nearly empty
+    /// tables (a fresh deployment, every benchmark run), the seen read's plan scanned the whole
+    /// of `push_events` into a hash for every group, some 2.8 ms a call at 64 connections once the
+    /// table held a few thousand events (round 28, docs/benchmarks.md). A round's statements look
+    /// rows up by key, so its transaction plans without sequential scans, hash joins or merge
+    /// joins: each becomes a loop over the group's rows and an index probe per row, at any size.
+    /// `set_config(.., true)` lasts until the transaction ends, so transactions begun otherwise
+    /// on the same connection (claims, clean-up, reports outside the writer's rounds) plan as
+    /// before.
     const LOCK_HOSTS_SQL: &'static str = "SELECT \
          set_config('plan_cache_mode', 'force_generic_plan', true), \
+         set_config('enable_seqscan', 'off', true), \
+         set_config('enable_hashjoin', 'off', true), \
+         set_config('enable_mergejoin', 'off', true), \
          (SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
           (SELECT DISTINCT hashtextextended('push_events:' || h, 0) AS k \
            FROM UNNEST($1::text[]) AS h ORDER BY k) AS keys)";
