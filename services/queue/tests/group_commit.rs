@@ -715,6 +715,17 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
 /// until the connection closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgresql_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
+    plans_made_on_empty_tables_look_up_by_key(false).await;
+}
+
+/// The same, one admission at a time (what a round falls back to, and where a retry or a
+/// dismissal goes): its window is joined by a statement of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_row_by_row_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
+    plans_made_on_empty_tables_look_up_by_key(true).await;
+}
+
+async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool) {
     let url = orca_push_storage::testing::fresh_postgres_url().await;
     let config = orca_push_storage::DatabaseConfig::Postgres {
         url: url.clone().into(),
@@ -744,6 +755,11 @@ async fn postgresql_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
         .unwrap();
     }
     let store = orca_push_queue::AnyQueueStore::new(pool.clone());
+    let store = if row_by_row {
+        store.row_by_row()
+    } else {
+        store
+    };
     let window = WINDOW as i64;
     let round = |seq: i64| {
         let store = store.clone();
@@ -789,6 +805,23 @@ async fn postgresql_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
     let before = table_reads(&pg, &watcher, &TABLES).await;
     round(3).await;
     let after = table_reads(&pg, &watcher, &TABLES).await;
+    // Every round went the way asked with the plans made on the empty tables (a batched round that
+    // fell back to one statement at a time would have planned other texts, on the grown tables),
+    // and the last two joined the windows the first opened.
+    let batched = if row_by_row { 0 } else { 3 };
+    assert_eq!(store.batched_groups(), batched, "rounds batched");
+    let joined: Vec<i32> = sqlx::query_scalar(
+        "SELECT member_count FROM push_delivery_batches \
+         WHERE registration_id LIKE 'phone-%' ORDER BY registration_id",
+    )
+    .fetch_all(&pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        joined,
+        vec![3; 8],
+        "each phone's window holds the three rounds' alerts"
+    );
     for ((table, (scans_before, rows_before)), (_, (scans_after, rows_after))) in
         TABLES.iter().zip(before).zip(TABLES.iter().zip(after))
     {
@@ -818,11 +851,15 @@ async fn table_reads(
             .fetch_one(watcher)
     };
     let marked = marker().await.unwrap();
-    // PostgreSQL 15 waits up to 10 s to send an idle connection's statistics unless told not to.
+    // PostgreSQL 15 waits up to 10 s to send an idle connection's statistics unless told not to;
+    // before 15, a connection sends them as a transaction ends, at most every 500 ms.
     let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
         .fetch_one(pg)
         .await
         .unwrap();
+    if version < 150_000 {
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    }
     let marker_scan = if version >= 150_000 {
         "SELECT COUNT(*), pg_stat_force_next_flush() FROM _sqlx_migrations"
     } else {

@@ -60,15 +60,19 @@ pub(super) const OPEN_WINDOW_SQL: &str = "SELECT batch_id, member_count, members
      AND state = 'open' AND coalescible = 1 AND window_ends_at > $3 AND member_count < $4 \
      ORDER BY created_at DESC LIMIT 1";
 
-/// A member joins a window, if it is still open with the `$8` members it was read with.
+/// A member joins a window, if it is still open (`$9`, bound as `open`) with the `$8` members it
+/// was read with. The state is a parameter so that a plan made once (PostgreSQL's, on a nearly
+/// empty table) can only find the batch by its id: compared with a constant, `state = 'open'`
+/// let it walk the live index, every open window (docs/benchmarks.md, round 28).
 pub(super) const JOIN_WINDOW_SQL: &str = "UPDATE push_delivery_batches SET member_count = $2, \
      members_bytes = $3, routing_bytes = $4, window_ends_at = $5, available_at = $5, silent = $6, \
      deadline = CASE WHEN deadline < $7 THEN $7 ELSE deadline END \
-     WHERE batch_id = $1 AND state = 'open' AND member_count = $8";
+     WHERE batch_id = $1 AND state = $9 AND member_count = $8";
 
-/// A window closed (due) at `$2`.
+/// A window closed (due) at `$2`, if it is still open (`$3`, bound as `open`, as in
+/// `JOIN_WINDOW_SQL`).
 pub(super) const CLOSE_WINDOW_SQL: &str = "UPDATE push_delivery_batches \
-     SET window_ends_at = $2, available_at = $2 WHERE batch_id = $1 AND state = 'open'";
+     SET window_ends_at = $2, available_at = $2 WHERE batch_id = $1 AND state = $3";
 
 /// A registration's pending alerts that a dismissal of notification `$4` at seq `$5` covers.
 pub(super) const CANCEL_COVERED_SQL: &str = "UPDATE push_event_recipients \
@@ -371,6 +375,7 @@ macro_rules! row_by_row_admission {
                             .bind(flag(silent))
                             .bind(deadline)
                             .bind(count - 1)
+                            .bind("open")
                             .execute(tx)
                             .await?;
                         if joined == 1 {
@@ -381,6 +386,7 @@ macro_rules! row_by_row_admission {
                         Stmt::new($crate::store::admit::CLOSE_WINDOW_SQL)
                             .bind(&batch_id)
                             .bind(now)
+                            .bind("open")
                             .execute(tx)
                             .await?;
                     }

@@ -238,9 +238,10 @@ impl PgQueueStore {
     /// it must not depend on how full the tables were when it was made. Made on new, nearly empty
     /// tables (a fresh deployment, every benchmark run), the seen read's plan scanned the whole
     /// of `push_events` into a hash for every group, some 2.8 ms a call at 64 connections once the
-    /// table held a few thousand events (round 28, docs/benchmarks.md). A round's statements look
-    /// rows up by key, so its transaction plans without sequential scans, hash joins or merge
-    /// joins: each becomes a loop over the group's rows and an index probe per row, at any size.
+    /// table held a few thousand events (round 28, docs/benchmarks.md). A round's statements find
+    /// their rows through indexes (by key, or a host's or phone's range), so its transaction plans
+    /// without sequential scans, hash joins or merge joins: the batched statements become a loop
+    /// over the group's rows with an index probe per row, however the tables grow.
     /// `set_config(.., true)` lasts until the transaction ends, so transactions begun otherwise
     /// on the same connection (claims, clean-up, reports outside the writer's rounds) plan as
     /// before.
