@@ -712,7 +712,7 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
 /// On PostgreSQL a group's plans, made once per connection, look rows up by key however the
 /// tables grow after: made on new, nearly empty tables (a fresh deployment, a benchmark run), the
 /// seen read scanned all of `push_events` and the window update every open window on each call,
-/// until the connection closed.
+/// until the connection closed or an `ANALYZE` made them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgresql_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
     plans_made_on_empty_tables_look_up_by_key(false).await;
