@@ -639,20 +639,25 @@ async fn group_statements_stay_prepared_up_to_a_bound() {
     assert_eq!(cached().await, kept, "statements of 129 rows are not kept");
 }
 
+/// A migrated queue database through a pool of one connection: the statements kept, and the
+/// plans made, on that connection's session are the ones every group used.
+async fn one_connection(config: &orca_push_storage::DatabaseConfig) -> Pool {
+    orca_push_queue::open_and_migrate(config)
+        .await
+        .expect("open and migrate");
+    let one = orca_push_storage::ServiceStorage {
+        max_connections: 1,
+        ..orca_push_queue::STORAGE
+    };
+    orca_push_storage::open(config, &one).await.expect("open")
+}
+
 /// On PostgreSQL a group's statements stay prepared and are planned once per connection, not on
 /// every call: profiled, planning the seen read cost the server seven times its execution.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgresql_plans_a_groups_reads_once_per_connection() {
     let (config, _db) = orca_push_storage::testing::fresh(Backend::Postgres).await;
-    orca_push_queue::open_and_migrate(&config)
-        .await
-        .expect("open and migrate");
-    // One connection, so that its session's prepared statements are the ones the groups used.
-    let one = orca_push_storage::ServiceStorage {
-        max_connections: 1,
-        ..orca_push_queue::STORAGE
-    };
-    let pool = orca_push_storage::open(&config, &one).await.expect("open");
+    let pool = one_connection(&config).await;
     let clock = orca_push_storage::ManualClock::new(T0);
     let queue = orca_push_queue::DeliveryQueue::new(
         orca_push_queue::AnyQueueStore::new(pool.clone()),
@@ -730,15 +735,8 @@ async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool) {
     let config = orca_push_storage::DatabaseConfig::Postgres {
         url: url.clone().into(),
     };
-    orca_push_queue::open_and_migrate(&config)
-        .await
-        .expect("open and migrate");
     // One connection, so that the plans made on the empty tables are the ones used after.
-    let one = orca_push_storage::ServiceStorage {
-        max_connections: 1,
-        ..orca_push_queue::STORAGE
-    };
-    let pool = orca_push_storage::open(&config, &one).await.expect("open");
+    let pool = one_connection(&config).await;
     let Pool::Postgres(pg) = pool.clone() else {
         unreachable!("a PostgreSQL pool")
     };
