@@ -16,6 +16,7 @@ on_both_backends!(
     a_dismissal_over_http_takes_back_the_pending_alert,
     events_without_an_identity_and_with_a_zero_window_go_alone,
     the_deadline_is_capped_at_five_minutes,
+    a_split_facade_keeps_resolves_and_hears_every_device_change,
 );
 
 struct Host {
@@ -446,4 +447,105 @@ async fn the_deadline_is_capped_at_five_minutes(backend: Backend) {
         .await,
         1
     );
+}
+
+/// How many sends' resolves the facade of a split gateway answered from memory.
+async fn resolves_from_memory(gateway: &mut Gateway) -> f64 {
+    scrape_sum(
+        &gateway.process("facade").metrics_url(),
+        "orca_push_facade_resolves_total",
+        &[("source", "memory")],
+    )
+    .await
+}
+
+/// Marks a registration dead the way the sender does: the registry's `MarkDead`, over gRPC, which
+/// the facade does not see.
+async fn mark_dead_through_the_registry(gateway: &mut Gateway, registration_id: &str) {
+    use orca_push_proto::registry::v1 as pb;
+    let port = gateway.process("registry").port;
+    let key =
+        orca_push_internal_auth::InternalKey::from_secret(orca_push_tests::INTERNAL_KEY).unwrap();
+    let token = orca_push_internal_auth::mint(
+        &key,
+        "sender",
+        "registry",
+        orca_push_internal_auth::Scope::Full,
+        std::time::Duration::from_secs(60),
+    );
+    let channel = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut request = tonic::Request::new(pb::MarkDeadRequest {
+        registration_id: registration_id.to_owned(),
+        token: "abcd".into(),
+        platform: pb::Platform::Ios as i32,
+        apns_environment: pb::ApnsEnvironment::Sandbox as i32,
+    });
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let marked = pb::registry_service_client::RegistryServiceClient::new(channel)
+        .mark_dead(request)
+        .await
+        .unwrap();
+    assert!(marked.into_inner().marked);
+}
+
+/// Split mode: the facade answers a host's repeated sends without asking the registry, and still
+/// answers what the registry holds: a delete through the facade at once, a change it does not see
+/// (a phone marked dead by the sender) as the registry's device watch brings it, well within the
+/// ten seconds it would otherwise keep the old answer.
+async fn a_split_facade_keeps_resolves_and_hears_every_device_change(backend: Backend) {
+    use std::time::{Duration, Instant};
+    let mut gateway = Gateway::start_split(backend).await;
+    let host = Host::new(&gateway).await;
+    let a = host.register("phone-a").await;
+    let b = host.register("phone-b").await;
+    let status = |id: &str, status: &str| (id.to_owned(), status.to_owned());
+    let mut seq = 0;
+    let mut send = async |ids: &[&str]| {
+        seq += 1;
+        statuses(&host.send(ids, notification(seq)).await)
+    };
+    // Served from memory once the watch is heard from (a heartbeat every 200 ms).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let sent = send(&[&a, &b]).await;
+        assert_eq!(sent, vec![status(&a, "queued"), status(&b, "queued")]);
+        if resolves_from_memory(&mut gateway).await >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no send was resolved from memory"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let deleted = host
+        .raw
+        .delete(
+            &format!("/v1/devices/{a}"),
+            &[("authorization", &host.auth)],
+        )
+        .await;
+    assert_eq!(deleted.status, 204, "{deleted:?}");
+    let sent = send(&[&a, &b]).await;
+    assert_eq!(sent, vec![status(&a, "error"), status(&b, "queued")]);
+
+    mark_dead_through_the_registry(&mut gateway, &b).await;
+    let marked_at = Instant::now();
+    while send(&[&b]).await != vec![status(&b, "dead")] {
+        assert!(
+            marked_at.elapsed() < Duration::from_secs(2),
+            "the facade still resolves a dead phone as alive"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // And kept again.
+    let before = resolves_from_memory(&mut gateway).await;
+    assert_eq!(send(&[&b]).await, vec![status(&b, "dead")]);
+    assert!(resolves_from_memory(&mut gateway).await > before);
 }

@@ -1,5 +1,6 @@
 //! The gRPC clients the facade calls, one per service, each on a traced channel.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use orca_push_internal_auth::{InternalChannel, InternalKey, Target};
@@ -7,6 +8,8 @@ use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
 use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
 use orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient;
 use tonic_health::pb::HealthCheckRequest;
+
+use crate::resolves::ResolvedHosts;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -63,6 +66,8 @@ pub struct Backends {
     pub queue: QueueServiceClient<InternalChannel>,
     /// Every service `/ready` checks.
     pub endpoints: Vec<ServiceEndpoint>,
+    /// What sends resolved, when the registry is across the network (`crate::resolves`).
+    pub resolves: Option<Arc<ResolvedHosts>>,
 }
 
 /// Where each service lives: in this process, or at a URL.
@@ -95,6 +100,16 @@ impl Backends {
             registry: RegistryServiceClient::new(registry.channel.clone()),
             queue: QueueServiceClient::new(queue.channel.clone()),
             endpoints: vec![auth, registry, queue, sender],
+            resolves: matches!(urls.registry, Target::Url(_)).then(Arc::default),
         })
+    }
+}
+
+impl Backends {
+    /// A write through this facade may have changed what `host` resolves to.
+    pub fn changed(&self, host: &str) {
+        if let Some(resolves) = &self.resolves {
+            resolves.changed(host);
+        }
     }
 }

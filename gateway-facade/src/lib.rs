@@ -16,6 +16,7 @@ pub mod json;
 pub mod limits;
 pub mod metrics;
 pub mod openapi;
+pub mod resolves;
 pub mod routes;
 pub mod sessions;
 pub mod settings;

@@ -301,6 +301,10 @@ pub async fn serve_facade(
     if let Some(backends) = &state.backends {
         let auth = backends.auth.clone();
         tokio::spawn(state.sessions.clone().keep_fresh(auth, shutdown.clone()));
+        if let Some(resolves) = &backends.resolves {
+            let registry = backends.registry.clone();
+            tokio::spawn(resolves.clone().follow(registry, shutdown.clone()));
+        }
     }
     connections::serve(listener, router(state), http, shutdown).await;
     Ok(())

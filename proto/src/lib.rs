@@ -39,6 +39,7 @@ pub const SERVICE_METHODS: &[&str] = &[
     "/orca.push.registry.v1.RegistryService/GetDevicesForDelivery",
     "/orca.push.registry.v1.RegistryService/MarkDead",
     "/orca.push.registry.v1.RegistryService/HostsWithDevices",
+    "/orca.push.registry.v1.RegistryService/WatchDevices",
     "/orca.push.queue.v1.QueueService/Enqueue",
     "/orca.push.queue.v1.QueueService/Claim",
     "/orca.push.queue.v1.QueueService/RenewLease",
@@ -163,6 +164,8 @@ pub mod access {
             "/orca.push.registry.v1.RegistryService/HostsWithDevices",
             Read,
         ),
+        // Which hosts change their phones, as they do: for the facade's resolve cache only.
+        ("/orca.push.registry.v1.RegistryService/WatchDevices", Write),
         // Queue: admission and the sender's lease protocol write; the support look-ups read.
         ("/orca.push.queue.v1.QueueService/Enqueue", Write),
         ("/orca.push.queue.v1.QueueService/Claim", Write),

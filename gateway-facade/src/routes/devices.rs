@@ -47,14 +47,12 @@ pub async fn register(
     host: AuthenticatedHost,
     StrictJson(body): StrictJson<RegisterBody>,
 ) -> Result<Json<RegisterReply>, ApiError> {
-    let request = registration_request(body, host.fingerprint);
-    let registered = state
-        .backends()?
-        .registry
-        .clone()
-        .register_device(request)
-        .await?
-        .into_inner();
+    let backends = state.backends()?;
+    let request = registration_request(body, host.fingerprint.clone());
+    let registered = backends.registry.clone().register_device(request).await;
+    // Whatever the answer (a timeout may still have committed), before the host hears it.
+    backends.changed(&host.fingerprint);
+    let registered = registered?.into_inner();
     Ok(Json(RegisterReply {
         registration_id: registered.registration_id,
     }))
@@ -132,14 +130,17 @@ pub async fn delete(
     if registration_id.is_empty() || registration_id.encode_utf16().count() > 128 {
         return Err(ApiError::NotFound);
     }
-    state
-        .backends()?
+    let backends = state.backends()?;
+    let deleted = backends
         .registry
         .clone()
         .delete_device(pb::DeleteDeviceRequest {
-            host_fingerprint: host.fingerprint,
+            host_fingerprint: host.fingerprint.clone(),
             registration_id,
         })
-        .await?;
+        .await;
+    // Whatever the answer (a timeout may still have committed), before the host hears it.
+    backends.changed(&host.fingerprint);
+    deleted?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -73,17 +73,22 @@ pub async fn send(
     let backends = state.backends()?;
     // Both calls are idempotent (a repeated admission of one event identity is a no-op), so a
     // replica lost mid-call is retried once on another.
-    let resolved = orca_push_internal_auth::retry_unavailable(|| {
-        let mut registry = backends.registry.clone();
-        let request = registry_pb::ResolveRegistrationsRequest {
-            host_fingerprint: host.fingerprint.clone(),
-            registration_ids: ids.clone(),
-        };
-        async move { registry.resolve_registrations(request).await }
-    })
-    .await?
-    .into_inner()
-    .registrations;
+    let read = || async {
+        let resolved = orca_push_internal_auth::retry_unavailable(|| {
+            let mut registry = backends.registry.clone();
+            let request = registry_pb::ResolveRegistrationsRequest {
+                host_fingerprint: host.fingerprint.clone(),
+                registration_ids: ids.clone(),
+            };
+            async move { registry.resolve_registrations(request).await }
+        })
+        .await?;
+        Ok::<_, ApiError>(resolved.into_inner().registrations)
+    };
+    let resolved = match &backends.resolves {
+        Some(kept) => kept.resolve(&host.fingerprint, &ids, read).await?,
+        None => read().await?,
+    };
     let status_of_registration = |id: &str| -> SendStatus {
         match resolved.iter().find(|r| r.registration_id == id) {
             None => SendStatus::Error,

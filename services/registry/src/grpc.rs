@@ -9,16 +9,64 @@ use tonic::{Request, Response, Status};
 use crate::device::{ApnsEnvironment, DeviceFilter, Platform, Registration};
 use crate::error::RegistryError;
 use crate::registry::DeviceRegistry;
+use crate::resolve_cache::{DeviceNews, ResolveCache};
 use crate::store::AnyRegistryStore;
+use tokio_util::sync::CancellationToken;
 
 pub struct RegistryGrpc {
     registry: Arc<DeviceRegistry<AnyRegistryStore>>,
+    /// Whose news `WatchDevices` passes on.
+    resolves: Arc<ResolveCache>,
+    /// Ends device watches, so a draining server is not held open by them.
+    shutdown: CancellationToken,
 }
 
 impl RegistryGrpc {
-    pub fn new(registry: Arc<DeviceRegistry<AnyRegistryStore>>) -> Self {
-        Self { registry }
+    pub fn new(
+        registry: Arc<DeviceRegistry<AnyRegistryStore>>,
+        resolves: Arc<ResolveCache>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        Self {
+            registry,
+            resolves,
+            shutdown,
+        }
     }
+}
+
+type EventStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::DeviceEvent, Status>> + Send>>;
+
+/// Device news as it comes, until `shutdown`; ABORTED (then the end) if the watcher fell behind or
+/// news was lost.
+fn device_events(
+    news: tokio::sync::broadcast::Receiver<DeviceNews>,
+    shutdown: CancellationToken,
+) -> EventStream {
+    use tokio::sync::broadcast::error::RecvError;
+    let lost = || Status::aborted("device news was lost: watch again");
+    Box::pin(futures::stream::unfold(
+        Some((news, shutdown)),
+        move |state| async move {
+            let (mut news, shutdown) = state?;
+            let event = tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return None,
+                next = news.recv() => match next {
+                    Ok(DeviceNews::Changed(host)) => pb::DeviceEvent {
+                        changed_host_fingerprint: host,
+                    },
+                    Ok(DeviceNews::Heard) => pb::DeviceEvent::default(),
+                    Ok(DeviceNews::Lost) | Err(RecvError::Lagged(_)) => {
+                        return Some((Err(lost()), None));
+                    }
+                    Err(RecvError::Closed) => return None,
+                },
+            };
+            Some((Ok(event), Some((news, shutdown))))
+        },
+    ))
 }
 
 fn platform_from_wire(value: i32) -> Result<Platform, RegistryError> {
@@ -59,6 +107,18 @@ pub fn registration_from_wire(r: pb::RegisterDeviceRequest) -> Result<Registrati
 
 #[tonic::async_trait]
 impl pb::registry_service_server::RegistryService for RegistryGrpc {
+    type WatchDevicesStream = EventStream;
+
+    async fn watch_devices(
+        &self,
+        _request: Request<pb::WatchDevicesRequest>,
+    ) -> Result<Response<Self::WatchDevicesStream>, Status> {
+        Ok(Response::new(device_events(
+            self.resolves.watch(),
+            self.shutdown.clone(),
+        )))
+    }
+
     async fn register_device(
         &self,
         request: Request<pb::RegisterDeviceRequest>,

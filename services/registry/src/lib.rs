@@ -72,8 +72,14 @@ pub async fn routes(
         store.pools(),
         shutdown.clone(),
     ));
-    if let AnyRegistryStore::Postgres(store) = &store {
-        tokio::spawn(store.clone().relay(shutdown.clone()));
+    let resolves = store.resolves();
+    match &store {
+        AnyRegistryStore::Postgres(store) => {
+            tokio::spawn(store.clone().relay(shutdown.clone()));
+        }
+        AnyRegistryStore::Sqlite(_) => {
+            tokio::spawn(relay::exact_heartbeat(resolves.clone(), shutdown.clone()));
+        }
     }
     let registry = Arc::new(DeviceRegistry::new(store, clock));
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -88,6 +94,7 @@ pub async fn routes(
         orca_push_storage::health::nothing,
         shutdown.clone(),
     ));
-    orca_push_internal_auth::service_routes(health_service)
-        .add_service(RegistryServiceServer::new(RegistryGrpc::new(registry)))
+    orca_push_internal_auth::service_routes(health_service).add_service(RegistryServiceServer::new(
+        RegistryGrpc::new(registry, resolves, shutdown),
+    ))
 }

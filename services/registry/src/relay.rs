@@ -17,6 +17,19 @@ use crate::store::DEVICES_CHANNEL;
 /// How often each replica proves its relay current.
 pub const HEARTBEAT: Duration = Duration::from_millis(200);
 
+/// SQLite: an exact cache's heartbeat for `WatchDevices` every [`HEARTBEAT`], until `shutdown`
+/// (every write of this process is told as it commits, so a timer proves the watch current).
+pub async fn exact_heartbeat(cache: Arc<ResolveCache>, shutdown: CancellationToken) {
+    let mut ticks = tokio::time::interval(HEARTBEAT);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = ticks.tick() => cache.exact_heartbeat(),
+        }
+    }
+}
+
 pub async fn relay(pool: sqlx::PgPool, cache: Arc<ResolveCache>, shutdown: CancellationToken) {
     let on = move |relayed: Relayed<'_>| match relayed {
         Relayed::Connected => cache.relay_connected(),

@@ -15,6 +15,11 @@
 //! kept only if none happened since the read began. Kept entries are exact, not merely fresh, so
 //! they need no expiry; the cap only bounds memory.
 //!
+//! What drops an entry is also told to `WatchDevices` watchers (the facade of a split deployment
+//! keeps what sends resolved, and drops a host as this cache does): [`DeviceNews`], with a
+//! heartbeat an exact cache's owner sends on a timer ([`ResolveCache::exact_heartbeat`]) and a
+//! relayed cache passes on from its relay.
+//!
 //! Each entry holds its registrations as a delivery needs them (token and APNs environment
 //! included), and each registration names its host, so a lane's look-up of the phones of a claim
 //! (`deliveries`) is answered here too for every host a send has resolved, under the same rules:
@@ -42,6 +47,21 @@ const ROW_OVERHEAD: usize = 160;
 /// about every 200 ms).
 pub const RELAY_SILENCE: std::time::Duration = std::time::Duration::from_millis(600);
 
+/// Device news a watcher may fall behind by before it is cut off (it then trusts nothing it kept
+/// under that stream).
+pub const WATCH_BACKLOG: usize = 4096;
+
+/// What a `WatchDevices` watcher hears.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceNews {
+    /// What the host resolves to may have changed.
+    Changed(String),
+    /// Every write committed before this was announced.
+    Heard,
+    /// Announcements may have been lost: nothing kept under the watch may be served still.
+    Lost,
+}
+
 /// Every registration of one host, as a delivery needs it.
 pub type HostRegistrations = Arc<[DeliveryRow]>;
 
@@ -54,6 +74,8 @@ pub struct ResolveCache {
     max_bytes: usize,
     /// `None`: exact. Otherwise what the relay has been heard of.
     relay: Option<Relay>,
+    /// What `WatchDevices` watchers are told.
+    news: tokio::sync::broadcast::Sender<DeviceNews>,
 }
 
 /// The kept hosts, and the host of each of their registrations.
@@ -198,6 +220,7 @@ impl ResolveCache {
             max_hosts,
             max_bytes,
             relay: None,
+            news: tokio::sync::broadcast::channel(WATCH_BACKLOG).0,
         }
     }
 
@@ -220,12 +243,14 @@ impl ResolveCache {
             relay.connection.fetch_add(1, Ordering::SeqCst);
         }
         self.kept().clear();
+        self.tell(|| DeviceNews::Lost);
     }
 
     /// The relay heard a heartbeat: every write committed before it was sent has been relayed.
     pub fn relay_heard(&self) {
         if let Some(relay) = &self.relay {
             relay.heard_at.store(relay.nanos(), Ordering::SeqCst);
+            self.tell(|| DeviceNews::Heard);
         }
     }
 
@@ -233,6 +258,28 @@ impl ResolveCache {
     pub fn relay_lost(&self) {
         if let Some(relay) = &self.relay {
             relay.heard_at.store(0, Ordering::SeqCst);
+        }
+        self.tell(|| DeviceNews::Lost);
+    }
+
+    /// An exact cache's heartbeat, for its owner's timer: every write this process committed
+    /// before it has been told. A relayed cache's heartbeats come from its relay only, so this
+    /// does nothing there.
+    pub fn exact_heartbeat(&self) {
+        if self.relay.is_none() {
+            self.tell(|| DeviceNews::Heard);
+        }
+    }
+
+    /// Device news from now on, for a `WatchDevices` watcher.
+    pub fn watch(&self) -> tokio::sync::broadcast::Receiver<DeviceNews> {
+        self.news.subscribe()
+    }
+
+    /// Tells the watchers, if there are any (no watcher is not an error, and costs no host copy).
+    fn tell(&self, news: impl FnOnce() -> DeviceNews) {
+        if self.news.receiver_count() > 0 {
+            let _ = self.news.send(news());
         }
     }
 
@@ -324,6 +371,7 @@ impl ResolveCache {
     pub fn invalidate(&self, host: &str) {
         self.generation.fetch_add(1, Ordering::SeqCst);
         self.kept().remove(host);
+        self.tell(|| DeviceNews::Changed(host.to_owned()));
     }
 
     pub fn len(&self) -> usize {

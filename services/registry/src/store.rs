@@ -533,6 +533,14 @@ impl AnyRegistryStore {
         }
     }
 
+    /// The cache of what hosts resolve to, and its news for `WatchDevices`.
+    pub fn resolves(&self) -> std::sync::Arc<ResolveCache> {
+        match self {
+            Self::Sqlite(s) => s.resolves.clone(),
+            Self::Postgres(s) => s.resolves.clone(),
+        }
+    }
+
     /// Hosts whose registrations are kept in memory (see `resolve_cache`).
     pub fn cached_hosts(&self) -> usize {
         match self {
