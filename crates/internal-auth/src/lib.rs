@@ -359,14 +359,12 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 pub struct RequireToken {
     key: InternalKey,
     audiences: Arc<[&'static str]>,
+    verified: Arc<VerifiedTokens>,
 }
 
 impl RequireToken {
     pub fn new(key: InternalKey, audience: &'static str) -> Self {
-        Self {
-            key,
-            audiences: Arc::from([audience]),
-        }
+        Self::any_of(key, &[audience])
     }
 
     /// A check that takes a token for any of `audiences`.
@@ -374,7 +372,58 @@ impl RequireToken {
         Self {
             key,
             audiences: Arc::from(audiences),
+            verified: Arc::default(),
         }
+    }
+}
+
+/// Tokens verified at most, kept with their claims.
+const MAX_VERIFIED_TOKENS: usize = 256;
+
+/// The tokens one check has verified, by their sha256, with their claims. A caller presents the
+/// same token for minutes (services re-mint theirs a minute before its five end), and verifying it
+/// again on every call (base64, two JSON parses, an HMAC and their allocations) was some 9% of a
+/// split registry's CPU (docs/benchmarks.md, round 29). Only a token that verified enters, so
+/// everything kept was minted with the key; the expiry is checked again on every use, and the rest
+/// of a verdict cannot change with time but to allow more. Keyed by a digest, so no comparison
+/// with a kept token runs on what a caller sent.
+#[derive(Debug, Default)]
+struct VerifiedTokens(Mutex<std::collections::HashMap<[u8; 32], Claims>>);
+
+impl VerifiedTokens {
+    /// [`verify_any`], remembered.
+    fn check(
+        &self,
+        key: &InternalKey,
+        token: &str,
+        audiences: &[&str],
+        now_s: u64,
+    ) -> Result<Claims, Refusal> {
+        use sha2::Digest as _;
+        let digest: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        if let Some(claims) = self.kept().get(&digest) {
+            // As `verify_any`: valid through the second of `exp`.
+            return if now_s <= claims.exp {
+                Ok(claims.clone())
+            } else {
+                Err(Refusal::Expired)
+            };
+        }
+        let claims = verify_any(key, token, audiences)?;
+        let mut kept = self.kept();
+        if kept.len() >= MAX_VERIFIED_TOKENS {
+            kept.retain(|_, claims| now_s <= claims.exp);
+            if kept.len() >= MAX_VERIFIED_TOKENS {
+                kept.clear();
+            }
+        }
+        kept.insert(digest, claims.clone());
+        Ok(claims)
+    }
+
+    fn kept(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<[u8; 32], Claims>> {
+        // Nothing that can panic runs under the lock: keep using it.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -432,7 +481,11 @@ where
             .and_then(|v| v.strip_prefix("Bearer "));
         let verdict = match token {
             None => Err(Refusal::Missing),
-            Some(token) => verify_any(&self.check.key, token, &self.check.audiences),
+            Some(token) => {
+                self.check
+                    .verified
+                    .check(&self.check.key, token, &self.check.audiences, now_s())
+            }
         };
         match verdict {
             Ok(claims) if claims.scope.allows(request.uri().path()) => {
@@ -692,6 +745,56 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_verified_token_is_remembered_until_it_expires_and_a_refused_one_never() {
+        let key = InternalKey::generate();
+        let verified = VerifiedTokens::default();
+        let now = now_s();
+        let token = mint_between(&key, "facade", "queue", Scope::Full, now, now + 60);
+        let claims = verified.check(&key, &token, &["queue"], now).unwrap();
+        assert_eq!(claims.sub, "facade");
+        // Remembered: another key cannot have made it, so only a kept verdict accepts it now.
+        let other = InternalKey::generate();
+        assert_eq!(verified.check(&other, &token, &["queue"], now), Ok(claims));
+        assert_eq!(
+            verified
+                .check(&key, &token, &["queue"], now + 60)
+                .map(|c| c.sub),
+            Ok("facade".to_owned())
+        );
+        assert_eq!(
+            verified.check(&key, &token, &["queue"], now + 61),
+            Err(Refusal::Expired)
+        );
+        // Refused tokens are not kept: a forged one stays refused, and a token for another
+        // audience too.
+        let forged = mint_between(&other, "facade", "queue", Scope::Full, now, now + 60);
+        let registry = mint_between(&key, "facade", "registry", Scope::Full, now, now + 60);
+        for _ in 0..2 {
+            assert_eq!(
+                verified.check(&key, &forged, &["queue"], now),
+                Err(Refusal::Invalid)
+            );
+            assert_eq!(
+                verified.check(&key, &registry, &["queue"], now),
+                Err(Refusal::WrongAudience)
+            );
+        }
+        assert_eq!(verified.kept().len(), 1);
+    }
+
+    #[test]
+    fn remembered_tokens_are_bounded() {
+        let key = InternalKey::generate();
+        let verified = VerifiedTokens::default();
+        let now = now_s();
+        for i in 0..MAX_VERIFIED_TOKENS as u64 + 10 {
+            let token = mint_between(&key, "facade", "queue", Scope::Full, now, now + 60 + i);
+            verified.check(&key, &token, &["queue"], now).unwrap();
+            assert!(verified.kept().len() <= MAX_VERIFIED_TOKENS);
+        }
+    }
 
     /// A write runs to its end on a task of its own when its caller goes; a call of
     /// [`ENDS_WITH_CALLER`] (here a read) runs on the caller's task and stops with it.
