@@ -544,7 +544,9 @@ async fn a_split_facade_keeps_resolves_and_hears_every_device_change(backend: Ba
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // And kept again.
+    // And kept again once the change has settled (a second, for other registry replicas).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(send(&[&b]).await, vec![status(&b, "dead")]);
     let before = resolves_from_memory(&mut gateway).await;
     assert_eq!(send(&[&b]).await, vec![status(&b, "dead")]);
     assert!(resolves_from_memory(&mut gateway).await > before);

@@ -5,17 +5,20 @@
 //! answers without a hop, so this cache is not made there.
 //!
 //! The facade follows the registry's `WatchDevices` stream: a host whose registrations change is
-//! dropped as the news arrives, and entries are served only while the stream was heard within
-//! [`WATCH_SILENCE`] (the registry's heartbeat is every 200 ms), and only those read under the
-//! stream open now. A read that raced a change is never kept: every change bumps a generation, and
-//! a read is kept only if none arrived since it began. A register or delete through this facade
-//! drops its host as the registry answers, before the host hears back.
+//! dropped as the news arrives, and entries are served only while the stream's heartbeat was heard
+//! within [`WATCH_SILENCE`] (the registry sends one every 200 ms, after every change it relayed
+//! before), and only those read under the stream open now. A read that raced a change is never
+//! kept: every change bumps a generation, and a read is kept only if none arrived since it began.
+//! A register or delete through this facade drops its host as the registry answers, before the host
+//! hears back.
 //!
-//! An entry is served for at most [`TRUST_FOR`]. With several registry replicas, a resolve may be
-//! answered by one that has not heard a write yet, after the news of it reached this facade through
-//! another; the bound keeps such an answer from being served until the host changes again.
+//! With several registry replicas, a resolve may be answered by one that has not heard a write yet,
+//! after the news of it reached this facade through another. So a read of a host that began within
+//! [`CHANGE_SETTLES_IN`] of news of it is not kept, and an entry is served for at most
+//! [`TRUST_FOR`] whatever happens.
 //!
-//! It holds no push token (a resolve carries none) and logs no host.
+//! Only ids the host owns are kept (a host owns at most 64): a send naming another id asks the
+//! registry. It holds no push token (a resolve carries none) and logs no host.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -28,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 /// How long a kept answer is served at most (see the module's documentation).
 pub const TRUST_FOR: Duration = Duration::from_secs(10);
-/// Entries are served only while the watch was heard this recently.
+/// Entries are served only while the watch's heartbeat was heard this recently.
 pub const WATCH_SILENCE: Duration = Duration::from_millis(600);
 /// How long to wait before opening the watch again after it ended or was refused.
 const WATCH_RETRY: Duration = Duration::from_secs(1);
@@ -41,9 +44,9 @@ pub const MAX_CACHED_HOSTS: usize = 50_000;
 /// What the kept answers may take (ids, hosts and a share of the maps); past it the cache starts
 /// again empty.
 pub const MAX_CACHED_BYTES: usize = 16 << 20;
-/// Ids kept for one host, its own or not (a send may name ids the host does not own); past it the
-/// host's entry starts again with the latest answer.
-pub const MAX_IDS_PER_HOST: usize = 128;
+/// A read of a host that began this soon after news of a change to it is not kept: another registry
+/// replica may not have heard the change yet (relays take milliseconds).
+pub const CHANGE_SETTLES_IN: Duration = Duration::from_secs(1);
 /// What a kept id takes besides its text: its answer and its place in the map (an estimate; it only
 /// bounds the cache).
 const ID_OVERHEAD: usize = 64;
@@ -59,8 +62,8 @@ struct Owned {
 }
 
 struct HostEntry {
-    /// Each id asked for, and what it resolved to (`None`: not the host's).
-    ids: HashMap<String, Option<Owned>>,
+    /// The host's ids asked for, and what each resolved to.
+    ids: HashMap<String, Owned>,
     /// When the oldest read in it began.
     read_at: Instant,
     /// The watch stream it was read under.
@@ -78,12 +81,22 @@ impl HostEntry {
 struct Kept {
     hosts: HashMap<String, HostEntry>,
     bytes: usize,
+    /// When news of a change to each host last arrived (for [`CHANGE_SETTLES_IN`]).
+    changed_at: HashMap<String, Instant>,
 }
 
 impl Kept {
     fn clear(&mut self) {
         self.hosts.clear();
         self.bytes = 0;
+    }
+
+    /// Whether news of a change to `host` arrived less than [`CHANGE_SETTLES_IN`] before `read_at`
+    /// (or after it).
+    fn settling(&self, host: &str, read_at: Instant) -> bool {
+        self.changed_at
+            .get(host)
+            .is_some_and(|at| read_at.saturating_duration_since(*at) < CHANGE_SETTLES_IN)
     }
 
     fn remove(&mut self, host: &str) {
@@ -159,19 +172,28 @@ impl ResolvedHosts {
         self.kept().clear();
     }
 
-    /// News from the stream: a heartbeat, or a host whose registrations changed.
+    /// News from the stream: a heartbeat, or a host whose registrations changed. Only a heartbeat
+    /// proves the stream current: the registry tells its own writes at once, whether or not its
+    /// relay of the other replicas' still works.
     pub fn heard(&self, event: &pb::DeviceEvent) {
-        if !event.changed_host_fingerprint.is_empty() {
+        if event.changed_host_fingerprint.is_empty() {
+            self.heard_at.store(self.nanos(), Ordering::SeqCst);
+        } else {
             self.changed(&event.changed_host_fingerprint);
         }
-        // After the change is applied: whoever sees this heartbeat sees the change.
-        self.heard_at.store(self.nanos(), Ordering::SeqCst);
     }
 
-    /// What `host` resolves to may have changed: its entry goes, and reads under way are not kept.
+    /// What `host` resolves to may have changed: its entry goes, and reads under way, or begun
+    /// within [`CHANGE_SETTLES_IN`], are not kept.
     pub fn changed(&self, host: &str) {
         self.generation.fetch_add(1, Ordering::SeqCst);
-        self.kept().remove(host);
+        let mut kept = self.kept();
+        kept.remove(host);
+        if kept.changed_at.len() >= self.max_hosts {
+            kept.changed_at
+                .retain(|_, at| at.elapsed() < CHANGE_SETTLES_IN);
+        }
+        kept.changed_at.insert(host.to_owned(), Instant::now());
     }
 
     /// What `ids` of `host` resolve to: kept answers while the watch vouches for them, else
@@ -212,17 +234,16 @@ impl ResolvedHosts {
     ) -> Option<Vec<pb::ResolvedRegistration>> {
         let kept = self.kept();
         let entry = kept.hosts.get(host).filter(|e| e.fresh(stream))?;
-        let mut answer = Vec::with_capacity(ids.len());
-        for id in ids {
-            if let Some(owned) = entry.ids.get(id)? {
-                answer.push(pb::ResolvedRegistration {
+        ids.iter()
+            .map(|id| {
+                let owned = entry.ids.get(id)?;
+                Some(pb::ResolvedRegistration {
                     registration_id: id.clone(),
                     platform: owned.platform,
                     dead: owned.dead,
-                });
-            }
-        }
-        Some(answer)
+                })
+            })
+            .collect()
     }
 
     fn keep(
@@ -239,25 +260,14 @@ impl ResolvedHosts {
         // began either shows here or drops the entry after it is inserted.
         if self.generation.load(Ordering::SeqCst) != began
             || self.stream.load(Ordering::SeqCst) != stream
+            || kept.settling(host, read_at)
         {
             return;
         }
-        let answers = ids.iter().map(|id| {
-            let owned = registrations
-                .iter()
-                .find(|r| r.registration_id == *id)
-                .map(|r| Owned {
-                    platform: r.platform,
-                    dead: r.dead,
-                });
-            (id, owned)
-        });
         let kept = &mut *kept;
         let mut entry = match kept.hosts.remove(host) {
             // Both reads hold: no change to the host was heard since the older began.
-            Some(older)
-                if older.fresh(stream) && older.ids.len() + ids.len() <= MAX_IDS_PER_HOST =>
-            {
+            Some(older) if older.fresh(stream) => {
                 kept.bytes = kept.bytes.saturating_sub(older.bytes);
                 older
             }
@@ -266,17 +276,28 @@ impl ResolvedHosts {
                     kept.bytes = kept.bytes.saturating_sub(older.bytes);
                 }
                 HostEntry {
-                    ids: HashMap::with_capacity(ids.len()),
+                    ids: HashMap::with_capacity(registrations.len()),
                     read_at,
                     stream,
                     bytes: host.len() + ID_OVERHEAD,
                 }
             }
         };
-        for (id, owned) in answers {
-            if entry.ids.insert(id.clone(), owned).is_none() {
-                entry.bytes += id.len() + ID_OVERHEAD;
+        // Only what the host owns: the registry answers only ids asked, and a host owns at most 64.
+        for r in registrations
+            .iter()
+            .filter(|r| ids.contains(&r.registration_id))
+        {
+            let owned = Owned {
+                platform: r.platform,
+                dead: r.dead,
+            };
+            if entry.ids.insert(r.registration_id.clone(), owned).is_none() {
+                entry.bytes += r.registration_id.len() + ID_OVERHEAD;
             }
+        }
+        if entry.ids.is_empty() {
+            return;
         }
         if kept.hosts.len() >= self.max_hosts || kept.bytes + entry.bytes > self.max_bytes {
             kept.clear();
@@ -294,6 +315,9 @@ impl ResolvedHosts {
         kept.hosts.retain(|_, entry| entry.fresh(stream));
         kept.bytes = kept.hosts.values().map(|e| e.bytes).sum();
         kept.hosts.shrink_to_fit();
+        kept.changed_at
+            .retain(|_, at| at.elapsed() < CHANGE_SETTLES_IN);
+        kept.changed_at.shrink_to_fit();
     }
 
     pub fn len(&self) -> usize {
@@ -391,6 +415,20 @@ mod tests {
         cache
     }
 
+    /// As if news of `host` had arrived longer ago than it takes a change to settle.
+    fn settled(cache: &ResolvedHosts, host: &str) {
+        let long_ago = Instant::now().checked_sub(CHANGE_SETTLES_IN * 2);
+        let mut kept = cache.kept();
+        match long_ago {
+            Some(at) => {
+                kept.changed_at.insert(host.to_owned(), at);
+            }
+            None => {
+                kept.changed_at.remove(host);
+            }
+        }
+    }
+
     /// Resolves through the cache, counting the reads it makes.
     async fn resolve(
         cache: &ResolvedHosts,
@@ -409,44 +447,48 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_watched_answer_is_kept_for_every_id_asked_owned_or_not() {
+    async fn a_watched_answer_is_kept_for_the_ids_the_host_owns() {
         let cache = watched();
         let reads = AtomicU64::new(0);
-        let first = resolve(&cache, "h", &["a", "x"], vec![owned("a", false)], &reads).await;
+        let first = resolve(&cache, "h", &["a", "b"], vec![owned("a", false)], &reads).await;
         assert_eq!(first, vec![owned("a", false)]);
-        // Answered from memory, unowned ids included; a subset too.
-        for asked in [&["a", "x"][..], &["x"], &["a"]] {
-            let again = resolve(&cache, "h", asked, vec![], &reads).await;
-            let expected: Vec<_> = asked
-                .iter()
-                .filter(|id| **id == "a")
-                .map(|id| owned(id, false))
-                .collect();
-            assert_eq!(again, expected);
-        }
-        assert_eq!(reads.load(Ordering::SeqCst), 1);
-        // An id not asked before is read, and joins the entry.
-        resolve(&cache, "h", &["b"], vec![owned("b", true)], &reads).await;
-        let both = resolve(&cache, "h", &["b", "a"], vec![], &reads).await;
-        assert_eq!(both, vec![owned("b", true), owned("a", false)]);
+        // Answered from memory, in the order asked.
+        resolve(&cache, "h", &["c"], vec![owned("c", true)], &reads).await;
+        let both = resolve(&cache, "h", &["c", "a"], vec![], &reads).await;
+        assert_eq!(both, vec![owned("c", true), owned("a", false)]);
         assert_eq!(reads.load(Ordering::SeqCst), 2);
+        // An id the host does not own is not kept: asking for it asks the registry.
+        let with_b = resolve(&cache, "h", &["a", "b"], vec![owned("a", false)], &reads).await;
+        assert_eq!(with_b, vec![owned("a", false)]);
+        assert_eq!(reads.load(Ordering::SeqCst), 3);
+        // A host that owns none of what it asked for is not kept at all.
+        resolve(&cache, "g", &["x"], vec![], &reads).await;
+        assert!(!cache.kept().hosts.contains_key("g"));
     }
 
     #[tokio::test]
-    async fn a_change_heard_drops_its_host_only() {
+    async fn a_change_heard_drops_its_host_only_and_settles_before_it_is_kept_again() {
         let cache = watched();
         let reads = AtomicU64::new(0);
         resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
         resolve(&cache, "g", &["c"], vec![owned("c", false)], &reads).await;
         cache.heard(&change("h"));
-        let now = resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
-        assert_eq!(now, vec![owned("a", true)]);
         resolve(&cache, "g", &["c"], vec![], &reads).await;
-        assert_eq!(reads.load(Ordering::SeqCst), 3);
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
+        // Read, but not kept while another replica may not have heard the change.
+        for _ in 0..2 {
+            let now = resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
+            assert_eq!(now, vec![owned("a", true)]);
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), 4);
+        settled(&cache, "h");
+        resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
+        resolve(&cache, "h", &["a"], vec![], &reads).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 5);
         // A change made through this facade drops the host as well.
         cache.changed("h");
-        resolve(&cache, "h", &["a"], vec![], &reads).await;
-        assert_eq!(reads.load(Ordering::SeqCst), 4);
+        resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 6);
     }
 
     #[tokio::test]
@@ -457,6 +499,7 @@ mod tests {
             .resolve("h", &ids(&["a"]), || async {
                 // The registry answered from before the write; its news arrives meanwhile.
                 cache.heard(&change("h"));
+                settled(&cache, "h");
                 Ok::<_, ()>(vec![owned("a", false)])
             })
             .await
@@ -476,8 +519,9 @@ mod tests {
         resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
         assert_eq!(reads.load(Ordering::SeqCst), 2);
         assert!(cache.is_empty());
-        // Opened but not heard from yet.
+        // Opened but no heartbeat yet; news of a change is not one.
         cache.opened();
+        cache.heard(&change("g"));
         resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
         assert_eq!(reads.load(Ordering::SeqCst), 3);
         // Heard: kept. Closed: not served, and a new stream does not serve the old one's entries.
@@ -494,11 +538,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_silent_watch_vouches_for_nothing() {
+    async fn a_watch_whose_heartbeats_stop_vouches_for_nothing() {
         let cache = watched();
         let reads = AtomicU64::new(0);
         resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
         std::thread::sleep(WATCH_SILENCE);
+        // The registry's own writes still come through, but prove nothing of its relay.
+        cache.heard(&change("g"));
         resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
         assert_eq!(reads.load(Ordering::SeqCst), 2);
         cache.heard(&heartbeat());
@@ -508,9 +554,12 @@ mod tests {
 
     #[test]
     fn an_entry_is_served_for_trust_for_at_most() {
+        let Some(long_ago) = Instant::now().checked_sub(TRUST_FOR) else {
+            return;
+        };
         let entry = HostEntry {
             ids: HashMap::new(),
-            read_at: Instant::now() - TRUST_FOR,
+            read_at: long_ago,
             stream: 1,
             bytes: 0,
         };
@@ -524,13 +573,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_cache_is_bounded_by_hosts_bytes_and_ids_per_host() {
+    async fn the_cache_is_bounded_by_hosts_and_bytes() {
         let reads = AtomicU64::new(0);
         let cache = ResolvedHosts::with_limits(2, MAX_CACHED_BYTES);
         cache.opened();
         cache.heard(&heartbeat());
         for host in ["h1", "h2", "h3"] {
-            resolve(&cache, host, &["a"], vec![], &reads).await;
+            resolve(&cache, host, &["a"], vec![owned("a", false)], &reads).await;
         }
         assert_eq!(
             cache.len(),
@@ -540,23 +589,14 @@ mod tests {
         let cache = ResolvedHosts::with_limits(100, 200);
         cache.opened();
         cache.heard(&heartbeat());
-        resolve(&cache, "h", &["a"], vec![], &reads).await;
-        resolve(&cache, "g", &["a"], vec![], &reads).await;
-        let bytes = cache.kept().bytes;
-        assert!(bytes <= 200, "{bytes}");
-        let cache = watched();
-        let many: Vec<String> = (0..MAX_IDS_PER_HOST).map(|i| format!("id{i}")).collect();
-        cache
-            .resolve("h", &many, || async { Ok::<_, ()>(vec![]) })
-            .await
-            .unwrap();
-        resolve(&cache, "h", &["more"], vec![], &reads).await;
-        let kept = cache.kept();
-        assert_eq!(
-            kept.hosts["h"].ids.len(),
-            1,
-            "started again with the latest answer"
-        );
-        assert_eq!(kept.bytes, kept.hosts["h"].bytes);
+        for host in ["h", "g", "f"] {
+            resolve(&cache, host, &["a"], vec![owned("a", false)], &reads).await;
+            let kept = cache.kept();
+            assert!(kept.bytes <= 200, "{}", kept.bytes);
+            assert_eq!(
+                kept.bytes,
+                kept.hosts.values().map(|e| e.bytes).sum::<usize>()
+            );
+        }
     }
 }
