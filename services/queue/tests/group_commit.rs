@@ -832,6 +832,104 @@ async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool) {
     }
 }
 
+/// A lane's transactions (its claim and its report, with the report's payload clean-up) plan as
+/// a group's do: made on the empty tables of a fresh deployment and kept, PostgreSQL's own plans
+/// scanned the recipients and events whole on every report (round 29, docs/benchmarks.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
+    use orca_push_queue::store::{Completion, Outcome, Skip};
+    let url = orca_push_storage::testing::fresh_postgres_url().await;
+    let config = orca_push_storage::DatabaseConfig::Postgres {
+        url: url.clone().into(),
+    };
+    let pool = one_connection(&config).await;
+    let Pool::Postgres(pg) = pool.clone() else {
+        unreachable!("a PostgreSQL pool")
+    };
+    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+    const TABLES: [&str; 3] = [
+        "push_events",
+        "push_delivery_batches",
+        "push_event_recipients",
+    ];
+    for table in TABLES {
+        sqlx::query(&format!(
+            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+        ))
+        .execute(&pg)
+        .await
+        .unwrap();
+    }
+    let store = orca_push_queue::AnyQueueStore::new(pool.clone());
+    // One alert to a phone of its own, due at once; claimed, and reported sent.
+    let cycle = |seq: i64| {
+        let store = store.clone();
+        async move {
+            let now = T0 as i64 + seq;
+            let admission = from(HOST, seq, &format!("lane-phone-{seq}"));
+            for result in store.enqueue_group(&[&admission], now, 0, None).await {
+                result.unwrap();
+            }
+            let claimed = store
+                .claim("lane", 1, 30_000, now, Skip::default())
+                .await
+                .unwrap();
+            assert_eq!(claimed.len(), 1, "cycle {seq}: the alert was due");
+            let completions: Vec<Completion> = claimed
+                .into_iter()
+                .map(|b| Completion {
+                    batch_id: b.batch_id,
+                    lease_token: b.lease_token,
+                    outcome: Outcome::Sent,
+                    reason: "200".into(),
+                    answered: true,
+                })
+                .collect();
+            assert_eq!(store.complete(&completions, now).await.unwrap(), vec![true]);
+        }
+    };
+    // PostgreSQL plans a kept statement itself five times, then settles on a generic plan.
+    for seq in 1..=7 {
+        cycle(seq).await;
+    }
+    // The tables grow: 20,000 finished events of other hosts, each with its batch and recipient.
+    for statement in [
+        "INSERT INTO push_events (event_id, host_fingerprint, kind, notification_epoch, \
+         notification_seq, content_hash, accepted_at, expires_at, payload_json) \
+         SELECT 'bulk-' || i, 'bulkhost' || (i % 500), 'alert', 'e', i, 'h', $1, $1 + 60000, '{}' \
+         FROM generate_series(1, 20000) AS i",
+        "INSERT INTO push_delivery_batches (batch_id, registration_id, host_fingerprint, kind, \
+         state, coalescible, window_ends_at, available_at, member_count, members_bytes, \
+         routing_bytes, deadline, silent, attempts, created_at, provider) \
+         SELECT 'bulk-' || i, 'bulkphone-' || i, 'bulkhost' || (i % 500), 'alert', 'sent', 0, \
+         $1, $1 + 60000, 1, 10, 10, $1 + 60000, 0, 1, $1, 'apns' \
+         FROM generate_series(1, 20000) AS i",
+        "INSERT INTO push_event_recipients (event_id, registration_id, batch_id, status, silent, \
+         created_at, updated_at) \
+         SELECT 'bulk-' || i, 'bulkphone-' || i, 'bulk-' || i, 'pending', 0, $1, $1 \
+         FROM generate_series(1, 20000) AS i",
+    ] {
+        sqlx::query(statement)
+            .bind(T0 as i64)
+            .execute(&pg)
+            .await
+            .unwrap();
+    }
+    let before = table_reads(&pg, &watcher, &TABLES).await;
+    cycle(8).await;
+    let after = table_reads(&pg, &watcher, &TABLES).await;
+    for ((table, (scans_before, rows_before)), (_, (scans_after, rows_after))) in
+        TABLES.iter().zip(before).zip(TABLES.iter().zip(after))
+    {
+        assert_eq!(scans_after, scans_before, "no sequential scan of {table}");
+        assert!(
+            rows_after - rows_before < 1000,
+            "{table}: {} index entries read for one claim and its report",
+            rows_after - rows_before
+        );
+    }
+}
+
 /// Each table's sequential scans and index entries read, once the statistics of everything `pg`'s
 /// one connection ran so far are in: that connection scans a marker table, and the watcher waits
 /// to see it (a server sends a connection's statistics all at once).

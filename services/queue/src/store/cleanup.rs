@@ -154,7 +154,7 @@ macro_rules! cleanup_statements {
                 let seen = overdue.len() as u64;
                 let mut expired = 0;
                 for batch_id in overdue {
-                    let mut tx = self.begin_claim().await?;
+                    let mut tx = self.begin_cleanup().await?;
                     // Still overdue and not being worked on: an admission or a lane may have moved
                     // it since the list was read.
                     let still = Stmt::new($crate::store::cleanup::STILL_OVERDUE_SQL)
@@ -184,7 +184,7 @@ macro_rules! cleanup_statements {
                 // round locks its candidates first (PostgreSQL) and then clears them in a second
                 // statement, whose fresh snapshot sees a recipient an admission added meanwhile.
                 for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
-                    let mut tx = self.begin_claim().await?;
+                    let mut tx = self.begin_cleanup().await?;
                     let candidates: Vec<String> = Stmt::new(&format!(
                         "{}{}",
                         $crate::store::cleanup::PAYLOAD_CANDIDATES_SQL,
