@@ -8,10 +8,10 @@ use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
 use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
 use orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient;
 use tonic_health::pb::HealthCheckRequest;
-
-use crate::resolves::ResolvedHosts;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+
+use crate::resolves::ResolvedHosts;
 
 /// One service as the facade sees it: its client channel and the name its health is reported under.
 #[derive(Clone)]
@@ -103,9 +103,7 @@ impl Backends {
             resolves: matches!(urls.registry, Target::Url(_)).then(Arc::default),
         })
     }
-}
 
-impl Backends {
     /// A write through this facade may have changed what `host` resolves to.
     pub fn changed(&self, host: &str) {
         if let Some(resolves) = &self.resolves {
