@@ -66,8 +66,8 @@ pub struct Backends {
     pub queue: QueueServiceClient<InternalChannel>,
     /// Every service `/ready` checks.
     pub endpoints: Vec<ServiceEndpoint>,
-    /// What sends resolved, when the registry is across the network (`crate::resolves`).
-    pub resolves: Option<Arc<ResolvedHosts>>,
+    /// What sends resolved (`crate::resolves`).
+    pub resolves: Arc<ResolvedHosts>,
 }
 
 /// Where each service lives: in this process, or at a URL.
@@ -100,14 +100,12 @@ impl Backends {
             registry: RegistryServiceClient::new(registry.channel.clone()),
             queue: QueueServiceClient::new(queue.channel.clone()),
             endpoints: vec![auth, registry, queue, sender],
-            resolves: matches!(urls.registry, Target::Url(_)).then(Arc::default),
+            resolves: Arc::default(),
         })
     }
 
     /// A write through this facade may have changed what `host` resolves to.
     pub fn changed(&self, host: &str) {
-        if let Some(resolves) = &self.resolves {
-            resolves.changed(host);
-        }
+        self.resolves.changed(host);
     }
 }

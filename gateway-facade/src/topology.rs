@@ -301,10 +301,8 @@ pub async fn serve_facade(
     if let Some(backends) = &state.backends {
         let auth = backends.auth.clone();
         tokio::spawn(state.sessions.clone().keep_fresh(auth, shutdown.clone()));
-        if let Some(resolves) = &backends.resolves {
-            let registry = backends.registry.clone();
-            tokio::spawn(resolves.clone().follow(registry, shutdown.clone()));
-        }
+        let resolves = backends.resolves.clone();
+        tokio::spawn(resolves.follow(backends.registry.clone(), shutdown.clone()));
     }
     connections::serve(listener, router(state), http, shutdown).await;
     Ok(())

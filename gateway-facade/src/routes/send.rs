@@ -85,10 +85,10 @@ pub async fn send(
         .await?;
         Ok::<_, ApiError>(resolved.into_inner().registrations)
     };
-    let resolved = match &backends.resolves {
-        Some(kept) => kept.resolve(&host.fingerprint, &ids, read).await?,
-        None => read().await?,
-    };
+    let resolved = backends
+        .resolves
+        .resolve(&host.fingerprint, &ids, read)
+        .await?;
     let status_of_registration = |id: &str| -> SendStatus {
         match resolved.iter().find(|r| r.registration_id == id) {
             None => SendStatus::Error,
