@@ -23,6 +23,7 @@ use rand::RngCore as _;
 use serde::{Deserialize, Serialize};
 
 mod listener;
+pub mod news;
 mod transport;
 pub use listener::serve_services;
 use tonic::service::Routes;

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use orca_push_internal_auth::news::{NewsStream, Told, news_stream};
 use orca_push_proto::auth::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -21,38 +22,17 @@ impl<S> AuthGrpc<S> {
     }
 }
 
-type EventStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
+type EventStream = NewsStream<pb::SessionEvent>;
 
-/// Session news as it comes, until `shutdown`; ABORTED (then the end) if the watcher fell behind or
-/// news was lost.
-fn session_events(
-    news: tokio::sync::broadcast::Receiver<SessionNews>,
-    shutdown: CancellationToken,
-) -> EventStream {
-    use tokio::sync::broadcast::error::RecvError;
-    let lost = || Status::aborted("session news was lost: watch again");
-    Box::pin(futures::stream::unfold(
-        Some((news, shutdown)),
-        move |state| async move {
-            let (mut news, shutdown) = state?;
-            let event = tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return None,
-                next = news.recv() => match next {
-                    Ok(SessionNews::Replaced(host)) => pb::SessionEvent {
-                        replaced_host_fingerprint: host,
-                    },
-                    Ok(SessionNews::Heard) => pb::SessionEvent::default(),
-                    Ok(SessionNews::Lost) | Err(RecvError::Lagged(_)) => {
-                        return Some((Err(lost()), None));
-                    }
-                    Err(RecvError::Closed) => return None,
-                },
-            };
-            Some((Ok(event), Some((news, shutdown))))
-        },
-    ))
+/// What a `WatchSessions` watcher is told of each piece of session news.
+fn tell(news: SessionNews) -> Told<pb::SessionEvent> {
+    match news {
+        SessionNews::Replaced(host) => Told::Event(pb::SessionEvent {
+            replaced_host_fingerprint: host,
+        }),
+        SessionNews::Heard => Told::Event(pb::SessionEvent::default()),
+        SessionNews::Lost => Told::Lost,
+    }
 }
 
 #[tonic::async_trait]
@@ -66,7 +46,12 @@ impl<S: AuthStore> pb::auth_service_server::AuthService for AuthGrpc<S> {
         let minted = self.auth.watch_sessions().ok_or_else(|| {
             Status::failed_precondition("this auth offers no session watch (re-check within 1 s)")
         })?;
-        Ok(Response::new(session_events(minted, self.shutdown.clone())))
+        Ok(Response::new(news_stream(
+            minted,
+            self.shutdown.clone(),
+            "session",
+            tell,
+        )))
     }
 
     async fn issue_challenge(

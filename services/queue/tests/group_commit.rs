@@ -731,28 +731,9 @@ async fn postgresql_row_by_row_plans_made_on_empty_tables_look_up_by_key_once_th
 }
 
 async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool) {
-    let url = orca_push_storage::testing::fresh_postgres_url().await;
-    let config = orca_push_storage::DatabaseConfig::Postgres {
-        url: url.clone().into(),
-    };
-    // One connection, so that the plans made on the empty tables are the ones used after.
-    let pool = one_connection(&config).await;
-    let Pool::Postgres(pg) = pool.clone() else {
-        unreachable!("a PostgreSQL pool")
-    };
-    // The statistics are read on a connection of their own.
-    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-    const TABLES: [&str; 2] = ["push_events", "push_delivery_batches"];
-    for table in TABLES {
-        // An ANALYZE would make the plans again, on the grown tables.
-        sqlx::query(&format!(
-            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
-        ))
-        .execute(&pg)
-        .await
-        .unwrap();
-    }
-    let store = orca_push_queue::AnyQueueStore::new(pool.clone());
+    let probe = PlanProbe::new(&["push_events", "push_delivery_batches"]).await;
+    let pg = probe.pg.clone();
+    let store = orca_push_queue::AnyQueueStore::new(probe.pool.clone());
     let store = if row_by_row {
         store.row_by_row()
     } else {
@@ -800,9 +781,9 @@ async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool) {
     .execute(&pg)
     .await
     .unwrap();
-    let before = table_reads(&pg, &watcher, &TABLES).await;
+    let before = probe.reads().await;
     round(3).await;
-    let after = table_reads(&pg, &watcher, &TABLES).await;
+    let after = probe.reads().await;
     // Every round went the way asked with the plans made on the empty tables (a batched round that
     // fell back to one statement at a time would have planned other texts, on the grown tables),
     // and the last two joined the windows the first opened.
@@ -820,16 +801,7 @@ async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool) {
         vec![3; 8],
         "each phone's window holds the three rounds' alerts"
     );
-    for ((table, (scans_before, rows_before)), (_, (scans_after, rows_after))) in
-        TABLES.iter().zip(before).zip(TABLES.iter().zip(after))
-    {
-        assert_eq!(scans_after, scans_before, "no sequential scan of {table}");
-        assert!(
-            rows_after - rows_before < 1000,
-            "{table}: {} index entries read for a group of 8",
-            rows_after - rows_before
-        );
-    }
+    probe.assert_by_key(&before, &after, "a group of 8");
 }
 
 /// A lane's transactions (its claim and its report, with the report's payload clean-up) plan as
@@ -838,29 +810,14 @@ async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
     use orca_push_queue::store::{Completion, Outcome, Skip};
-    let url = orca_push_storage::testing::fresh_postgres_url().await;
-    let config = orca_push_storage::DatabaseConfig::Postgres {
-        url: url.clone().into(),
-    };
-    let pool = one_connection(&config).await;
-    let Pool::Postgres(pg) = pool.clone() else {
-        unreachable!("a PostgreSQL pool")
-    };
-    let watcher = sqlx::PgPool::connect(&url).await.unwrap();
-    const TABLES: [&str; 3] = [
+    let probe = PlanProbe::new(&[
         "push_events",
         "push_delivery_batches",
         "push_event_recipients",
-    ];
-    for table in TABLES {
-        sqlx::query(&format!(
-            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
-        ))
-        .execute(&pg)
-        .await
-        .unwrap();
-    }
-    let store = orca_push_queue::AnyQueueStore::new(pool.clone());
+    ])
+    .await;
+    let pg = probe.pg.clone();
+    let store = orca_push_queue::AnyQueueStore::new(probe.pool.clone());
     // One alert to a phone of its own, due at once; claimed, and reported sent.
     let cycle = |seq: i64| {
         let store = store.clone();
@@ -915,18 +872,67 @@ async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_gro
             .await
             .unwrap();
     }
-    let before = table_reads(&pg, &watcher, &TABLES).await;
+    let before = probe.reads().await;
     cycle(8).await;
-    let after = table_reads(&pg, &watcher, &TABLES).await;
-    for ((table, (scans_before, rows_before)), (_, (scans_after, rows_after))) in
-        TABLES.iter().zip(before).zip(TABLES.iter().zip(after))
-    {
-        assert_eq!(scans_after, scans_before, "no sequential scan of {table}");
-        assert!(
-            rows_after - rows_before < 1000,
-            "{table}: {} index entries read for one claim and its report",
-            rows_after - rows_before
-        );
+    let after = probe.reads().await;
+    probe.assert_by_key(&before, &after, "one claim and its report");
+}
+
+/// A fresh PostgreSQL queue whose plans, made on its empty tables, are the ones used after: one
+/// connection, and no autovacuum on `tables` (an ANALYZE would make the plans again, on the grown
+/// tables). Its statistics are read on a connection of their own.
+struct PlanProbe {
+    pool: Pool,
+    pg: sqlx::PgPool,
+    watcher: sqlx::PgPool,
+    tables: &'static [&'static str],
+}
+
+impl PlanProbe {
+    async fn new(tables: &'static [&'static str]) -> Self {
+        let url = orca_push_storage::testing::fresh_postgres_url().await;
+        let config = orca_push_storage::DatabaseConfig::Postgres {
+            url: url.clone().into(),
+        };
+        let pool = one_connection(&config).await;
+        let Pool::Postgres(pg) = pool.clone() else {
+            unreachable!("a PostgreSQL pool")
+        };
+        let watcher = sqlx::PgPool::connect(&url).await.unwrap();
+        for table in tables {
+            sqlx::query(&format!(
+                "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+            ))
+            .execute(&pg)
+            .await
+            .unwrap();
+        }
+        Self {
+            pool,
+            pg,
+            watcher,
+            tables,
+        }
+    }
+
+    /// Each table's sequential scans and index entries read so far (`table_reads`).
+    async fn reads(&self) -> Vec<(i64, i64)> {
+        table_reads(&self.pg, &self.watcher, self.tables).await
+    }
+
+    /// No table was scanned whole between `before` and `after`, and fewer than 1,000 index entries
+    /// of each were read for `work`.
+    fn assert_by_key(&self, before: &[(i64, i64)], after: &[(i64, i64)], work: &str) {
+        for ((table, (scans_before, rows_before)), (scans_after, rows_after)) in
+            self.tables.iter().zip(before).zip(after)
+        {
+            assert_eq!(scans_after, scans_before, "no sequential scan of {table}");
+            assert!(
+                rows_after - rows_before < 1000,
+                "{table}: {} index entries read for {work}",
+                rows_after - rows_before
+            );
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use orca_push_internal_auth::news::{NewsStream, Told, news_stream};
 use orca_push_proto::convert;
 use orca_push_proto::registry::v1 as pb;
 use tonic::{Request, Response, Status};
@@ -35,38 +36,17 @@ impl RegistryGrpc {
     }
 }
 
-type EventStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::DeviceEvent, Status>> + Send>>;
+type EventStream = NewsStream<pb::DeviceEvent>;
 
-/// Device news as it comes, until `shutdown`; ABORTED (then the end) if the watcher fell behind or
-/// news was lost.
-fn device_events(
-    news: tokio::sync::broadcast::Receiver<DeviceNews>,
-    shutdown: CancellationToken,
-) -> EventStream {
-    use tokio::sync::broadcast::error::RecvError;
-    let lost = || Status::aborted("device news was lost: watch again");
-    Box::pin(futures::stream::unfold(
-        Some((news, shutdown)),
-        move |state| async move {
-            let (mut news, shutdown) = state?;
-            let event = tokio::select! {
-                biased;
-                () = shutdown.cancelled() => return None,
-                next = news.recv() => match next {
-                    Ok(DeviceNews::Changed(host)) => pb::DeviceEvent {
-                        changed_host_fingerprint: host,
-                    },
-                    Ok(DeviceNews::Heard) => pb::DeviceEvent::default(),
-                    Ok(DeviceNews::Lost) | Err(RecvError::Lagged(_)) => {
-                        return Some((Err(lost()), None));
-                    }
-                    Err(RecvError::Closed) => return None,
-                },
-            };
-            Some((Ok(event), Some((news, shutdown))))
-        },
-    ))
+/// What a `WatchDevices` watcher is told of each piece of device news.
+fn tell(news: DeviceNews) -> Told<pb::DeviceEvent> {
+    match news {
+        DeviceNews::Changed(host) => Told::Event(pb::DeviceEvent {
+            changed_host_fingerprint: host,
+        }),
+        DeviceNews::Heard => Told::Event(pb::DeviceEvent::default()),
+        DeviceNews::Lost => Told::Lost,
+    }
 }
 
 fn platform_from_wire(value: i32) -> Result<Platform, RegistryError> {
@@ -113,9 +93,11 @@ impl pb::registry_service_server::RegistryService for RegistryGrpc {
         &self,
         _request: Request<pb::WatchDevicesRequest>,
     ) -> Result<Response<Self::WatchDevicesStream>, Status> {
-        Ok(Response::new(device_events(
+        Ok(Response::new(news_stream(
             self.resolves.watch(),
             self.shutdown.clone(),
+            "device",
+            tell,
         )))
     }
 
