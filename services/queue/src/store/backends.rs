@@ -277,7 +277,7 @@ impl PgQueueStore {
     /// without sequential scans, hash joins or merge joins. Its statements find their rows by key
     /// (a batch, its recipients, their events), but PostgreSQL's own plan choice, made on the
     /// nearly empty tables of a fresh deployment and kept, scanned them whole: at 100 end-to-end
-    /// flows a 10 s run read 1.2 million recipient rows in 724 sequential scans of a table of
+    /// flows a 3 s run read 1.2 million recipient rows in 724 sequential scans of a table of
     /// 3,556 (the payload clean-up's `NOT EXISTS`, 1.3-5 ms a call; round 29, docs/benchmarks.md).
     pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         self.pool.begin_with(Self::BEGIN_BY_KEY_SQL).await
