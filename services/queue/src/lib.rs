@@ -65,20 +65,17 @@ pub fn delivery_queue(
     shutdown: &CancellationToken,
 ) -> Arc<DeliveryQueue<AnyQueueStore>> {
     let wake = Arc::new(Wake::new());
-    if let Pool::Postgres(pg) = &pool {
+    let store = AnyQueueStore::new(pool);
+    if let AnyQueueStore::Postgres(pg) = &store {
         tokio::spawn(listen_for_replicas(
-            pg.clone(),
+            pg.pool().clone(),
+            pg.origin().to_owned(),
             wake.clone(),
             clock.clone(),
             shutdown.clone(),
         ));
     }
-    Arc::new(DeliveryQueue::new(
-        AnyQueueStore::new(pool),
-        clock,
-        coalesce_ms,
-        wake,
-    ))
+    Arc::new(DeliveryQueue::new(store, clock, coalesce_ms, wake))
 }
 
 /// Runs the queue gRPC server (with health checking) on `listener` until `shutdown` fires.
@@ -164,10 +161,12 @@ pub async fn routes(
         .add_service(QueueServiceServer::new(QueueGrpc::new(queue)))
 }
 
-/// A replica (this one too) committed work that may be due: wake this replica's waiting claims
-/// that the work is news to (see `Wake::work_due`).
+/// Another replica committed work that may be due: wake this replica's waiting claims that the
+/// work is news to (see `Wake::work_due`). What this replica signed (`origin`) it woke its own
+/// lanes for when it committed (`wake::payload_from`).
 async fn listen_for_replicas(
     pool: sqlx::PgPool,
+    origin: String,
     wake: Arc<Wake>,
     clock: Arc<dyn Clock>,
     shutdown: CancellationToken,
@@ -178,14 +177,8 @@ async fn listen_for_replicas(
             listener.listen(store::WAKE_CHANNEL).await?;
             loop {
                 let notification = listener.recv().await?;
-                match wake::news_named(notification.payload()) {
-                    (providers, Some(at)) => {
-                        let due: Vec<_> = providers.into_iter().map(|p| (p, at)).collect();
-                        let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
-                        wake.work_due(&due, now);
-                    }
-                    (providers, None) => wake.work_for(providers),
-                }
+                let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
+                wake.notified(notification.payload(), &origin, now);
             }
             #[allow(unreachable_code)]
             Ok::<(), sqlx::Error>(())

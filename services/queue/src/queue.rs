@@ -173,23 +173,19 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 Duration::from_millis(u64::try_from(at - now(&*self.clock)).unwrap_or(0))
             });
             if until_due.is_some_and(|d| d.is_zero()) {
-                // With one writer, the lanes that one read found work for take turns: the first
-                // claims it all, and a lane whose turn comes after a claim that came back short
-                // looks again rather than claim what is gone. Profiled at 100 end-to-end flows on
-                // SQLite, three claims in five came back empty, each a write transaction that
-                // waited some 10 ms for the writer, in the admissions' way. While claims come
-                // back full, work is piling up: a lane then claims beside the one claiming, its
-                // claim queued for the writer rather than for its turn (taking turns then cost
-                // 11-16% of the deliveries at 1,000 flows).
-                let one_writer = self.store.group_writers() == 1;
-                let turn = if one_writer {
-                    match self.claim_turn.try_lock() {
-                        Ok(turn) => Some(turn),
-                        Err(_) if self.last_claim().full => None,
-                        Err(_) => Some(self.claim_turn.lock().await),
-                    }
-                } else {
-                    None
+                // The lanes that one read found work for take turns: the first claims it all, and
+                // a lane whose turn comes after a claim that came back short looks again rather
+                // than claim what is gone. Profiled at 100 end-to-end flows on SQLite, three
+                // claims in five came back empty, each a write transaction that waited some 10 ms
+                // for the writer, in the admissions' way; on PostgreSQL, where claims run side by
+                // side, two in three came back empty, each four round trips the server's CPU
+                // bounded deliveries by. While claims come back full, work is piling up: a lane
+                // then claims beside the one claiming rather than wait for its turn (taking turns
+                // then cost 11-16% of the deliveries at 1,000 flows on SQLite).
+                let turn = match self.claim_turn.try_lock() {
+                    Ok(turn) => Some(turn),
+                    Err(_) if self.last_claim().full => None,
+                    Err(_) => Some(self.claim_turn.lock().await),
                 };
                 if turn.is_some() {
                     // A short claim that skipped other providers' work says nothing of this one's.
@@ -200,10 +196,10 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 }
                 self.claim_transactions.fetch_add(1, Ordering::Relaxed);
                 let claimed = self.claim_once(lane, max, lease_ms, skip).await;
-                if one_writer {
-                    let full = claimed
-                        .as_ref()
-                        .is_ok_and(|b| i64::try_from(b.len()).is_ok_and(|n| n >= max));
+                let full = claimed
+                    .as_ref()
+                    .is_ok_and(|b| i64::try_from(b.len()).is_ok_and(|n| n >= max));
+                {
                     let mut last = self.last_claims();
                     *last = LastClaim {
                         ended: last.ended + 1,
@@ -294,6 +290,11 @@ impl<S: QueueStore> DeliveryQueue<S> {
         self.due_reads.fetch_add(1, Ordering::Relaxed);
         *last = Some(DueRead { began, skip, next });
         Ok(next)
+    }
+
+    /// Notifications of other replicas' new work heard so far (PostgreSQL; see `Wake::notified`).
+    pub fn replica_news(&self) -> u64 {
+        self.wake.replica_news()
     }
 
     /// Reads of the earliest due time so far (see `next_due`).

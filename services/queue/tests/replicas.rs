@@ -134,10 +134,39 @@ async fn a_lane_waits_for_the_window_without_polling_and_takes_the_batch_when_du
     }
 }
 
+/// A replica acts on the notifications of the others' commits, not on the echo of its own: it
+/// woke its own lanes as it committed, and the echo woke them again a few milliseconds later, when
+/// the first wake's claim had taken the work (under load, half the claims came back empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_hears_the_others_commits_not_the_echo_of_its_own() {
+    let (config, _guard) = fresh(Backend::Postgres).await;
+    let shutdown = CancellationToken::new();
+    let admitting = replica(&config, 0, &shutdown).await;
+    let other = replica(&config, 0, &shutdown).await;
+    // Both replicas listen before the first commit.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for seq in 1..=3 {
+        admitting
+            .enqueue(&alert(seq, &format!("phone-{seq}")))
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while other.replica_news() < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(other.replica_news(), 3, "one notification per commit");
+    // The echoes were sent to both listeners at once.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(admitting.replica_news(), 0, "its own commits are not news");
+    let claimed = admitting.claim("lane", 64, 30_000, 1_000).await.unwrap();
+    assert_eq!(claimed.len(), 3, "its own lanes still find the work");
+    shutdown.cancel();
+}
+
 /// A replica's notification says when its new work is due, so a lane on another replica asleep
-/// until an earlier window's end sleeps through windows that end later (each replica hears its
-/// own notifications too: without the time, every admission group woke every lane to read the
-/// same due time again).
+/// until an earlier window's end sleeps through windows that end later (without the time, every
+/// admission group woke every other replica's lanes to read the same due time again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lane_sleeps_through_another_replicas_later_windows() {
     let (config, _guard) = fresh(Backend::Postgres).await;

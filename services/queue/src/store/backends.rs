@@ -139,6 +139,11 @@ impl SqliteQueueStore {
         self.begin_claim().await
     }
 
+    /// Nothing is notified (`wake_replicas`), so nothing is signed.
+    pub(super) fn origin(&self) -> &str {
+        ""
+    }
+
     /// One process owns a SQLite queue: the in-process waker is enough.
     pub(super) async fn wake_replicas(
         _tx: &mut <Self as Backend>::Tx,
@@ -164,6 +169,9 @@ pub struct PgQueueStore {
     pub(super) row_by_row: bool,
     /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
     pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Signs this replica's notifications, so that its listener skips their echo
+    /// (`crate::wake::payload_from`).
+    pub(super) origin: std::sync::Arc<str>,
 }
 
 impl Backend for PgQueueStore {
@@ -190,7 +198,13 @@ impl PgQueueStore {
             readers,
             row_by_row: false,
             batched_groups: Default::default(),
+            origin: super::random_id().into(),
         }
+    }
+
+    /// What signs this replica's notifications (`crate::wake::payload_from`).
+    pub fn origin(&self) -> &str {
+        &self.origin
     }
 
     /// Where reads outside a transaction go.
@@ -285,7 +299,8 @@ impl PgQueueStore {
 
     /// `SET LOCAL` lasts until the transaction ends. One simple query, so one round trip, as a
     /// plain `BEGIN` is.
-    const BEGIN_BY_KEY_SQL: &'static str = "BEGIN; SET LOCAL enable_seqscan = off;          SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off";
+    const BEGIN_BY_KEY_SQL: &'static str = "BEGIN; SET LOCAL enable_seqscan = off; \
+         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off";
 
     /// The retention clean-up's transaction: its statements range over what has aged, where a
     /// sequential scan may be the right plan.

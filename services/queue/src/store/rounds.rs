@@ -202,7 +202,8 @@ macro_rules! round_statements {
                 };
                 let due = $crate::wake::earliest_due(group.iter().copied().zip(&admitted));
                 if !due.is_empty() {
-                    Self::wake_replicas(&mut tx, &$crate::wake::payload_naming(&due)).await?;
+                    let payload = $crate::wake::payload_from(&due, self.origin());
+                    Self::wake_replicas(&mut tx, &payload).await?;
                 }
                 tx.commit().await?;
                 if let Some(handoff) = handoff {

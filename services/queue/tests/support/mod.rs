@@ -20,6 +20,8 @@ pub struct Harness {
     pub queue: Arc<DeliveryQueue<AnyQueueStore>>,
     pub clock: ManualClock,
     pub config: DatabaseConfig,
+    /// The queue's waker, for a test that wakes its lanes itself.
+    pub wake: Arc<orca_push_queue::Wake>,
     _db: TestDbGuard,
 }
 
@@ -31,16 +33,18 @@ pub async fn harness_with(backend: Backend, window: u64) -> Harness {
     let (config, guard) = fresh(backend).await;
     let pool = open_and_migrate(&config).await.expect("open and migrate");
     let clock = ManualClock::new(T0);
+    let wake = Arc::new(orca_push_queue::Wake::new());
     let queue = DeliveryQueue::new(
         AnyQueueStore::new(pool),
         Arc::new(clock.clone()),
         window,
-        Arc::new(orca_push_queue::Wake::new()),
+        wake.clone(),
     );
     Harness {
         queue: Arc::new(queue),
         clock,
         config,
+        wake,
         _db: guard,
     }
 }
