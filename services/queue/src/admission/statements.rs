@@ -21,7 +21,7 @@ pub const READ_SEEN_TAIL: &str = ") AS used, \
        AND e.notification_epoch = a.epoch AND e.notification_seq = a.seq";
 
 /// The open windows of a list of registrations that end after a time (then that time,
-/// `READ_WINDOWS_FULL`, `MAX_BATCH_MEMBERS`, `READ_WINDOWS_LIST`, the list and `)`): only those
+/// `READ_WINDOWS_FULL`, `MAX_BATCH_MEMBERS`, `READ_WINDOWS_LIST` and the list): only those
 /// a member may join, which `plan` checks again. A window that has ended stays open until a lane
 /// takes it, and while a provider is held none does: in the admission benchmark (providers
 /// refusing connections) each phone had some four ended windows, and sending them all, a row at
@@ -33,7 +33,7 @@ pub const READ_WINDOWS_HEAD: &str = "SELECT batch_id, registration_id, host_fing
      WHERE state IN ('open', 'pending', 'leased') \
      AND kind = 'alert' AND state = 'open' AND coalescible = 1 AND window_ends_at > ";
 pub const READ_WINDOWS_FULL: &str = " AND member_count < ";
-pub const READ_WINDOWS_LIST: &str = " AND registration_id IN (";
+pub const READ_WINDOWS_LIST: &str = " AND registration_id";
 
 /// The inserts and updates below follow `INSERT` or `UPDATE` and the backend's `OR_FAIL`.
 pub const INTO_EVENTS: &str = " INTO push_events (event_id, host_fingerprint, kind, \
@@ -320,11 +320,7 @@ macro_rules! batched_admission {
                     .push(batch::READ_WINDOWS_FULL)
                     .push_bind($crate::model::MAX_BATCH_MEMBERS)
                     .push(batch::READ_WINDOWS_LIST);
-                let mut list = q.separated(", ");
-                for id in registrations {
-                    list.push_bind(id);
-                }
-                q.push(")");
+                q.push_in(registrations);
                 let rows = q.persistent(keep).fetch_all(tx).await?;
                 rows.into_iter()
                     .map(|row| {

@@ -1,9 +1,10 @@
 //! Admission one statement at a time: the path every group can take, and the one the batched
 //! path of `crate::admission` must agree with.
 
-/// The active batches of a list of registrations: the list, then `) ORDER BY` and the row locks.
+/// The active batches of a list of registrations: the list (`Stmt::push_in`), then `ORDER BY`
+/// and the row locks.
 pub(super) const LOCK_ACTIVE_BATCHES_HEAD: &str = "SELECT batch_id FROM push_delivery_batches \
-     WHERE state IN ('open', 'pending', 'leased') AND registration_id IN (";
+     WHERE state IN ('open', 'pending', 'leased') AND registration_id";
 
 /// The event `($1, $2, $3, $4)` if stored, the host's quota use since `$5`, and the dismissal fence
 /// of notification `$6`.
@@ -138,11 +139,8 @@ macro_rules! row_by_row_admission {
                         $crate::store::admit::LOCK_ACTIVE_BATCHES_HEAD,
                         Self::NUMBERED,
                     );
-                    let mut list = lock.separated(", ");
-                    for r in &a.recipients {
-                        list.push_bind(r.registration_id.as_str());
-                    }
-                    lock.push(") ORDER BY batch_id");
+                    lock.push_in(a.recipients.iter().map(|r| r.registration_id.as_str()));
+                    lock.push(" ORDER BY batch_id");
                     lock.push(Self::FOR_UPDATE);
                     lock.fetch_all(tx).await?;
                 }

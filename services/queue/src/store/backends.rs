@@ -216,14 +216,15 @@ impl PgQueueStore {
         &self.pool
     }
 
-    /// A group's statements differ in text with its size. Those of up to 8 rows stay prepared,
-    /// and the group's transaction plans each once (`LOCK_HOSTS_SQL`): profiled at 8 connections,
-    /// the server planned the seen read on every call, 0.22 ms of planning against 0.03 ms of
-    /// executing, and the windows read 0.10 against 0.02 ms. sqlx keeps 100 statements per
-    /// connection and closes the least recently used past that, each miss then costing a prepare
-    /// and a close: six kinds of group statement and the reports' finish at 8 sizes each (56),
-    /// beside the store's fixed statements (about 35), still fit; at 16 sizes they did not.
-    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(8);
+    /// A group's statements bind their rows as arrays (`Stmt::push_values`, `Stmt::push_in`),
+    /// so their text is the same for any number of rows: every one stays prepared, and the
+    /// group's transaction plans each once (`LOCK_HOSTS_SQL`). Profiled at 8 connections, the
+    /// server planned the seen read on every call, 0.22 ms of planning against 0.03 ms of
+    /// executing. While each number of rows was a text of its own, only those of up to 8 rows
+    /// were kept (sqlx keeps 100 statements per connection and closes the least recently used
+    /// past that), and the rest were parsed and planned on every run: at 100 end-to-end flows,
+    /// planning was a fifth of the server's CPU (round 30, docs/benchmarks.md).
+    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(usize::MAX);
     /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
     pub(super) const GROUP_WRITERS: usize = 4;
     /// Reports keep transactions of their own: in a round they would take batch row locks after
@@ -298,9 +299,12 @@ impl PgQueueStore {
     }
 
     /// `SET LOCAL` lasts until the transaction ends. One simple query, so one round trip, as a
-    /// plain `BEGIN` is.
+    /// plain `BEGIN` is. Generic plans, as a group's transaction makes (`LOCK_HOSTS_SQL`): each
+    /// kept statement is then planned once per connection, where PostgreSQL's own choice planned
+    /// the claims' and reports' statements again on most runs.
     const BEGIN_BY_KEY_SQL: &'static str = "BEGIN; SET LOCAL enable_seqscan = off; \
-         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off";
+         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; \
+         SET LOCAL plan_cache_mode = force_generic_plan";
 
     /// The retention clean-up's transaction: its statements range over what has aged, where a
     /// sequential scan may be the right plan.

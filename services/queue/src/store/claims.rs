@@ -1,10 +1,11 @@
 //! Lanes claiming due batches under a lease, renewing it, and holding it for a report.
 
-/// The pending members of a list of batches: the list, then `)` and their order.
+/// The pending members of a list of batches: the list (`Stmt::push_in`), then their
+/// order.
 pub(super) const CLAIM_MEMBERS_HEAD: &str = "SELECT r.batch_id, e.event_id, e.notification_epoch, \
      e.notification_seq, e.payload_json, e.trace_parent, e.expires_at \
      FROM push_event_recipients r JOIN push_events e ON e.event_id = r.event_id \
-     WHERE r.status = 'pending' AND r.batch_id IN (";
+     WHERE r.status = 'pending' AND r.batch_id";
 
 /// A member past its own deadline, expired in the batch being claimed.
 pub(super) const EXPIRE_MEMBER_SQL: &str = "UPDATE push_event_recipients \
@@ -79,11 +80,8 @@ macro_rules! claim_statements {
                 // The pending members of every due batch, in one statement, in delivery order.
                 let mut query =
                     Stmt::build($crate::store::claims::CLAIM_MEMBERS_HEAD, Self::NUMBERED);
-                let mut ids = query.separated(", ");
-                for (batch_id, _) in &due {
-                    ids.push_bind(batch_id.as_str());
-                }
-                query.push(") ORDER BY e.accepted_at, e.notification_seq");
+                query.push_in(due.iter().map(|(batch_id, _)| batch_id.as_str()));
+                query.push(" ORDER BY e.accepted_at, e.notification_seq");
                 let member_rows = query.fetch_all(tx).await?;
                 let mut members: HashMap<String, Vec<Member>> = HashMap::with_capacity(due.len());
                 for m in &member_rows {
@@ -152,12 +150,8 @@ macro_rules! claim_statements {
                     lease.push(" THEN ").push_bind(now);
                     // Attempts are counted when a provider answers (see `retry` and `complete`): a
                     // claim whose lane never reached the provider costs the batch nothing.
-                    lease.push(" ELSE window_ends_at END WHERE batch_id IN (");
-                    let mut ids = lease.separated(", ");
-                    for batch in &claimed {
-                        ids.push_bind(batch.batch_id.as_str());
-                    }
-                    lease.push(")");
+                    lease.push(" ELSE window_ends_at END WHERE batch_id");
+                    lease.push_in(claimed.iter().map(|b| b.batch_id.as_str()));
                     lease.execute(tx).await?;
                 }
                 Ok((claimed, read))

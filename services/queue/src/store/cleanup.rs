@@ -41,7 +41,8 @@ pub(super) const PAYLOAD_CANDIDATES_SQL: &str = "SELECT e.event_id FROM push_eve
      ORDER BY e.event_id LIMIT $2";
 
 /// Clears the candidates' payloads that expired by the bound pushed next, or that no recipient
-/// waits for; then `CLEAR_PAYLOADS_MIDDLE`, the candidates and `)`.
+/// waits for; then `CLEAR_PAYLOADS_MIDDLE`, and the candidates
+/// (`Stmt::push_in`).
 pub(super) const CLEAR_PAYLOADS_HEAD: &str =
     "UPDATE push_events SET payload_json = NULL WHERE (expires_at <= ";
 
@@ -49,7 +50,7 @@ pub(super) const CLEAR_PAYLOADS_HEAD: &str =
 pub(super) const CLEAR_PAYLOADS_MIDDLE: &str = " OR NOT EXISTS \
      (SELECT 1 FROM push_event_recipients p \
      WHERE p.event_id = push_events.event_id AND p.status = 'pending')) \
-     AND event_id IN (";
+     AND event_id";
 
 /// How many batches wait, are due or are leased at `$1`, and the oldest due time.
 pub(super) const DEPTH_SQL: &str = "SELECT \
@@ -204,11 +205,7 @@ macro_rules! cleanup_statements {
                         );
                         clear.push_bind(now);
                         clear.push($crate::store::cleanup::CLEAR_PAYLOADS_MIDDLE);
-                        let mut list = clear.separated(", ");
-                        for id in &candidates {
-                            list.push_bind(id.as_str());
-                        }
-                        clear.push(")");
+                        clear.push_in(candidates.iter().map(String::as_str));
                         cleaned.cleared_payloads += clear.execute(&mut tx).await?;
                     }
                     tx.commit().await?;

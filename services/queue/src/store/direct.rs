@@ -216,9 +216,9 @@ fn bind_and_run(
         let arg = args
             .get(n - 1)
             .ok_or_else(|| sqlx::Error::Protocol(format!("no argument for parameter {n}")))?;
-        prepared
-            .raw_bind_parameter(index, to_sql(arg))
-            .map_err(storage)?;
+        let value = to_sql(arg)
+            .ok_or_else(|| sqlx::Error::Protocol("a list is bound only on PostgreSQL".into()))?;
+        prepared.raw_bind_parameter(index, value).map_err(storage)?;
     }
     let mut rows = prepared.raw_query();
     while let Some(r) = rows.next().map_err(storage)? {
@@ -234,13 +234,15 @@ fn bind_and_run(
     })
 }
 
-fn to_sql<'a>(arg: &'a Arg<'_>) -> ToSqlOutput<'a> {
-    match arg {
+/// `arg` as SQLite binds it; a list (PostgreSQL's arrays) it cannot.
+fn to_sql<'a>(arg: &'a Arg<'_>) -> Option<ToSqlOutput<'a>> {
+    Some(match arg {
         Arg::Text(Some(text)) => ToSqlOutput::Borrowed(ValueRef::Text(text.as_bytes())),
         Arg::Int(Some(v)) => ToSqlOutput::Owned(Value::Integer(*v)),
         Arg::Int32(Some(v)) => ToSqlOutput::Owned(Value::Integer(i64::from(*v))),
         Arg::Text(None) | Arg::Int(None) | Arg::Int32(None) => ToSqlOutput::Owned(Value::Null),
-    }
+        Arg::List(_) => return None,
+    })
 }
 
 impl Drop for DirectTx {

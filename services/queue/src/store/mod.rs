@@ -605,12 +605,15 @@ mod tests {
         let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
         SQLITE_MIGRATIONS.run(&pool).await.unwrap();
         let windows = format!(
-            "{}0{}32{}'r')",
+            "{}0{}32{} IN ('r')",
             batch::READ_WINDOWS_HEAD,
             batch::READ_WINDOWS_FULL,
             batch::READ_WINDOWS_LIST
         );
-        let lock = format!("{}'r') ORDER BY batch_id", admit::LOCK_ACTIVE_BATCHES_HEAD);
+        let lock = format!(
+            "{} IN ('r') ORDER BY batch_id",
+            admit::LOCK_ACTIVE_BATCHES_HEAD
+        );
         for sql in [
             admit::OPEN_WINDOW_SQL,
             &windows,

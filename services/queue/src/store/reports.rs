@@ -1,11 +1,10 @@
 //! What lanes report back: a batch finished (sent, dead, failed, expired), given back for a
 //! retry, or held and released with its provider's breaker.
 
-/// A batch ended in `$2` for `$4`, if it has no lease (`$5` NULL) or `$5` still holds it; `$6`
-/// attempts more (the provider answered).
-/// Row locks on a list of batches (PostgreSQL): the list, then `) ORDER BY batch_id` and the lock.
+/// Row locks on a list of batches (PostgreSQL): the list (`Stmt::push_in`), then `ORDER
+/// BY batch_id` and the lock.
 pub(super) const LOCK_BATCHES_HEAD: &str =
-    "SELECT batch_id FROM push_delivery_batches WHERE batch_id IN (";
+    "SELECT batch_id FROM push_delivery_batches WHERE batch_id";
 
 /// Before the rows of final answers: batch, state, reason, lease (NULL: no lease to check, as for
 /// an expiry) and whether the provider answered.
@@ -20,22 +19,23 @@ pub(super) const FINISH_BATCHES_TAIL: &str = " FROM v WHERE push_delivery_batche
        AND push_delivery_batches.state = 'leased')) \
      RETURNING push_delivery_batches.batch_id";
 
-/// The events with a payload of a list of batches: the list, then `)) ORDER BY` and the row locks.
+/// The events with a payload of a list of batches: the list (`Stmt::push_in`), then `)
+/// ORDER BY` and the row locks.
 pub(super) const LOCK_FINISHED_EVENTS_HEAD: &str = "SELECT e.event_id FROM push_events e \
      WHERE e.payload_json IS NOT NULL \
-     AND e.event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (";
+     AND e.event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id";
 
 /// Clears the payloads of a list of batches' events that no recipient waits for, after `UPDATE`
-/// and the backend's `OR_FAIL`: the list, then `))`.
+/// and the backend's `OR_FAIL`: the list (`Stmt::push_in`), then `)`.
 pub(super) const CLEAR_FINISHED_PAYLOADS_HEAD: &str = " push_events SET payload_json = NULL \
      WHERE payload_json IS NOT NULL \
      AND NOT EXISTS (SELECT 1 FROM push_event_recipients p \
        WHERE p.event_id = push_events.event_id AND p.status = 'pending') \
-     AND event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id IN (";
+     AND event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id";
 
 /// The pending recipients of a list of batches finished at a time take their batch's state, after
 /// `UPDATE` and the backend's `OR_FAIL`, then `updated_at = ` and that time, `FINISHED_RECIPIENTS_AT`
-/// and the time again: the list, then `)`. Joined after the batches' update on sqlx's SQLite
+/// and the time again: the list (`Stmt::push_in`). Joined after the batches' update on sqlx's SQLite
 /// connection (`Exec::joins`), where it cannot take the ids that update returned: every finish writes a
 /// batch's recipients in its own transaction, and a recipient only ever joins a batch that is not
 /// finished, so the only finished batches with a pending recipient are the ones the update before
@@ -48,7 +48,7 @@ pub(super) const FINISHED_RECIPIENTS_AT: &str = " FROM push_delivery_batches b \
      AND b.state NOT IN ('open', 'pending', 'leased') AND b.finished_at = ";
 /// After `FINISHED_RECIPIENTS_AT`'s time.
 pub(super) const FINISHED_RECIPIENTS_LIST: &str =
-    " AND push_event_recipients.status = 'pending' AND push_event_recipients.batch_id IN (";
+    " AND push_event_recipients.status = 'pending' AND push_event_recipients.batch_id";
 
 /// A leased batch back to pending at `$2`, if `$6` still holds its lease and `$2` is before its
 /// deadline.
@@ -137,13 +137,12 @@ macro_rules! report_statements {
                 if !Self::FOR_UPDATE.is_empty() {
                     let mut lock =
                         Stmt::build($crate::store::reports::LOCK_BATCHES_HEAD, Self::NUMBERED);
-                    let mut list = lock.separated(", ");
-                    for &i in &rows {
-                        list.push_bind(batches[i].0);
-                    }
-                    lock.push(") ORDER BY batch_id");
+                    lock.push_in(rows.iter().map(|&i| batches[i].0));
+                    lock.push(" ORDER BY batch_id");
                     lock.push(Self::FOR_UPDATE);
-                    lock.persistent(false).fetch_all(tx).await?;
+                    lock.persistent(Self::keep_statement(rows.len()))
+                        .fetch_all(tx)
+                        .await?;
                 }
                 // Every batch in one statement; each is finished only under its own lease.
                 let update = Self::finish_batches_query(batches, &rows, now);
@@ -158,9 +157,9 @@ macro_rules! report_statements {
                         }
                     }
                 }
-                // Their texts differ with the number of ids: kept as a group's statements are
-                // (`keep_statement`), or a round's reports of up to 512 batches would fill the
-                // statement cache.
+                // On SQLite their texts differ with the number of ids: kept as a group's
+                // statements are (`keep_statement`), or a round's reports of up to 512 batches
+                // would fill the statement cache. PostgreSQL binds the ids as one array.
                 for (state, ids) in &by_state {
                     let mut recipients = Stmt::build("UPDATE", Self::NUMBERED);
                     recipients
@@ -168,12 +167,8 @@ macro_rules! report_statements {
                         .push(" push_event_recipients SET status = ")
                         .push_bind(*state);
                     recipients.push(", updated_at = ").push_bind(now);
-                    recipients.push(" WHERE status = 'pending' AND batch_id IN (");
-                    let mut list = recipients.separated(", ");
-                    for id in ids {
-                        list.push_bind(*id);
-                    }
-                    recipients.push(")");
+                    recipients.push(" WHERE status = 'pending' AND batch_id");
+                    recipients.push_in(ids.iter().copied());
                     recipients
                         .persistent(Self::keep_statement(ids.len()))
                         .execute(tx)
@@ -191,11 +186,8 @@ macro_rules! report_statements {
                         $crate::store::reports::LOCK_FINISHED_EVENTS_HEAD,
                         Self::NUMBERED,
                     );
-                    let mut list = lock.separated(", ");
-                    for id in ended() {
-                        list.push_bind(id);
-                    }
-                    lock.push(")) ORDER BY e.event_id");
+                    lock.push_in(ended());
+                    lock.push(") ORDER BY e.event_id");
                     lock.push(Self::FOR_UPDATE);
                     lock.fetch_all(tx).await?;
                 }
@@ -204,11 +196,8 @@ macro_rules! report_statements {
                 clear
                     .push(Self::OR_FAIL)
                     .push($crate::store::reports::CLEAR_FINISHED_PAYLOADS_HEAD);
-                let mut list = clear.separated(", ");
-                for id in ended() {
-                    list.push_bind(id);
-                }
-                clear.push("))");
+                clear.push_in(ended());
+                clear.push(")");
                 clear
                     .persistent(Self::keep_statement(ended().count()))
                     .execute(tx)
@@ -279,18 +268,12 @@ macro_rules! report_statements {
                 query.push(sql::FINISHED_RECIPIENTS_AT);
                 query.push_bind(now);
                 query.push(sql::FINISHED_RECIPIENTS_LIST);
-                let mut list = query.separated(", ");
-                for &i in rows {
-                    list.push_bind(batches[i].0);
-                }
-                query.push("); ");
+                query.push_in(rows.iter().map(|&i| batches[i].0));
+                query.push("; ");
                 query.push("UPDATE").push(Self::OR_FAIL);
                 query.push(sql::CLEAR_FINISHED_PAYLOADS_HEAD);
-                let mut list = query.separated(", ");
-                for &i in rows {
-                    list.push_bind(batches[i].0);
-                }
-                query.push("))");
+                query.push_in(rows.iter().map(|&i| batches[i].0));
+                query.push(")");
                 // Only the first statement returns rows: the batches it ended.
                 let ended = Self::ended_batches(tx, query, rows.len()).await?;
                 let mut finished = vec![false; batches.len()];
