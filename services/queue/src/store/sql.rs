@@ -11,6 +11,15 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::future::Future;
 
+/// Up to this many rows (or items of a list), a numbered statement (PostgreSQL's) binds them one by
+/// one, as `VALUES` tuples or `IN (..)`; beyond, as arrays ([`Stmt::push_values`]). The server
+/// decodes an array and materialises its rows, more work than a tuple's parameters: with every
+/// group bound as arrays, admission at 8 connections (groups of one to three) did 1,725 sends/s
+/// against 1,847 with tuples (means of four runs each), the server taking more CPU per admission.
+/// Each statement is then at most five texts: some 65 for the thirteen built ones, which with the
+/// store's fixed statements about fill the 100 sqlx keeps prepared per connection.
+pub const TUPLES_UP_TO: usize = 4;
+
 /// One argument, typed as the statement binds it: PostgreSQL checks a parameter's type, a NULL's
 /// too.
 #[derive(Debug, Clone)]
@@ -237,11 +246,11 @@ impl<'a> Stmt<'a> {
     }
 
     /// `VALUES (..), (..)`: one tuple per item, its values bound by `push_tuple`. A numbered
-    /// statement (PostgreSQL's) binds each column as one array instead, `SELECT * FROM
-    /// UNNEST($1::text[], $2::int8[], ..)`, so that its text is the same for any number of rows:
-    /// it is prepared and planned once per connection, where each number of rows was a statement
-    /// of its own, re-planned on most runs (profiled at 100 end-to-end flows: planning a fifth of
-    /// the server's CPU).
+    /// statement (PostgreSQL's) of more than `TUPLES_UP_TO` rows binds each column as one array
+    /// instead, `SELECT * FROM UNNEST($1::text[], $2::int8[], ..)`, so that its text is the same
+    /// for any number of rows: it is prepared and planned once per connection, where each number
+    /// of rows was a statement of its own, parsed and planned again on most runs (profiled at 100
+    /// end-to-end flows: planning a fifth of the server's CPU).
     pub fn push_values<I: IntoIterator>(
         &mut self,
         items: I,
@@ -267,7 +276,12 @@ impl<'a> Stmt<'a> {
                 row.args
             })
             .collect();
-        match List::columns(rows) {
+        let as_arrays = if rows.len() > TUPLES_UP_TO {
+            List::columns(rows)
+        } else {
+            Err(rows)
+        };
+        match as_arrays {
             Ok(columns) => {
                 self.push("SELECT * FROM UNNEST(");
                 for (i, column) in columns.into_iter().enumerate() {
@@ -279,7 +293,7 @@ impl<'a> Stmt<'a> {
                 }
                 self.push(")")
             }
-            // No rows, or rows whose columns do not line up: as tuples.
+            // A few rows, or rows whose columns do not line up: as tuples.
             Err(rows) => {
                 self.push("VALUES ");
                 for (i, row) in rows.into_iter().enumerate() {
@@ -298,12 +312,13 @@ impl<'a> Stmt<'a> {
         }
     }
 
-    /// ` IN (..)`, a parameter per item; or on a numbered statement (PostgreSQL's) ` = ANY($1::text[])`,
-    /// one array, so that the text is the same for any number of items (see `push_values`). The
-    /// server reads `IN ($1, $2)` as `= ANY(ARRAY[$1, $2])`: the plans are the same.
+    /// ` IN (..)`, a parameter per item; or on a numbered statement (PostgreSQL's) of more than
+    /// `TUPLES_UP_TO` items ` = ANY($1::text[])`, one array, so that the text is the same for any
+    /// number of items (see `push_values`). The server reads `IN ($1, $2)` as
+    /// `= ANY(ARRAY[$1, $2])`: the plans are the same.
     pub fn push_in<T: Into<Arg<'a>>>(&mut self, items: impl IntoIterator<Item = T>) -> &mut Self {
         let items: Vec<Arg<'a>> = items.into_iter().map(Into::into).collect();
-        let items = if self.numbered {
+        let items = if self.numbered && items.len() > TUPLES_UP_TO {
             match List::of(items) {
                 Ok(list) => {
                     let cast = list.cast();
@@ -599,28 +614,50 @@ mod tests {
                 .collect::<Vec<_>>();
             (q.sql().to_owned(), lists)
         };
-        let (one, lists) = text(&[(1, Some("x"))], &["p"]);
+        let ids = ["p", "q", "r", "s", "t", "u"];
+        let rows: Vec<(i64, Option<&str>)> =
+            (0..9).map(|i| (i, (i % 2 == 0).then_some("x"))).collect();
+        let (five, lists) = text(&rows[..5], &ids[..5]);
         assert_eq!(
-            one,
+            five,
             "INSERT INTO t (a, b) SELECT * FROM UNNEST($1::int8[], $2::text[]) \
              WHERE c = ANY($3::text[])"
         );
-        assert_eq!(lists, [1, 1, 1]);
-        let (three, lists) = text(&[(1, Some("x")), (2, None), (3, Some("z"))], &["p", "q"]);
-        assert_eq!(three, one, "one text for any number of rows");
-        assert_eq!(lists, [3, 3, 2]);
+        assert_eq!(lists, [5, 5, 5]);
+        let (nine, lists) = text(&rows, &ids);
+        assert_eq!(nine, five, "one text for any number of rows");
+        assert_eq!(lists, [9, 9, 6]);
+        // A few are bound one by one.
+        let (two, lists) = text(&rows[..2], &ids[..1]);
+        assert_eq!(
+            two,
+            "INSERT INTO t (a, b) VALUES ($1, $2), ($3, $4) WHERE c IN ($5)"
+        );
+        assert_eq!(lists, [0, 0, 0, 0, 0]);
     }
 
     /// Rows whose columns do not line up (never built by the store) are bound as tuples.
     #[test]
     fn rows_of_mixed_types_are_bound_as_tuples() {
+        let mixed = || {
+            (0..5).map(|i| {
+                if i == 4 {
+                    Arg::Text(None)
+                } else {
+                    Arg::Int(Some(i))
+                }
+            })
+        };
         let mut q = Stmt::build("INSERT INTO t (a) ", true);
-        q.push_values([Arg::Int(Some(1)), Arg::Text(None)], |mut row, v| {
+        q.push_values(mixed(), |mut row, v| {
             row.push_bind(v);
         });
-        assert_eq!(q.sql(), "INSERT INTO t (a) VALUES ($1), ($2)");
+        assert_eq!(
+            q.sql(),
+            "INSERT INTO t (a) VALUES ($1), ($2), ($3), ($4), ($5)"
+        );
         let mut q = Stmt::build("SELECT 1 WHERE c", true);
-        q.push_in([Arg::Int(Some(1)), Arg::Int32(Some(2))]);
-        assert_eq!(q.sql(), "SELECT 1 WHERE c IN ($1, $2)");
+        q.push_in(mixed());
+        assert_eq!(q.sql(), "SELECT 1 WHERE c IN ($1, $2, $3, $4, $5)");
     }
 }
