@@ -450,6 +450,11 @@ impl<S: QueueStore> Writer<S> {
         let committed = i64::try_from(self.clock.now_ms()).unwrap_or(i64::MAX);
         self.wake
             .work_due(&crate::wake::earliest_due(admitted), committed);
+        if round.uncertain {
+            // This replica skips the echo of what it notified (`wake::payload_from`): a round
+            // whose commit's answer was lost may have committed work that no result names.
+            self.wake.any();
+        }
         // A lease needs no sync (lost, its work is due again), and the work handed to claims
         // waiting outside the round goes at the commit too.
         answer_claims(&self.handoff, claim_answers, round.claimed);
@@ -654,6 +659,7 @@ mod tests {
                     .map(|r| r.batch_id.ends_with("held"))
                     .collect()),
                 claimed: Vec::new(),
+                uncertain: false,
             }
         }
         fn reports_in_rounds(&self) -> bool {

@@ -440,6 +440,7 @@ on_both_backends!(
     a_claim_leaves_a_held_providers_work_alone,
     lanes_woken_together_share_one_read,
     a_held_providers_new_work_does_not_wake_claims_that_skip_it,
+    a_failed_round_wakes_the_lanes_to_look,
 );
 
 /// Every admission group wakes the waiting lanes; a window due seconds later must not cost them a
@@ -552,6 +553,38 @@ async fn lanes_woken_together_share_one_read(backend: Backend) {
     for lane in lanes {
         assert!(lane.await.unwrap().unwrap().is_empty());
     }
+}
+
+/// A round whose transaction fails wakes this replica's lanes to look: a commit whose answer was
+/// lost may have stored work that no result says is due, and the replica no longer hears its own
+/// notifications (`wake::payload_from`).
+async fn a_failed_round_wakes_the_lanes_to_look(backend: Backend) {
+    let h = harness(backend).await;
+    poison(&h.config, "hostPOISONPOISON").await;
+    let queue = h.queue.clone();
+    let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, 30_000, 3_000).await });
+    let mut before = h.queue.due_reads();
+    for settling in 0.. {
+        assert!(settling < 50, "the lane's first read never settled");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let now = h.queue.due_reads();
+        if now == before && now > 0 {
+            break;
+        }
+        before = now;
+    }
+    let bad = from("hostPOISONPOISON", 1, "phone-1");
+    assert!(
+        h.queue.enqueue(&bad).await.is_err(),
+        "the poisoned admission fails"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(
+        h.queue.due_reads() - before,
+        1,
+        "woken once by the failed round"
+    );
+    assert!(waiting.await.unwrap().unwrap().is_empty());
 }
 
 /// During an outage every admission group is news for the failing provider only. A lane that

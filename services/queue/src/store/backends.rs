@@ -217,8 +217,9 @@ impl PgQueueStore {
     }
 
     /// A group's statements bind more than a few rows as arrays (`Stmt::push_values`,
-    /// `Stmt::push_in`, `sql::TUPLES_UP_TO`), so each has at most five texts: every one stays
-    /// prepared, and the group's transaction plans each once (`LOCK_HOSTS_SQL`). Profiled at 8 connections, the
+    /// `Stmt::push_in`, `sql::TUPLES_UP_TO`), so each has at most five texts: every one is kept
+    /// prepared (sqlx keeps the 100 most recently used per connection), and the group's
+    /// transaction plans each once (`LOCK_HOSTS_SQL`). Profiled at 8 connections, the
     /// server planned the seen read on every call, 0.22 ms of planning against 0.03 ms of
     /// executing. While each number of rows was a text of its own, only those of up to 8 rows
     /// were kept (sqlx keeps 100 statements per connection and closes the least recently used

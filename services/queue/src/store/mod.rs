@@ -116,6 +116,9 @@ pub struct Round {
     pub admitted: Vec<Result<Enqueued, QueueError>>,
     pub reported: Result<Vec<bool>, QueueError>,
     pub claimed: Vec<Result<Vec<ClaimedBatch>, QueueError>>,
+    /// A transaction of the round failed: one whose commit's answer was lost may have committed
+    /// work that no result says is due, so the writer wakes its lanes to look.
+    pub uncertain: bool,
 }
 
 /// A lane's claim riding in a writer's round (`QueueStore::claims_in_rounds`): what `claim` takes.
@@ -426,7 +429,7 @@ macro_rules! queue_store {
                 coalesce_ms: i64,
                 handoff: Option<&crate::handoff::Handoff>,
             ) -> Vec<Result<Enqueued, QueueError>> {
-                self.admit_group(group, now, coalesce_ms, handoff).await
+                self.admit_group(group, now, coalesce_ms, handoff).await.0
             }
             async fn write_round(
                 &self,

@@ -24,18 +24,22 @@ macro_rules! round_statements {
                 now: i64,
                 coalesce_ms: i64,
                 handoff: Option<&$crate::handoff::Handoff>,
-            ) -> Vec<Result<Enqueued, QueueError>> {
+            ) -> (Vec<Result<Enqueued, QueueError>>, bool) {
+                let mut apart = false;
                 if group.len() > 1 {
                     match self
                         .admit_together(group, &[], &[], now, coalesce_ms, handoff)
                         .await
                     {
-                        Ok(done) => return done.admitted.into_iter().map(Ok).collect(),
-                        Err(error) => tracing::debug!(
-                            %error,
-                            size = group.len(),
-                            "group admission failed; admitting one by one"
-                        ),
+                        Ok(done) => return (done.admitted.into_iter().map(Ok).collect(), false),
+                        Err(error) => {
+                            apart = true;
+                            tracing::debug!(
+                                %error,
+                                size = group.len(),
+                                "group admission failed; admitting one by one"
+                            )
+                        }
                     }
                 }
                 let mut results = Vec::with_capacity(group.len());
@@ -43,9 +47,10 @@ macro_rules! round_statements {
                     let one = self
                         .admit_together(&[a], &[], &[], now, coalesce_ms, handoff)
                         .await;
+                    apart |= one.is_err();
                     results.push(one.map(|mut done| done.admitted.remove(0)));
                 }
-                results
+                (results, apart)
             }
 
             /// `QueueStore::write_round`: the claims, the group and the reports in one
@@ -66,8 +71,10 @@ macro_rules! round_statements {
                         admitted: Vec::new(),
                         reported: self.report_round(reports, now).await,
                         claimed: Vec::new(),
+                        uncertain: false,
                     };
                 }
+                let mut failed = false;
                 if !reports.is_empty() || !claims.is_empty() {
                     match self
                         .admit_together(group, reports, claims, now, coalesce_ms, handoff)
@@ -78,15 +85,19 @@ macro_rules! round_statements {
                                 admitted: done.admitted.into_iter().map(Ok).collect(),
                                 reported: Ok(done.reported),
                                 claimed: done.claimed.into_iter().map(Ok).collect(),
+                                uncertain: false,
                             };
                         }
-                        Err(error) => tracing::debug!(
-                            %error,
-                            size = group.len(),
-                            reports = reports.len(),
-                            claims = claims.len(),
-                            "round failed; admitting, reporting and claiming apart"
-                        ),
+                        Err(error) => {
+                            failed = true;
+                            tracing::debug!(
+                                %error,
+                                size = group.len(),
+                                reports = reports.len(),
+                                claims = claims.len(),
+                                "round failed; admitting, reporting and claiming apart"
+                            )
+                        }
                     }
                 }
                 // The claims first, as in the round: what waited in the table before it.
@@ -97,12 +108,13 @@ macro_rules! round_statements {
                             .await,
                     );
                 }
-                let admitted = self.admit_group(group, now, coalesce_ms, handoff).await;
+                let (admitted, apart) = self.admit_group(group, now, coalesce_ms, handoff).await;
                 let reported = self.complete_leased(reports, now).await;
                 Round {
                     admitted,
                     reported,
                     claimed,
+                    uncertain: failed || apart,
                 }
             }
 

@@ -16,8 +16,10 @@ use std::future::Future;
 /// decodes an array and materialises its rows, more work than a tuple's parameters: with every
 /// group bound as arrays, admission at 8 connections (groups of one to three) did 1,725 sends/s
 /// against 1,847 with tuples (means of four runs each), the server taking more CPU per admission.
-/// Each statement is then at most five texts: some 65 for the thirteen built ones, which with the
-/// store's fixed statements about fill the 100 sqlx keeps prepared per connection.
+/// Each statement is then at most five texts: some 75 for the fifteen built ones, which with the
+/// store's fixed statements come to a little over the 100 sqlx keeps prepared per connection; the
+/// least recently used (a dismissal's lock, the minute's clean-up) are prepared again when next
+/// run.
 pub const TUPLES_UP_TO: usize = 4;
 
 /// One argument, typed as the statement binds it: PostgreSQL checks a parameter's type, a NULL's
