@@ -185,7 +185,14 @@ impl<S: QueueStore> DeliveryQueue<S> {
                 let turn = match self.claim_turn.try_lock() {
                     Ok(turn) => Some(turn),
                     Err(_) if self.last_claim().full => None,
-                    Err(_) => Some(self.claim_turn.lock().await),
+                    // A claim held up (a lock, a busy pool) keeps the others waiting for their
+                    // turn no longer than they would have waited for work.
+                    Err(_) => {
+                        match tokio::time::timeout_at(give_up, self.claim_turn.lock()).await {
+                            Ok(turn) => Some(turn),
+                            Err(_) => return Ok(Vec::new()),
+                        }
+                    }
                 };
                 if turn.is_some() {
                     // A short claim that skipped other providers' work says nothing of this one's.

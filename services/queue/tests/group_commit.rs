@@ -869,7 +869,23 @@ async fn postgresql_lanes_woken_while_one_claims_wait_for_its_turn() {
         .unwrap();
     h.clock.advance(60_000);
     h.wake.any();
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // A lane that finds the work due while the claim is held waits for its turn no longer than
+    // it waits for work.
+    let impatient = {
+        let queue = h.queue.clone();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let claimed = queue.claim("lane-impatient", 64, 30_000, 200).await;
+            (claimed, started.elapsed())
+        })
+    };
+    let (impatient_claimed, waited) = impatient.await.unwrap();
+    assert!(impatient_claimed.unwrap().is_empty());
+    assert!(
+        waited < std::time::Duration::from_millis(800),
+        "gave up its turn at its wait: {waited:?}"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(1_000).saturating_sub(waited)).await;
     lock.commit().await.unwrap();
     let mut claimed = 0;
     for lane in lanes {
