@@ -131,6 +131,11 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
     };
     let http = find(SpanKind::Server, "POST /v1/send");
     assert_eq!(attribute(http, "http.route").as_deref(), Some("/v1/send"));
+    // The host's first send since it registered asks the registry.
+    assert_eq!(
+        attribute(http, "orca.resolve.source").as_deref(),
+        Some("registry")
+    );
     for (service, method) in [
         ("orca.push.auth.v1.AuthService", "Authenticate"),
         (
@@ -191,6 +196,46 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
         Some("200")
     );
     assert_eq!(attribute(call, "orca.verdict").as_deref(), Some("sent"));
+
+    // A later send is resolved from the facade's memory once the registry's watch vouches for it
+    // (and a second has passed since the registration): its span says so, and its trace has no
+    // registry hop.
+    let mut from_memory = None;
+    for seq in 2..60 {
+        let reply = raw
+            .post(
+                "/v1/send",
+                &json!({ "v": 1, "registrationIds": [id], "notification": {
+                    "notificationId": format!("n-{seq}"), "notificationSeq": seq,
+                    "notificationEpoch": "e-1", "source": "agent-task-complete",
+                    "agentState": "finished", "title": title, "body": body } }),
+                &[("authorization", &auth)],
+            )
+            .await;
+        assert_eq!(reply.body["results"][0]["status"], "queued");
+        provider.force_flush().unwrap();
+        from_memory = exporter
+            .get_finished_spans()
+            .unwrap()
+            .into_iter()
+            .find(|s| {
+                s.name == "POST /v1/send"
+                    && attribute(s, "orca.resolve.source").as_deref() == Some("memory")
+            });
+        if from_memory.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let from_memory = from_memory.expect("a send resolved from memory within 6 s");
+    let its_trace = from_memory.span_context.trace_id();
+    assert!(
+        !exporter.get_finished_spans().unwrap().iter().any(|s| {
+            s.span_context.trace_id() == its_trace && s.name.contains("ResolveRegistrations")
+        }),
+        "a send resolved from memory makes no registry call"
+    );
+    let spans = exporter.get_finished_spans().unwrap();
 
     // Nothing personal anywhere.
     let everything = format!("{spans:?}");

@@ -250,6 +250,9 @@ async fn trace_http(request: Request, next: Next) -> Response {
         http.route = %route,
         http.response.status_code = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
+        // A send's resolve: `memory` or `registry` (`resolves::ResolvedHosts::resolve`), so that
+        // a trace without the registry's hop says why.
+        orca.resolve.source = tracing::field::Empty,
     );
     set_parent_from_headers(&span, request.headers());
     let started = std::time::Instant::now();

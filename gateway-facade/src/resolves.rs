@@ -213,9 +213,11 @@ impl ResolvedHosts {
             && let Some(answer) = self.answer(host, ids, stream)
         {
             metrics::counter!("orca_push_facade_resolves_total", "source" => "memory").increment(1);
+            tracing::Span::current().record("orca.resolve.source", "memory");
             return Ok(answer);
         }
         metrics::counter!("orca_push_facade_resolves_total", "source" => "registry").increment(1);
+        tracing::Span::current().record("orca.resolve.source", "registry");
         let began = self.generation.load(Ordering::SeqCst);
         let read_at = Instant::now();
         let registrations = read().await?;
