@@ -520,16 +520,7 @@ async fn lanes_woken_together_share_one_read(backend: Backend) {
     // Every lane makes its first read and goes to sleep before the wake is counted: a lane that
     // starts late reads on its own, which under a loaded suite once took longer than a fixed
     // 200 ms and counted eight reads for one wake.
-    let mut before = h.queue.due_reads();
-    for settling in 0.. {
-        assert!(settling < 50, "the lanes' first reads never settled");
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        let now = h.queue.due_reads();
-        if now == before && now > 0 {
-            break;
-        }
-        before = now;
-    }
+    let before = h.settled_due_reads().await;
     h.admit(&alert(1, &["phone-1"])).await;
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let first = h.queue.due_reads() - before;
@@ -563,16 +554,7 @@ async fn a_failed_round_wakes_the_lanes_to_look(backend: Backend) {
     poison(&h.config, "hostPOISONPOISON").await;
     let queue = h.queue.clone();
     let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, 30_000, 3_000).await });
-    let mut before = h.queue.due_reads();
-    for settling in 0.. {
-        assert!(settling < 50, "the lane's first read never settled");
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        let now = h.queue.due_reads();
-        if now == before && now > 0 {
-            break;
-        }
-        before = now;
-    }
+    let before = h.settled_due_reads().await;
     let bad = from("hostPOISONPOISON", 1, "phone-1");
     assert!(
         h.queue.enqueue(&bad).await.is_err(),
@@ -852,16 +834,7 @@ async fn postgresql_lanes_woken_while_one_claims_wait_for_its_turn() {
         })
         .collect();
     // Every lane asleep (the work is due in a minute) before the wake.
-    let mut before = h.queue.due_reads();
-    for settling in 0.. {
-        assert!(settling < 50, "the lanes' first reads never settled");
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        let now = h.queue.due_reads();
-        if now == before && now > 0 {
-            break;
-        }
-        before = now;
-    }
+    h.settled_due_reads().await;
     let mut lock = pg.begin().await.unwrap();
     sqlx::query("LOCK TABLE push_event_recipients IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *lock)

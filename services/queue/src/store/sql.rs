@@ -258,9 +258,12 @@ impl<'a> Stmt<'a> {
         items: I,
         mut push_tuple: impl FnMut(Separated<'_, 'a>, I::Item),
     ) -> &mut Self {
-        if !self.numbered {
+        let items = items.into_iter();
+        // Known to be a few (a slice, a chunk): bound as they come, with nothing collected first.
+        let few = items.size_hint().1.is_some_and(|most| most <= TUPLES_UP_TO);
+        if !self.numbered || few {
             self.push("VALUES ");
-            for (i, item) in items.into_iter().enumerate() {
+            for (i, item) in items.enumerate() {
                 if i > 0 {
                     self.push(", ");
                 }
@@ -271,7 +274,6 @@ impl<'a> Stmt<'a> {
             return self;
         }
         let rows: Vec<Vec<Arg<'a>>> = items
-            .into_iter()
             .map(|item| {
                 let mut row = Stmt::build("", false);
                 push_tuple(row.separated(", "), item);
@@ -319,22 +321,30 @@ impl<'a> Stmt<'a> {
     /// number of items (see `push_values`). The server reads `IN ($1, $2)` as
     /// `= ANY(ARRAY[$1, $2])`: the plans are the same.
     pub fn push_in<T: Into<Arg<'a>>>(&mut self, items: impl IntoIterator<Item = T>) -> &mut Self {
-        let items: Vec<Arg<'a>> = items.into_iter().map(Into::into).collect();
-        let items = if self.numbered && items.len() > TUPLES_UP_TO {
-            match List::of(items) {
-                Ok(list) => {
-                    let cast = list.cast();
-                    return self
-                        .push(" = ANY(")
-                        .push_bind(Arg::List(list))
-                        .push(cast)
-                        .push(")");
-                }
-                Err(items) => items,
+        let items = items.into_iter();
+        // Known to be a few (as `push_values`), or SQLite's: bound as they come.
+        let few = items.size_hint().1.is_some_and(|most| most <= TUPLES_UP_TO);
+        if !self.numbered || few {
+            return self.push_in_tuple(items.map(Into::into));
+        }
+        let items: Vec<Arg<'a>> = items.map(Into::into).collect();
+        if items.len() <= TUPLES_UP_TO {
+            return self.push_in_tuple(items);
+        }
+        match List::of(items) {
+            Ok(list) => {
+                let cast = list.cast();
+                self.push(" = ANY(")
+                    .push_bind(Arg::List(list))
+                    .push(cast)
+                    .push(")")
             }
-        } else {
-            items
-        };
+            Err(items) => self.push_in_tuple(items),
+        }
+    }
+
+    /// ` IN (..)`, a parameter per item.
+    fn push_in_tuple(&mut self, items: impl IntoIterator<Item = Arg<'a>>) -> &mut Self {
         self.push(" IN (");
         let mut list = self.separated(", ");
         for item in items {

@@ -95,6 +95,22 @@ impl Harness {
             .collect()
     }
 
+    /// The reads of the earliest due time once waiting lanes have all made their first and gone
+    /// to sleep (no read for 200 ms): a lane that starts late reads on its own, which under a
+    /// loaded suite once took longer than a fixed 200 ms.
+    pub async fn settled_due_reads(&self) -> u64 {
+        let mut before = self.queue.due_reads();
+        for _ in 0..50 {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let now = self.queue.due_reads();
+            if now == before && now > 0 {
+                return now;
+            }
+            before = now;
+        }
+        panic!("the lanes' first reads never settled");
+    }
+
     pub async fn claim_all(&self) -> Vec<orca_push_queue::store::ClaimedBatch> {
         self.queue
             .claim("lane-test", 64, LEASE, 0)
