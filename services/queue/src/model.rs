@@ -28,9 +28,12 @@ pub const CLEANUP_BATCH: i64 = 1000;
 /// How long one cleanup pass (each minute) may go on deleting: a sixth of the minute, so a backlog
 /// is worked off over a few passes while admissions keep most of the writer.
 pub const CLEANUP_BUDGET: std::time::Duration = std::time::Duration::from_secs(10);
-/// Payload clearing repeats its statement up to this many times per pass (60,000 a minute), so a
-/// backlog of payloads that completion missed cannot outgrow it.
-pub const CLEANUP_PAYLOAD_ROUNDS: usize = 60;
+/// The clean-up's payload sweep reads events by acceptance time, this much at a time.
+pub const PAYLOAD_SWEEP_STEP_MS: i64 = 60 * 1000;
+/// Events accepted this long ago have all expired (their lifetime is capped at `MAX_LIFETIME_MS`,
+/// and a minute is left for clocks that differ between replicas): once swept, they are not read
+/// again.
+pub const PAYLOAD_SWEEP_LAG_MS: i64 = MAX_LIFETIME_MS + 60 * 1000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {

@@ -12,6 +12,7 @@ mod support;
 use support::*;
 
 on_both_backends!(
+    cleanup_sweeps_payloads_by_acceptance_time,
     quota_is_300_alerts_and_300_dismissals_per_rolling_15_minutes,
     an_event_fanned_out_to_many_phones_counts_once,
     a_phone_named_twice_in_one_admission_gets_it_once,
@@ -754,6 +755,96 @@ async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
     );
 }
 
+/// The clean-up finds payloads that completion missed by acceptance time (no index names the
+/// payload, so clearing it stays a heap-only update on PostgreSQL): its first pass reads the
+/// whole retention window, later ones only what was accepted since, and the last minutes again.
+async fn cleanup_sweeps_payloads_by_acceptance_time(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    assert!(
+        h.queue
+            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
+            .await
+            .unwrap()
+    );
+    assert_eq!(payload_count(&h).await, 0, "cleared at completion");
+    // Left by completion, and found twenty hours later by the first pass.
+    restore_payloads(&h).await;
+    h.clock.advance(20 * 60 * 60 * 1000);
+    let cleaned = h.queue.cleanup().await.unwrap();
+    assert_eq!(
+        cleaned.cleared_payloads, 1,
+        "the first pass reads the retention window"
+    );
+    // An expired event's payload never comes back (an admission of it is refused): one put back
+    // here by hand shows that the sweep does not read what it swept again.
+    restore_payloads(&h).await;
+    h.clock.advance(60 * 1000);
+    assert_eq!(h.queue.cleanup().await.unwrap().cleared_payloads, 0);
+    assert_eq!(payload_count(&h).await, 1);
+    // Work of the last minutes is read on every pass.
+    clear_payloads(&h).await;
+    h.admit(&alert(2, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    h.queue
+        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
+        .await
+        .unwrap();
+    restore_payloads(&h).await;
+    assert_eq!(payload_count(&h).await, 2);
+    h.clock.advance(1_000);
+    assert_eq!(h.queue.cleanup().await.unwrap().cleared_payloads, 1);
+    h.clock.advance(60 * 1000);
+    restore_payloads(&h).await;
+    assert_eq!(h.queue.cleanup().await.unwrap().cleared_payloads, 1);
+}
+
+/// On PostgreSQL, clearing a finished event's payload is a heap-only update: the new row version
+/// stays on the old one's page and no index gets an entry for it (no index names the payload, and
+/// the table's pages keep room for it). Profiled at 100 end-to-end flows, the clearing update
+/// cost 0.92 ms a call while an index named the payload, 0.29 ms after (round 31,
+/// docs/benchmarks.md).
+#[tokio::test]
+async fn postgresql_clears_a_payload_in_place() {
+    let h = harness_with(Backend::Postgres, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    assert!(
+        h.queue
+            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
+            .await
+            .unwrap()
+    );
+    assert_eq!(payload_count(&h).await, 0);
+    let orca_push_storage::Pool::Postgres(pg) =
+        orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+            .await
+            .unwrap()
+    else {
+        unreachable!("a PostgreSQL pool")
+    };
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pageinspect")
+        .execute(&pg)
+        .await
+        .unwrap();
+    // HEAP_ONLY_TUPLE (0x8000) in t_infomask2: a version that no index entry points at.
+    let heap_only: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM heap_page_items(get_raw_page('push_events', 0)) \
+         WHERE t_infomask2 & 32768 <> 0",
+    )
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert_eq!(heap_only, 1, "the cleared version is heap-only");
+    let options: Option<Vec<String>> =
+        sqlx::query_scalar("SELECT reloptions FROM pg_class WHERE oid = 'push_events'::regclass")
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+    assert_eq!(options, Some(vec!["fillfactor=70".to_owned()]));
+}
+
 async fn dismissals_racing_the_reports_of_their_alerts_both_commit(backend: Backend) {
     let h = harness_with(backend, 0).await;
     for round in 0..20 {
@@ -854,7 +945,15 @@ async fn cleanup_never_clears_a_payload_under_a_recipient_being_added(backend: B
 
 /// Puts a payload back on every event, as if completion had missed clearing it.
 async fn restore_payloads(h: &Harness) {
-    let sql = "UPDATE push_events SET payload_json = '{}'";
+    set_payloads(h, "UPDATE push_events SET payload_json = '{}'").await;
+}
+
+/// Clears every payload by hand.
+async fn clear_payloads(h: &Harness) {
+    set_payloads(h, "UPDATE push_events SET payload_json = NULL").await;
+}
+
+async fn set_payloads(h: &Harness, sql: &str) {
     match orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
         .await
         .unwrap()

@@ -28,6 +28,8 @@ pub struct SqliteQueueStore {
     pub(super) wal_sync: Option<std::sync::Arc<orca_push_storage::WalSync>>,
     /// The writer's own connection for its rounds (`super::direct`).
     pub(super) direct: std::sync::Arc<super::direct::Direct>,
+    /// Where the clean-up's payload sweep ended.
+    pub(super) payload_sweep: std::sync::Arc<super::cleanup::PayloadSweep>,
 }
 
 impl Backend for SqliteQueueStore {
@@ -64,6 +66,7 @@ impl SqliteQueueStore {
             batched_groups: Default::default(),
             wal_sync,
             direct,
+            payload_sweep: std::sync::Arc::default(),
         }
     }
 
@@ -172,6 +175,8 @@ pub struct PgQueueStore {
     /// Signs this replica's notifications, so that its listener skips their echo
     /// (`crate::wake::payload_from`).
     pub(super) origin: std::sync::Arc<str>,
+    /// Where the clean-up's payload sweep ended.
+    pub(super) payload_sweep: std::sync::Arc<super::cleanup::PayloadSweep>,
 }
 
 impl Backend for PgQueueStore {
@@ -199,6 +204,7 @@ impl PgQueueStore {
             row_by_row: false,
             batched_groups: Default::default(),
             origin: super::random_id().into(),
+            payload_sweep: std::sync::Arc::default(),
         }
     }
 

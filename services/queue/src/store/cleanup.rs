@@ -32,13 +32,19 @@ pub(super) const STILL_OVERDUE_SQL: &str = "UPDATE push_delivery_batches \
      AND deadline <= $2 AND (state IN ('open', 'pending') \
        OR (state = 'leased' AND available_at <= $2))";
 
-/// At most `$2` events whose payload is expired at `$1` or waited for by no recipient, in id
-/// order (then the backend's row locks).
+/// At most `$4` events accepted from `$1` until before `$2` whose payload is expired at `$3` or
+/// waited for by no recipient, in id order. They are found by acceptance time
+/// (`push_events_accepted`): no index names the payload, so that clearing it stays a heap-only
+/// update on PostgreSQL (migration 0006).
 pub(super) const PAYLOAD_CANDIDATES_SQL: &str = "SELECT e.event_id FROM push_events e \
-     WHERE e.payload_json IS NOT NULL \
-     AND (e.expires_at <= $1 OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
+     WHERE e.accepted_at >= $1 AND e.accepted_at < $2 AND e.payload_json IS NOT NULL \
+     AND (e.expires_at <= $3 OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
        WHERE p.event_id = e.event_id AND p.status = 'pending')) \
-     ORDER BY e.event_id LIMIT $2";
+     ORDER BY e.event_id LIMIT $4";
+
+/// Row-locks a list of events (`Stmt::push_in`), then `ORDER BY event_id` and the backend's row
+/// locks.
+pub(super) const LOCK_EVENTS_HEAD: &str = "SELECT event_id FROM push_events WHERE event_id";
 
 /// Clears the candidates' payloads that expired by the bound pushed next, or that no recipient
 /// waits for; then `CLEAR_PAYLOADS_MIDDLE`, and the candidates
@@ -72,6 +78,28 @@ pub(super) const EVENT_RECIPIENTS_SQL: &str = "SELECT r.registration_id, r.statu
      r.updated_at, COALESCE(b.attempts, 0) AS attempts \
      FROM push_event_recipients r LEFT JOIN push_delivery_batches b ON b.batch_id = r.batch_id \
      WHERE r.event_id = $1 ORDER BY r.created_at, r.registration_id";
+
+/// Where this replica's payload sweep ended: every event accepted before it was read after it
+/// had expired, and its payload cleared.
+#[derive(Debug)]
+pub struct PayloadSweep(std::sync::atomic::AtomicI64);
+
+impl Default for PayloadSweep {
+    fn default() -> Self {
+        Self(std::sync::atomic::AtomicI64::new(i64::MIN))
+    }
+}
+
+impl PayloadSweep {
+    /// Where it ended (`i64::MIN` before the first sweep).
+    pub(super) fn ended(&self) -> i64 {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(super) fn end_at(&self, at: i64) {
+        self.0.fetch_max(at, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 
 /// Cleanup's statements for one backend (`$store` implements `Backend`).
 macro_rules! cleanup_statements {
@@ -178,44 +206,73 @@ macro_rules! cleanup_statements {
                 cleaned: &mut Cleaned,
             ) -> Result<(), QueueError> {
                 let started = std::time::Instant::now();
-                // Expired payloads, and completed ones that completion missed: when the last two
-                // recipients of an event finish in concurrent transactions, each still sees the
-                // other pending.
-                // In rounds of at most CLEANUP_BATCH rows, so no statement holds its locks long. Each
-                // round locks its candidates first (PostgreSQL) and then clears them in a second
-                // statement, whose fresh snapshot sees a recipient an admission added meanwhile.
-                for _ in 0..CLEANUP_PAYLOAD_ROUNDS {
-                    let mut tx = self.begin_cleanup().await?;
-                    let candidates: Vec<String> = Stmt::new(&format!(
-                        "{}{}",
-                        $crate::store::cleanup::PAYLOAD_CANDIDATES_SQL,
-                        Self::FOR_UPDATE
-                    ))
-                    .bind(now)
-                    .bind(CLEANUP_BATCH)
-                    .fetch_all(&mut tx)
-                    .await?
-                    .iter()
-                    .map(|row| row.col("event_id"))
-                    .collect::<Result<_, _>>()?;
-                    if !candidates.is_empty() {
-                        let mut clear = Stmt::build(
-                            $crate::store::cleanup::CLEAR_PAYLOADS_HEAD,
-                            Self::NUMBERED,
-                        );
-                        clear.push_bind(now);
-                        clear.push($crate::store::cleanup::CLEAR_PAYLOADS_MIDDLE);
-                        clear.push_in(candidates.iter().map(String::as_str));
-                        cleaned.cleared_payloads += clear.execute(&mut tx).await?;
+                // Expired payloads, and completed ones that completion missed (a member expired
+                // inside a claim was its event's last recipient), read by acceptance time a step
+                // at a time: from where the last sweep of this replica ended (at first, the
+                // retention horizon) up to now. Events accepted before `lag` have all expired, so
+                // a sweep never reads them again; the last few minutes are read on every pass.
+                let lag = now - PAYLOAD_SWEEP_LAG_MS;
+                let mut from = self.payload_sweep.ended().max(now - RETENTION_MS).min(lag);
+                while from <= now {
+                    let until = from.saturating_add(PAYLOAD_SWEEP_STEP_MS).min(now + 1);
+                    loop {
+                        // Read first (beside the writer): most steps find nothing to clear.
+                        let candidates: Vec<String> =
+                            sqlx::query_scalar($crate::store::cleanup::PAYLOAD_CANDIDATES_SQL)
+                                .bind(from)
+                                .bind(until)
+                                .bind(now)
+                                .bind(CLEANUP_BATCH)
+                                .fetch_all(self.reader())
+                                .await?;
+                        if candidates.is_empty() {
+                            break;
+                        }
+                        cleaned.cleared_payloads += self.clear_candidates(&candidates, now).await?;
+                        if candidates.len() < CLEANUP_BATCH as usize {
+                            break;
+                        }
+                        if started.elapsed() >= CLEANUP_BUDGET {
+                            return Ok(());
+                        }
                     }
-                    tx.commit().await?;
-                    if candidates.len() < CLEANUP_BATCH as usize
-                        || started.elapsed() >= CLEANUP_BUDGET
-                    {
+                    if until <= lag {
+                        self.payload_sweep.end_at(until);
+                    }
+                    if started.elapsed() >= CLEANUP_BUDGET {
                         break;
                     }
+                    from = until;
                 }
                 Ok(())
+            }
+
+            /// Clears those of `candidates` whose payload is expired at `now` or that no recipient
+            /// waits for. The events are locked first (PostgreSQL, in id order, as reports lock
+            /// them) and cleared in a second statement, whose fresh snapshot sees a recipient an
+            /// admission added meanwhile.
+            async fn clear_candidates(
+                &self,
+                candidates: &[String],
+                now: i64,
+            ) -> Result<u64, QueueError> {
+                let mut tx = self.begin_cleanup().await?;
+                if !Self::FOR_UPDATE.is_empty() {
+                    let mut lock =
+                        Stmt::build($crate::store::cleanup::LOCK_EVENTS_HEAD, Self::NUMBERED);
+                    lock.push_in(candidates.iter().map(String::as_str));
+                    lock.push(" ORDER BY event_id");
+                    lock.push(Self::FOR_UPDATE);
+                    lock.fetch_all(&mut tx).await?;
+                }
+                let mut clear =
+                    Stmt::build($crate::store::cleanup::CLEAR_PAYLOADS_HEAD, Self::NUMBERED);
+                clear.push_bind(now);
+                clear.push($crate::store::cleanup::CLEAR_PAYLOADS_MIDDLE);
+                clear.push_in(candidates.iter().map(String::as_str));
+                let cleared = clear.execute(&mut tx).await?;
+                tx.commit().await?;
+                Ok(cleared)
             }
 
             /// `QueueStore::depth`.

@@ -37,9 +37,9 @@ use sqlx::Row as _;
 
 use crate::error::QueueError;
 use crate::model::{
-    Admission, AdmissionRecipient, AdmissionStatus, CLEANUP_BATCH, CLEANUP_BUDGET,
-    CLEANUP_PAYLOAD_ROUNDS, Content, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, Provider,
-    QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
+    Admission, AdmissionRecipient, AdmissionStatus, CLEANUP_BATCH, CLEANUP_BUDGET, Content, Kind,
+    MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, PAYLOAD_SWEEP_LAG_MS, PAYLOAD_SWEEP_STEP_MS,
+    Provider, QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
 };
 use rounds::Together;
 
