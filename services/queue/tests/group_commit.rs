@@ -946,6 +946,65 @@ async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_gro
     probe.assert_by_key(&before, &after, "one claim and its report");
 }
 
+/// The clean-up's payload sweep finds events by acceptance time, a step at a time from where the
+/// last sweep ended: once the events table has grown far past what the plans were made on, a
+/// pass still reads only what was accepted in the last minutes, by key (round 31,
+/// docs/benchmarks.md: no index names the payload any more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_payload_sweep_reads_only_the_last_minutes_by_key() {
+    let probe = PlanProbe::new(&[
+        "push_events",
+        "push_event_recipients",
+        "push_delivery_batches",
+        "push_dismissed_events",
+    ])
+    .await;
+    let pg = probe.pg.clone();
+    let store = orca_push_queue::AnyQueueStore::new(probe.pool.clone());
+    let minute = 60_000;
+    // Passes a minute apart over a few events, each finished with its payload left: the plans are
+    // made (five times, then a generic one) on a nearly empty table, and the first pass sweeps the
+    // whole retention window.
+    for pass in 1..=7_i64 {
+        let now = T0 as i64 + pass * minute;
+        let admission = from(HOST, pass, &format!("sweep-phone-{pass}"));
+        for result in store.enqueue_group(&[&admission], now, 0, None).await {
+            result.unwrap();
+        }
+        sqlx::query("UPDATE push_event_recipients SET status = 'sent'")
+            .execute(&pg)
+            .await
+            .unwrap();
+        let cleaned = store.cleanup(now).await.unwrap();
+        assert_eq!(cleaned.cleared_payloads, 1, "pass {pass}");
+    }
+    // 20,000 finished events of other hosts, accepted before the sweep's end.
+    sqlx::query(
+        "INSERT INTO push_events (event_id, host_fingerprint, kind, notification_epoch, \
+         notification_seq, content_hash, accepted_at, expires_at) \
+         SELECT 'bulk-' || i, 'bulkhost' || (i % 500), 'alert', 'e', i, 'h', $1, $1 + 60000 \
+         FROM generate_series(1, 20000) AS i",
+    )
+    .bind(T0 as i64 - 60 * minute)
+    .execute(&pg)
+    .await
+    .unwrap();
+    // And one alert still waiting for its phone: its payload stays, its recipients looked up by
+    // key.
+    let waiting = from(HOST, 8, "sweep-phone-8");
+    for result in store
+        .enqueue_group(&[&waiting], T0 as i64 + 8 * minute, 0, None)
+        .await
+    {
+        result.unwrap();
+    }
+    let before = probe.reads().await;
+    let cleaned = store.cleanup(T0 as i64 + 8 * minute).await.unwrap();
+    let after = probe.reads().await;
+    assert_eq!(cleaned.cleared_payloads, 0);
+    probe.assert_by_key(&before, &after, "a clean-up pass");
+}
+
 /// A fresh PostgreSQL queue whose plans, made on its empty tables, are the ones used after: one
 /// connection, and no autovacuum on `tables` (an ANALYZE would make the plans again, on the grown
 /// tables). Its statistics are read on a connection of their own.

@@ -44,6 +44,9 @@ impl SqliteQueueStore {
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2";
     /// One writer at a time: nothing to lock.
     pub(super) const FOR_UPDATE: &'static str = "";
+    /// SQLite plans a statement when it prepares it, preferring an index where one applies: a
+    /// clean-up read runs beside the writer (`reader`).
+    pub(super) const PLANS_KEPT: bool = false;
     /// Built statements' parameters are `?` (`sql::Stmt`).
     pub(super) const NUMBERED: bool = false;
     /// How a round's multi-row inserts and updates meet a constraint they break: the statement
@@ -191,6 +194,9 @@ impl PgQueueStore {
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
     /// Row locks taken by a reading statement.
     pub(super) const FOR_UPDATE: &'static str = " FOR UPDATE";
+    /// A kept statement's generic plan is made once per connection, often on small tables: reads
+    /// that must find their rows by key run in a transaction that plans so (`begin_claim`).
+    pub(super) const PLANS_KEPT: bool = true;
     /// Built statements' parameters are `$N` (`sql::Stmt`).
     pub(super) const NUMBERED: bool = true;
     /// PostgreSQL has no conflict clause: a failed statement fails its transaction.

@@ -35,11 +35,13 @@ pub(super) const STILL_OVERDUE_SQL: &str = "UPDATE push_delivery_batches \
 /// At most `$4` events accepted from `$1` until before `$2` whose payload is expired at `$3` or
 /// waited for by no recipient, in id order. They are found by acceptance time
 /// (`push_events_accepted`): no index names the payload, so that clearing it stays a heap-only
-/// update on PostgreSQL (migration 0006).
+/// update on PostgreSQL (migration 0006). The recipients are looked up per event (a scalar
+/// subquery): written `NOT EXISTS`, PostgreSQL hashed every pending recipient of the table for
+/// each call.
 pub(super) const PAYLOAD_CANDIDATES_SQL: &str = "SELECT e.event_id FROM push_events e \
      WHERE e.accepted_at >= $1 AND e.accepted_at < $2 AND e.payload_json IS NOT NULL \
-     AND (e.expires_at <= $3 OR NOT EXISTS (SELECT 1 FROM push_event_recipients p \
-       WHERE p.event_id = e.event_id AND p.status = 'pending')) \
+     AND (e.expires_at <= $3 OR (SELECT 1 FROM push_event_recipients p \
+       WHERE p.event_id = e.event_id AND p.status = 'pending' LIMIT 1) IS NULL) \
      ORDER BY e.event_id LIMIT $4";
 
 /// Row-locks a list of events (`Stmt::push_in`), then `ORDER BY event_id` and the backend's row
@@ -124,18 +126,23 @@ macro_rules! cleanup_statements {
                 }
                 self.clear_payloads(now, &mut cleaned).await?;
                 let horizon = now - RETENTION_MS;
+                // Each round in a transaction that plans by key, as a lane's do (`begin_claim`):
+                // PostgreSQL's generic plan of a delete made on small tables joined the oldest
+                // ids to a sequential scan of the whole table, on every pass (round 31,
+                // docs/benchmarks.md).
                 loop {
-                    sqlx::query($crate::store::cleanup::DELETE_OLD_RECIPIENTS)
+                    let mut tx = self.begin_claim().await?;
+                    Stmt::new($crate::store::cleanup::DELETE_OLD_RECIPIENTS)
                         .bind(horizon)
                         .bind(CLEANUP_BATCH)
-                        .execute(self.writes())
+                        .execute(&mut tx)
                         .await?;
-                    let events = sqlx::query($crate::store::cleanup::DELETE_OLD_EVENTS)
+                    let events = Stmt::new($crate::store::cleanup::DELETE_OLD_EVENTS)
                         .bind(horizon)
                         .bind(CLEANUP_BATCH)
-                        .execute(self.writes())
-                        .await?
-                        .rows_affected();
+                        .execute(&mut tx)
+                        .await?;
+                    tx.commit().await?;
                     cleaned.deleted_events += events;
                     if !more(events) {
                         break;
@@ -152,12 +159,13 @@ macro_rules! cleanup_statements {
                     ),
                 ] {
                     loop {
-                        let deleted = sqlx::query(statement)
+                        let mut tx = self.begin_claim().await?;
+                        let deleted = Stmt::new(statement)
                             .bind(horizon)
                             .bind(CLEANUP_BATCH)
-                            .execute(self.writes())
-                            .await?
-                            .rows_affected();
+                            .execute(&mut tx)
+                            .await?;
+                        tx.commit().await?;
                         *count += deleted;
                         if !more(deleted) {
                             break;
@@ -175,11 +183,28 @@ macro_rules! cleanup_statements {
             /// One round of expiring work past its deadline (a leased batch only once its lease
             /// lapsed): how many it looked at, and how many it expired.
             async fn expire_overdue(&self, now: i64) -> Result<(u64, u64), QueueError> {
-                let overdue: Vec<String> = sqlx::query_scalar($crate::store::cleanup::OVERDUE_SQL)
-                    .bind(now)
-                    .bind(CLEANUP_BATCH)
-                    .fetch_all(self.reader())
-                    .await?;
+                // Where plans are made once and kept (PostgreSQL), in a transaction that plans by
+                // key: the generic plan made on a fresh deployment's small table scanned every
+                // batch of the retention window on each pass, where the live ones are in
+                // `push_delivery_batches_due` (round 31, docs/benchmarks.md).
+                let overdue: Vec<String> = if Self::PLANS_KEPT {
+                    let mut tx = self.begin_claim().await?;
+                    let rows = Stmt::new($crate::store::cleanup::OVERDUE_SQL)
+                        .bind(now)
+                        .bind(CLEANUP_BATCH)
+                        .fetch_all(&mut tx)
+                        .await?;
+                    tx.commit().await?;
+                    rows.iter()
+                        .map(|row| row.col::<String>("batch_id"))
+                        .collect::<Result<_, _>>()?
+                } else {
+                    sqlx::query_scalar($crate::store::cleanup::OVERDUE_SQL)
+                        .bind(now)
+                        .bind(CLEANUP_BATCH)
+                        .fetch_all(self.reader())
+                        .await?
+                };
                 let seen = overdue.len() as u64;
                 let mut expired = 0;
                 for batch_id in overdue {
