@@ -1,4 +1,4 @@
--- Clearing a finished event's payload is the one update push_events gets. The partial index
+-- Clearing a finished event's payload is the update push_events gets on every delivery. The partial index
 -- push_events_payload_deadline named payload_json in its condition, so that update could never be
 -- heap-only: each one wrote a new row version away from the old and an entry into each of the
 -- table's four other indexes. Profiled at 100 end-to-end flows (round 31, docs/benchmarks.md),

@@ -13,6 +13,7 @@ use support::*;
 
 on_both_backends!(
     cleanup_sweeps_payloads_by_acceptance_time,
+    the_payload_sweep_reads_the_last_minutes_on_every_pass,
     quota_is_300_alerts_and_300_dismissals_per_rolling_15_minutes,
     an_event_fanned_out_to_many_phones_counts_once,
     a_phone_named_twice_in_one_admission_gets_it_once,
@@ -798,6 +799,36 @@ async fn cleanup_sweeps_payloads_by_acceptance_time(backend: Backend) {
     h.clock.advance(60 * 1000);
     restore_payloads(&h).await;
     assert_eq!(h.queue.cleanup().await.unwrap().cleared_payloads, 1);
+}
+
+/// Each pass reads the last six minutes whole, whatever the sweep's end: a payload completion left
+/// on an event not yet expired, or one that has just expired, is cleared at the next pass.
+async fn the_payload_sweep_reads_the_last_minutes_on_every_pass(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    h.queue
+        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
+        .await
+        .unwrap();
+    // Passes each minute: the sweep's end moves along behind them.
+    for _ in 0..3 {
+        h.clock.advance(60 * 1000);
+        assert_eq!(h.queue.cleanup().await.unwrap().cleared_payloads, 0);
+    }
+    restore_payloads(&h).await;
+    assert_eq!(
+        h.queue.cleanup().await.unwrap().cleared_payloads,
+        1,
+        "finished, not expired, three minutes after acceptance"
+    );
+    h.clock.set(T0 + 5 * 60 * 1000 + 30 * 1000);
+    restore_payloads(&h).await;
+    assert_eq!(
+        h.queue.cleanup().await.unwrap().cleared_payloads,
+        1,
+        "expired, five and a half minutes after acceptance"
+    );
 }
 
 /// On PostgreSQL, clearing a finished event's payload is a heap-only update: the new row version

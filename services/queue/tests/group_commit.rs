@@ -989,8 +989,14 @@ async fn postgresql_payload_sweep_reads_only_the_last_minutes_by_key() {
     .execute(&pg)
     .await
     .unwrap();
-    // And one alert still waiting for its phone: its payload stays, its recipients looked up by
-    // key.
+    // A payload completion left on the last pass's event (cleared, by key) ...
+    sqlx::query("UPDATE push_events SET payload_json = '{}' WHERE accepted_at = $1")
+        .bind(T0 as i64 + 7 * minute)
+        .execute(&pg)
+        .await
+        .unwrap();
+    // ... and one alert still waiting for its phone: its payload stays, its recipients looked up
+    // by key.
     let waiting = from(HOST, 8, "sweep-phone-8");
     for result in store
         .enqueue_group(&[&waiting], T0 as i64 + 8 * minute, 0, None)
@@ -1001,7 +1007,7 @@ async fn postgresql_payload_sweep_reads_only_the_last_minutes_by_key() {
     let before = probe.reads().await;
     let cleaned = store.cleanup(T0 as i64 + 8 * minute).await.unwrap();
     let after = probe.reads().await;
-    assert_eq!(cleaned.cleared_payloads, 0);
+    assert_eq!(cleaned.cleared_payloads, 1);
     probe.assert_by_key(&before, &after, "a clean-up pass");
 }
 

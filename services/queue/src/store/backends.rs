@@ -140,11 +140,6 @@ impl SqliteQueueStore {
         ))
     }
 
-    /// The retention clean-up's transaction: a claim's.
-    pub(super) async fn begin_cleanup(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        self.begin_claim().await
-    }
-
     /// Nothing is notified (`wake_replicas`), so nothing is signed.
     pub(super) fn origin(&self) -> &str {
         ""
@@ -318,12 +313,6 @@ impl PgQueueStore {
     const BEGIN_BY_KEY_SQL: &'static str = "BEGIN; SET LOCAL enable_seqscan = off; \
          SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; \
          SET LOCAL plan_cache_mode = force_generic_plan";
-
-    /// The retention clean-up's transaction: its statements range over what has aged, where a
-    /// sequential scan may be the right plan.
-    pub(super) async fn begin_cleanup(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        self.pool.begin().await
-    }
 
     /// `providers`: the payload naming whose work (`crate::wake::payload_naming`; empty: anyone's).
     pub(super) async fn wake_replicas(

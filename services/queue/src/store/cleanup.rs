@@ -51,13 +51,12 @@ pub(super) const LOCK_EVENTS_HEAD: &str = "SELECT event_id FROM push_events WHER
 /// Clears the candidates' payloads that expired by the bound pushed next, or that no recipient
 /// waits for; then `CLEAR_PAYLOADS_MIDDLE`, and the candidates
 /// (`Stmt::push_in`).
-pub(super) const CLEAR_PAYLOADS_HEAD: &str =
-    "UPDATE push_events SET payload_json = NULL WHERE (expires_at <= ";
+pub(super) const CLEAR_PAYLOADS_HEAD: &str = "UPDATE push_events SET payload_json = NULL WHERE payload_json IS NOT NULL \
+     AND (expires_at <= ";
 
 /// After `CLEAR_PAYLOADS_HEAD`'s bound.
-pub(super) const CLEAR_PAYLOADS_MIDDLE: &str = " OR NOT EXISTS \
-     (SELECT 1 FROM push_event_recipients p \
-     WHERE p.event_id = push_events.event_id AND p.status = 'pending')) \
+pub(super) const CLEAR_PAYLOADS_MIDDLE: &str = " OR (SELECT 1 FROM push_event_recipients p \
+     WHERE p.event_id = push_events.event_id AND p.status = 'pending' LIMIT 1) IS NULL) \
      AND event_id";
 
 /// How many batches wait, are due or are leased at `$1`, and the oldest due time.
@@ -98,8 +97,9 @@ impl PayloadSweep {
         self.0.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// One clean-up task per replica sets it, so a plain store (a clock set back moves it back).
     pub(super) fn end_at(&self, at: i64) {
-        self.0.fetch_max(at, std::sync::atomic::Ordering::Relaxed);
+        self.0.store(at, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -111,21 +111,23 @@ macro_rules! cleanup_statements {
             async fn cleanup_pass(&self, now: i64) -> Result<Cleaned, QueueError> {
                 let mut cleaned = Cleaned::default();
                 // Each step works in rounds of at most CLEANUP_BATCH rows (no statement holds its
-                // locks long, admissions interleave) and goes on while a round is full and the
-                // pass's budget lasts, so cleanup keeps up with any admission rate it can.
-                let started = std::time::Instant::now();
-                let more = |round: u64| {
-                    round >= CLEANUP_BATCH as u64 && started.elapsed() < CLEANUP_BUDGET
+                // locks long, admissions interleave) and goes on while a round is full and its own
+                // budget lasts (one step's backlog does not starve the next), so cleanup keeps up
+                // with any admission rate it can.
+                let more = |round: u64, since: std::time::Instant| {
+                    round >= CLEANUP_BATCH as u64 && since.elapsed() < CLEANUP_BUDGET
                 };
+                let since = std::time::Instant::now();
                 loop {
                     let (seen, expired) = self.expire_overdue(now).await?;
                     cleaned.expired_batches += expired;
-                    if !more(seen) {
+                    if !more(seen, since) {
                         break;
                     }
                 }
                 self.clear_payloads(now, &mut cleaned).await?;
                 let horizon = now - RETENTION_MS;
+                let since = std::time::Instant::now();
                 // Each round in a transaction that plans by key, as a lane's do (`begin_claim`):
                 // PostgreSQL's generic plan of a delete made on small tables joined the oldest
                 // ids to a sequential scan of the whole table, on every pass (round 31,
@@ -144,7 +146,7 @@ macro_rules! cleanup_statements {
                         .await?;
                     tx.commit().await?;
                     cleaned.deleted_events += events;
-                    if !more(events) {
+                    if !more(events, since) {
                         break;
                     }
                 }
@@ -158,6 +160,7 @@ macro_rules! cleanup_statements {
                         &mut cleaned.deleted_fences,
                     ),
                 ] {
+                    let since = std::time::Instant::now();
                     loop {
                         let mut tx = self.begin_claim().await?;
                         let deleted = Stmt::new(statement)
@@ -167,7 +170,7 @@ macro_rules! cleanup_statements {
                             .await?;
                         tx.commit().await?;
                         *count += deleted;
-                        if !more(deleted) {
+                        if !more(deleted, since) {
                             break;
                         }
                     }
@@ -208,7 +211,7 @@ macro_rules! cleanup_statements {
                 let seen = overdue.len() as u64;
                 let mut expired = 0;
                 for batch_id in overdue {
-                    let mut tx = self.begin_cleanup().await?;
+                    let mut tx = self.begin_claim().await?;
                     // Still overdue and not being worked on: an admission or a lane may have moved
                     // it since the list was read.
                     let still = Stmt::new($crate::store::cleanup::STILL_OVERDUE_SQL)
@@ -233,43 +236,74 @@ macro_rules! cleanup_statements {
                 let started = std::time::Instant::now();
                 // Expired payloads, and completed ones that completion missed (a member expired
                 // inside a claim was its event's last recipient), read by acceptance time a step
-                // at a time: from where the last sweep of this replica ended (at first, the
-                // retention horizon) up to now. Events accepted before `lag` have all expired, so
-                // a sweep never reads them again; the last few minutes are read on every pass.
+                // at a time. Events accepted before `lag` have all expired: once read after that,
+                // they are not read again.
                 let lag = now - PAYLOAD_SWEEP_LAG_MS;
-                let mut from = self.payload_sweep.ended().max(now - RETENTION_MS).min(lag);
-                while from <= now {
-                    let until = from.saturating_add(PAYLOAD_SWEEP_STEP_MS).min(now + 1);
+                // First the last minutes, whole, on every pass (so a backlog after a start does
+                // not hold up what just expired).
+                self.sweep_payloads(lag, now + 1, now, started, cleaned)
+                    .await?;
+                // Then what aged past `lag` since this replica's last sweep ended (at first, the
+                // retention horizon), while the budget lasts.
+                let ended = self.payload_sweep.ended();
+                let mut from = ended.max(now - RETENTION_MS).min(lag);
+                while from < lag && started.elapsed() < CLEANUP_BUDGET {
+                    let until = from.saturating_add(PAYLOAD_SWEEP_STEP_MS).min(lag);
+                    if !self
+                        .sweep_payloads(from, until, now, started, cleaned)
+                        .await?
+                    {
+                        break;
+                    }
+                    self.payload_sweep.end_at(until);
+                    from = until;
+                }
+                // A clock set back leaves the sweep's end ahead of `lag`: what was accepted
+                // between the two must still be read once it ages past `lag`.
+                if ended > lag {
+                    self.payload_sweep.end_at(lag);
+                }
+                Ok(())
+            }
+
+            /// Clears the missed payloads of the events accepted from `from` until before `until`,
+            /// a step at a time: whether it got through them all before the budget of a pass that
+            /// began at `started` ran out.
+            async fn sweep_payloads(
+                &self,
+                from: i64,
+                until: i64,
+                now: i64,
+                started: std::time::Instant,
+                cleaned: &mut Cleaned,
+            ) -> Result<bool, QueueError> {
+                let mut step = from;
+                while step < until {
+                    let step_until = step.saturating_add(PAYLOAD_SWEEP_STEP_MS).min(until);
                     loop {
                         // Read first (beside the writer): most steps find nothing to clear.
                         let candidates: Vec<String> =
                             sqlx::query_scalar($crate::store::cleanup::PAYLOAD_CANDIDATES_SQL)
-                                .bind(from)
-                                .bind(until)
+                                .bind(step)
+                                .bind(step_until)
                                 .bind(now)
                                 .bind(CLEANUP_BATCH)
                                 .fetch_all(self.reader())
                                 .await?;
-                        if candidates.is_empty() {
-                            break;
+                        if !candidates.is_empty() {
+                            cleaned.cleared_payloads +=
+                                self.clear_candidates(&candidates, now).await?;
                         }
-                        cleaned.cleared_payloads += self.clear_candidates(&candidates, now).await?;
                         if candidates.len() < CLEANUP_BATCH as usize {
                             break;
                         }
                         if started.elapsed() >= CLEANUP_BUDGET {
-                            return Ok(());
+                            return Ok(false);
                         }
                     }
-                    if until <= lag {
-                        self.payload_sweep.end_at(until);
-                    }
-                    if started.elapsed() >= CLEANUP_BUDGET {
-                        break;
-                    }
-                    from = until;
+                    step = step_until;
                 }
-                Ok(())
+                Ok(true)
             }
 
             /// Clears those of `candidates` whose payload is expired at `now` or that no recipient
@@ -281,7 +315,8 @@ macro_rules! cleanup_statements {
                 candidates: &[String],
                 now: i64,
             ) -> Result<u64, QueueError> {
-                let mut tx = self.begin_cleanup().await?;
+                // By key (`begin_claim`): the candidates are a few ids.
+                let mut tx = self.begin_claim().await?;
                 if !Self::FOR_UPDATE.is_empty() {
                     let mut lock =
                         Stmt::build($crate::store::cleanup::LOCK_EVENTS_HEAD, Self::NUMBERED);
