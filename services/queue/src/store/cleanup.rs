@@ -51,8 +51,8 @@ pub(super) const LOCK_EVENTS_HEAD: &str = "SELECT event_id FROM push_events WHER
 /// Clears the candidates' payloads that expired by the bound pushed next, or that no recipient
 /// waits for; then `CLEAR_PAYLOADS_MIDDLE`, and the candidates
 /// (`Stmt::push_in`).
-pub(super) const CLEAR_PAYLOADS_HEAD: &str = "UPDATE push_events SET payload_json = NULL WHERE payload_json IS NOT NULL \
-     AND (expires_at <= ";
+pub(super) const CLEAR_PAYLOADS_HEAD: &str = "UPDATE push_events SET payload_json = NULL \
+     WHERE payload_json IS NOT NULL AND (expires_at <= ";
 
 /// After `CLEAR_PAYLOADS_HEAD`'s bound.
 pub(super) const CLEAR_PAYLOADS_MIDDLE: &str = " OR (SELECT 1 FROM push_event_recipients p \
@@ -234,9 +234,10 @@ macro_rules! cleanup_statements {
                 cleaned: &mut Cleaned,
             ) -> Result<(), QueueError> {
                 let started = std::time::Instant::now();
-                // Expired payloads, and completed ones that completion missed (a member expired
-                // inside a claim was its event's last recipient), read by acceptance time a step
-                // at a time. Events accepted before `lag` have all expired: once read after that,
+                // Expired payloads, and completed ones that completion missed (the last two
+                // recipients of an event finishing in concurrent transactions each still saw the
+                // other pending, or a member expired inside a claim was its event's last
+                // recipient), read by acceptance time a step at a time. Events accepted before `lag` have all expired: once read after that,
                 // they are not read again.
                 let lag = now - PAYLOAD_SWEEP_LAG_MS;
                 // First the last minutes, whole, on every pass (so a backlog after a start does
