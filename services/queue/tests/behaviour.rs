@@ -718,12 +718,7 @@ async fn concurrent_reports_on_shared_events_all_commit(backend: Backend) {
 
 async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
     let h = harness_with(backend, 0).await;
-    h.admit(&alert(1, &["r1"])).await;
-    let b = h.claim_all().await.pop().unwrap();
-    h.queue
-        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
-        .await
-        .unwrap();
+    delivered(&h, 1).await;
     h.admit(&alert(2, &["r1"])).await;
     h.clock.advance(5 * 60 * 1000);
     let cleaned = h.queue.cleanup().await.unwrap();
@@ -761,14 +756,7 @@ async fn cleanup_clears_payloads_and_forgets_after_24_hours(backend: Backend) {
 /// whole retention window, later ones only what was accepted since, and the last minutes again.
 async fn cleanup_sweeps_payloads_by_acceptance_time(backend: Backend) {
     let h = harness_with(backend, 0).await;
-    h.admit(&alert(1, &["r1"])).await;
-    let b = h.claim_all().await.pop().unwrap();
-    assert!(
-        h.queue
-            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
-            .await
-            .unwrap()
-    );
+    delivered(&h, 1).await;
     assert_eq!(payload_count(&h).await, 0, "cleared at completion");
     // Left by completion, and found twenty hours later by the first pass.
     restore_payloads(&h).await;
@@ -786,12 +774,7 @@ async fn cleanup_sweeps_payloads_by_acceptance_time(backend: Backend) {
     assert_eq!(payload_count(&h).await, 1);
     // Work of the last minutes is read on every pass.
     clear_payloads(&h).await;
-    h.admit(&alert(2, &["r1"])).await;
-    let b = h.claim_all().await.pop().unwrap();
-    h.queue
-        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
-        .await
-        .unwrap();
+    delivered(&h, 2).await;
     restore_payloads(&h).await;
     assert_eq!(payload_count(&h).await, 2);
     h.clock.advance(1_000);
@@ -805,12 +788,7 @@ async fn cleanup_sweeps_payloads_by_acceptance_time(backend: Backend) {
 /// on an event not yet expired, or one that has just expired, is cleared at the next pass.
 async fn the_payload_sweep_reads_the_last_minutes_on_every_pass(backend: Backend) {
     let h = harness_with(backend, 0).await;
-    h.admit(&alert(1, &["r1"])).await;
-    let b = h.claim_all().await.pop().unwrap();
-    h.queue
-        .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
-        .await
-        .unwrap();
+    delivered(&h, 1).await;
     // Passes each minute: the sweep's end moves along behind them.
     for _ in 0..3 {
         h.clock.advance(60 * 1000);
@@ -839,14 +817,7 @@ async fn the_payload_sweep_reads_the_last_minutes_on_every_pass(backend: Backend
 #[tokio::test]
 async fn postgresql_clears_a_payload_in_place() {
     let h = harness_with(Backend::Postgres, 0).await;
-    h.admit(&alert(1, &["r1"])).await;
-    let b = h.claim_all().await.pop().unwrap();
-    assert!(
-        h.queue
-            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
-            .await
-            .unwrap()
-    );
+    delivered(&h, 1).await;
     assert_eq!(payload_count(&h).await, 0);
     let orca_push_storage::Pool::Postgres(pg) =
         orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
@@ -928,14 +899,7 @@ async fn dismissals_racing_the_reports_of_their_alerts_both_commit(backend: Back
 
 async fn cleanup_never_clears_a_payload_under_a_recipient_being_added(backend: Backend) {
     let h = harness_with(backend, 0).await;
-    h.admit(&alert(1, &["r1"])).await;
-    let b = h.claim_all().await.pop().unwrap();
-    assert!(
-        h.queue
-            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
-            .await
-            .unwrap()
-    );
+    delivered(&h, 1).await;
     // A payload with no pending recipient, as completion can leave it.
     restore_payloads(&h).await;
     // An admission of the same event for another phone is under way: it holds the event's row
@@ -972,6 +936,19 @@ async fn cleanup_never_clears_a_payload_under_a_recipient_being_added(backend: B
         }
     }
     assert_eq!(payload_count(&h).await, 1, "r2 still needs the payload");
+}
+
+/// Alert `seq` to phone `r1`, claimed and reported sent.
+async fn delivered(h: &Harness, seq: i64) {
+    h.admit(&alert(seq, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    assert!(
+        h.queue
+            .complete(&b.batch_id, &b.lease_token, Outcome::Sent, "200", true)
+            .await
+            .unwrap(),
+        "alert {seq} reported sent"
+    );
 }
 
 /// Puts a payload back on every event, as if completion had missed clearing it.
