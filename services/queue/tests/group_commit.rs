@@ -795,14 +795,19 @@ async fn plans_made_on_empty_tables_look_up_by_key(row_by_row: bool, seeded: i64
     // them.
     round(1).await;
     round(2).await;
-    // The tables grow: 20,000 events of other hosts, 20,000 open windows of other phones.
+    // The tables grow: 20,000 events of other hosts, 20,000 open windows of other phones, and
+    // 5,000 events of this host from an hour ago (kept for the day, outside its quota's 15
+    // minutes), which a look-up of an event by its identity must not read.
     sqlx::query(
         "INSERT INTO push_events (event_id, host_fingerprint, kind, notification_epoch, \
          notification_seq, content_hash, accepted_at, expires_at) \
          SELECT 'bulk-' || i, 'bulkhost' || (i % 500), 'alert', 'e', i, 'h', $1, $1 + 60000 \
-         FROM generate_series(1, 20000) AS i",
+         FROM generate_series(1, 20000) AS i \
+         UNION ALL SELECT 'old-' || i, $2, 'alert', 'old', i, 'h', $1 - 3600000, $1 - 3300000 \
+         FROM generate_series(1, 5000) AS i",
     )
     .bind(T0 as i64)
+    .bind(HOST)
     .execute(&pg)
     .await
     .unwrap();
