@@ -937,7 +937,9 @@ async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_gro
     for seq in 1..=7 {
         cycle(seq).await;
     }
-    // The tables grow: 20,000 finished events of other hosts, each with its batch and recipient.
+    // The tables grow: 20,000 events of other hosts, each with its batch and recipient, the
+    // batches live and due in a minute (as a held provider's pile up): the claim must find what
+    // is due by time, not walk every live batch.
     for statement in [
         "INSERT INTO push_events (event_id, host_fingerprint, kind, notification_epoch, \
          notification_seq, content_hash, accepted_at, expires_at, payload_json) \
@@ -946,7 +948,7 @@ async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_gro
         "INSERT INTO push_delivery_batches (batch_id, registration_id, host_fingerprint, kind, \
          state, coalescible, window_ends_at, available_at, member_count, members_bytes, \
          routing_bytes, deadline, silent, attempts, created_at, provider) \
-         SELECT 'bulk-' || i, 'bulkphone-' || i, 'bulkhost' || (i % 500), 'alert', 'sent', 0, \
+         SELECT 'bulk-' || i, 'bulkphone-' || i, 'bulkhost' || (i % 500), 'alert', 'pending', 0, \
          $1, $1 + 60000, 1, 10, 10, $1 + 60000, 0, 1, $1, 'apns' \
          FROM generate_series(1, 20000) AS i",
         "INSERT INTO push_event_recipients (event_id, registration_id, batch_id, status, silent, \
@@ -962,8 +964,11 @@ async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_gro
     }
     let before = probe.reads().await;
     cycle(8).await;
+    // What a lane asks before it sleeps: the earliest due time, the minute's piled-up batches.
+    let next = store.next_available_at(Skip::default()).await.unwrap();
+    assert_eq!(next, Some(T0 as i64 + 60_000));
     let after = probe.reads().await;
-    probe.assert_by_key(&before, &after, "one claim and its report");
+    probe.assert_by_key(&before, &after, "one claim, its report and a next-due read");
 }
 
 /// The clean-up's payload sweep finds events by acceptance time, a step at a time from where the

@@ -11,7 +11,8 @@ pub const READ_SEEN_HEAD: &str = "WITH a (i, host, kind, epoch, seq, nid) AS (";
 /// After them, then the quota window's start, then `READ_SEEN_TAIL`.
 pub const READ_SEEN_MIDDLE: &str = ") SELECT a.i AS i, e.event_id AS event_id, \
      (SELECT COUNT(*) FROM push_events q \
-       WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at > ";
+       WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at >= 0 \
+       AND q.accepted_at > ";
 pub const READ_SEEN_TAIL: &str = ") AS used, \
      (SELECT d.dismissed_seq FROM push_dismissed_events d \
        WHERE d.host_fingerprint = a.host AND d.notification_epoch = a.epoch \

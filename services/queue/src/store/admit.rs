@@ -10,7 +10,8 @@ pub(super) const LOCK_ACTIVE_BATCHES_HEAD: &str = "SELECT batch_id FROM push_del
 /// of notification `$6`.
 pub(super) const SEEN_SQL: &str = "SELECT e.event_id, e.content_hash, e.expires_at, \
      (SELECT COUNT(*) FROM push_events q \
-       WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at > $5) AS used, \
+       WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at >= 0 \
+       AND q.accepted_at > $5) AS used, \
      (SELECT d.dismissed_seq FROM push_dismissed_events d \
        WHERE d.host_fingerprint = $1 AND d.notification_epoch = $3 \
        AND d.notification_id = $6) AS fence \

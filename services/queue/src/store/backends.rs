@@ -186,6 +186,7 @@ impl PgQueueStore {
     pub(super) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
          deadline, silent, attempts, retries, provider FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
+         AND available_at >= 0 \
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
     /// Row locks taken by a reading statement.
     pub(super) const FOR_UPDATE: &'static str = " FOR UPDATE";

@@ -12,9 +12,11 @@ pub(super) const EXPIRE_MEMBER_SQL: &str = "UPDATE push_event_recipients \
      SET status = 'expired', updated_at = $3 \
      WHERE event_id = $1 AND batch_id = $2 AND status = 'pending'";
 
-/// When the next batch of a provider not skipped becomes due.
+/// When the next batch of a provider not skipped becomes due. `available_at >= 0`, always true,
+/// lets PostgreSQL read `push_delivery_batches_due` (queue migration 0007).
 pub(super) const NEXT_DUE_SQL: &str = "SELECT MIN(available_at) FROM push_delivery_batches \
-     WHERE state IN ('open', 'pending', 'leased') AND provider <> $1 AND provider <> $2";
+     WHERE state IN ('open', 'pending', 'leased') AND available_at >= 0 \
+     AND provider <> $1 AND provider <> $2";
 
 /// A lease extended to `$3`, if `$2` still holds it.
 pub(super) const RENEW_SQL: &str = "UPDATE push_delivery_batches SET available_at = $3 \

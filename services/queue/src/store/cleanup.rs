@@ -189,7 +189,7 @@ macro_rules! cleanup_statements {
                 // Where plans are made once and kept (PostgreSQL), in a transaction that plans by
                 // key: the generic plan made on a fresh deployment's small table scanned every
                 // batch of the retention window on each pass, where the live ones are in
-                // `push_delivery_batches_due` (round 31, docs/benchmarks.md).
+                // `push_delivery_batches_live` (round 31, docs/benchmarks.md).
                 let overdue: Vec<String> = if Self::PLANS_KEPT {
                     let mut tx = self.begin_claim().await?;
                     let rows = Stmt::new($crate::store::cleanup::OVERDUE_SQL)

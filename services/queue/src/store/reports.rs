@@ -68,7 +68,7 @@ pub(super) const COUNT_RETRY_SQL: &str = "UPDATE push_delivery_batches \
 /// Moves a provider's pending batches due before `$3` to `$2`.
 pub(super) const HOLD_SQL: &str = "UPDATE push_delivery_batches \
      SET available_at = $2, last_reason = 'held' \
-     WHERE provider = $1 AND state = 'pending' AND available_at < $3";
+     WHERE provider = $1 AND state = 'pending' AND available_at < $3 AND available_at >= 0";
 
 /// Makes at most `$3` held batches of a provider due again, not before `$2` nor their retry's
 /// time.
