@@ -8,11 +8,10 @@ pub const ROWS_PER_STATEMENT: usize = 1000;
 
 /// Before the rows of `read_seen`: each admission's index and identity.
 pub const READ_SEEN_HEAD: &str = "WITH a (i, host, kind, epoch, seq, nid) AS (";
-/// After them, then the quota window's start, then `READ_SEEN_TAIL`.
+/// After them, then the quota window's start, the backend's `QUOTA_BY_TIME`, then `READ_SEEN_TAIL`.
 pub const READ_SEEN_MIDDLE: &str = ") SELECT a.i AS i, e.event_id AS event_id, \
      (SELECT COUNT(*) FROM push_events q \
-       WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at >= 0 \
-       AND q.accepted_at > ";
+       WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at > ";
 pub const READ_SEEN_TAIL: &str = ") AS used, \
      (SELECT d.dismissed_seq FROM push_dismissed_events d \
        WHERE d.host_fingerprint = a.host AND d.notification_epoch = a.epoch \
@@ -276,7 +275,7 @@ macro_rules! batched_admission {
                 });
                 q.push(batch::READ_SEEN_MIDDLE);
                 q.push_bind(now - QUOTA_WINDOW_MS);
-                q.push(batch::READ_SEEN_TAIL);
+                q.push(Self::QUOTA_BY_TIME).push(batch::READ_SEEN_TAIL);
                 let rows = q
                     .persistent(Self::keep_statement(group.len()))
                     .fetch_all(tx)

@@ -7,11 +7,11 @@ pub(super) const LOCK_ACTIVE_BATCHES_HEAD: &str = "SELECT batch_id FROM push_del
      WHERE state IN ('open', 'pending', 'leased') AND registration_id";
 
 /// The event `($1, $2, $3, $4)` if stored, the host's quota use since `$5`, and the dismissal fence
-/// of notification `$6`.
-pub(super) const SEEN_SQL: &str = "SELECT e.event_id, e.content_hash, e.expires_at, \
+/// of notification `$6`: this, the backend's `QUOTA_BY_TIME`, then `SEEN_TAIL`.
+pub(super) const SEEN_HEAD: &str = "SELECT e.event_id, e.content_hash, e.expires_at, \
      (SELECT COUNT(*) FROM push_events q \
-       WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at >= 0 \
-       AND q.accepted_at > $5) AS used, \
+       WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at > $5";
+pub(super) const SEEN_TAIL: &str = ") AS used, \
      (SELECT d.dismissed_seq FROM push_dismissed_events d \
        WHERE d.host_fingerprint = $1 AND d.notification_epoch = $3 \
        AND d.notification_id = $6) AS fence \
@@ -148,7 +148,10 @@ macro_rules! row_by_row_admission {
                 let hash = a.content.hash();
                 // One read for what admission needs to know first: the event if it is a retry, the
                 // host's quota use, and the dismissal fence of the notification.
-                let seen = Stmt::new($crate::store::admit::SEEN_SQL)
+                let mut seen = Stmt::new($crate::store::admit::SEEN_HEAD);
+                seen.push(Self::QUOTA_BY_TIME)
+                    .push($crate::store::admit::SEEN_TAIL);
+                let seen = seen
                     .bind(&a.host_fingerprint)
                     .bind(a.kind.as_str())
                     .bind(&a.notification_epoch)

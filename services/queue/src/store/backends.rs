@@ -57,6 +57,10 @@ impl SqliteQueueStore {
     /// the gateway's samples at 1,000 end-to-end flows. The recipients' insert keeps `ABORT`: its
     /// foreign key (checked at the statement's end) needs the journal either way.
     pub(super) const OR_FAIL: &'static str = " OR FAIL";
+    /// Nothing: SQLite plans each statement as it prepares it, and of two lower bounds on the
+    /// quota index's time it seeks from the first it reads, so an always-true `>= 0` ahead of
+    /// the window's start would count every event the host kept for the day.
+    pub(super) const QUOTA_BY_TIME: &'static str = "";
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
@@ -197,6 +201,9 @@ impl PgQueueStore {
     pub(super) const NUMBERED: bool = true;
     /// PostgreSQL has no conflict clause: a failed statement fails its transaction.
     pub(super) const OR_FAIL: &'static str = "";
+    /// After the quota count's window start: the condition that opens `push_events_quota` to it
+    /// (queue migration 0008), always true of a time.
+    pub(super) const QUOTA_BY_TIME: &'static str = " AND q.accepted_at >= 0";
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
