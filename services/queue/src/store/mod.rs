@@ -653,6 +653,41 @@ mod tests {
         }
     }
 
+    /// The statements that look for live batches by provider or deadline (a provider's hold and
+    /// release, the clean-up's overdue read) read an index of live batches: naming only some of
+    /// the live states, SQLite read every batch kept for the day, in its one writer's rounds.
+    #[tokio::test]
+    async fn sqlite_reads_live_batches_by_provider_or_deadline_from_an_index() {
+        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+        SQLITE_MIGRATIONS.run(&pool).await.unwrap();
+        for sql in [
+            reports::HOLD_SQL,
+            reports::RELEASE_SQL,
+            cleanup::OVERDUE_SQL,
+        ] {
+            let explain = format!("EXPLAIN QUERY PLAN {sql}");
+            let mut query = sqlx::query(&explain);
+            for n in 1..=8 {
+                if sql.contains(&format!("${n}")) {
+                    query = query.bind(None::<String>);
+                }
+            }
+            let plan: Vec<String> = query
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.get("detail"))
+                .collect();
+            assert!(
+                plan.iter()
+                    .filter(|step| step.contains(" push_delivery_batches"))
+                    .all(|step| step.contains("USING INDEX")),
+                "{sql}\n{plan:#?}"
+            );
+        }
+    }
+
     /// SQLite counts a host's quota from the window's start: its seek into the quota index is
     /// the window's `accepted_at > ?`. Of two lower bounds on that column it seeks from the first
     /// it reads, and an always-true `accepted_at >= 0` there (PostgreSQL's, queue migration 0008)

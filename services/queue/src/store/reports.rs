@@ -65,10 +65,13 @@ pub(super) const DEADLINE_SQL: &str =
 pub(super) const COUNT_RETRY_SQL: &str = "UPDATE push_delivery_batches \
      SET attempts = attempts + $2, retries = retries + $3 WHERE batch_id = $1";
 
-/// Moves a provider's pending batches due before `$3` to `$2`.
+/// Moves a provider's pending batches due before `$3` to `$2`. It names the live states, as
+/// `push_delivery_batches_due` does, so that SQLite reads that index rather than the table
+/// (`admit::OPEN_WINDOW_SQL` says why), and `available_at >= 0` for PostgreSQL's (migration 0007).
 pub(super) const HOLD_SQL: &str = "UPDATE push_delivery_batches \
      SET available_at = $2, last_reason = 'held' \
-     WHERE provider = $1 AND state = 'pending' AND available_at < $3 AND available_at >= 0";
+     WHERE provider = $1 AND state IN ('open', 'pending', 'leased') AND state = 'pending' \
+     AND available_at < $3 AND available_at >= 0";
 
 /// Makes at most `$3` held batches of a provider due again, not before `$2` nor their retry's
 /// time.
@@ -76,7 +79,8 @@ pub(super) const RELEASE_SQL: &str = "UPDATE push_delivery_batches SET last_reas
      available_at = CASE WHEN not_before > $2 THEN not_before ELSE $2 END \
      WHERE state = 'pending' AND last_reason = 'held' \
      AND batch_id IN (SELECT batch_id FROM push_delivery_batches \
-       WHERE provider = $1 AND state = 'pending' AND last_reason = 'held' \
+       WHERE provider = $1 AND state IN ('open', 'pending', 'leased') AND state = 'pending' \
+       AND last_reason = 'held' \
        AND deadline > $2 ORDER BY deadline LIMIT $3)";
 
 /// The reports' statements for one backend (`$store` implements `Backend`).
