@@ -599,14 +599,52 @@ mod tests {
         }
     }
 
+    /// An in-memory SQLite database with the queue's migrations.
+    async fn migrated_sqlite() -> sqlx::SqlitePool {
+        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+        SQLITE_MIGRATIONS.run(&pool).await.unwrap();
+        pool
+    }
+
+    /// The rows of `EXPLAIN QUERY PLAN` (`plan`) or `EXPLAIN` (the program) of `sql`, each of its
+    /// parameters (`$N` or `?`) bound to NULL.
+    async fn explain(
+        pool: &sqlx::SqlitePool,
+        sql: &str,
+        plan: bool,
+    ) -> Vec<sqlx::sqlite::SqliteRow> {
+        let explain = format!("EXPLAIN{} {sql}", if plan { " QUERY PLAN" } else { "" });
+        let params =
+            (1..=8).filter(|n| sql.contains(&format!("${n}"))).count() + sql.matches('?').count();
+        let mut query = sqlx::query(&explain);
+        for _ in 0..params {
+            query = query.bind(None::<String>);
+        }
+        query.fetch_all(pool).await.unwrap()
+    }
+
+    /// The steps of `sql`'s plan that read `push_delivery_batches`, and the whole plan.
+    async fn batch_steps(pool: &sqlx::SqlitePool, sql: &str) -> (Vec<String>, Vec<String>) {
+        let plan: Vec<String> = explain(pool, sql, true)
+            .await
+            .iter()
+            .map(|row| row.get("detail"))
+            .collect();
+        let batches = plan
+            .iter()
+            .filter(|step| step.contains(" push_delivery_batches"))
+            .cloned()
+            .collect();
+        (batches, plan)
+    }
+
     /// Every statement that finds batches by registration reads the index of live batches:
     /// SQLite takes a partial index only for a query that states the index's condition word for
     /// word, so a statement that names fewer states would scan the table instead.
     #[tokio::test]
     async fn statements_finding_batches_by_registration_use_the_live_batches_index() {
         use crate::admission as batch;
-        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-        SQLITE_MIGRATIONS.run(&pool).await.unwrap();
+        let pool = migrated_sqlite().await;
         let windows = format!(
             "{}0{}32{} IN ('r')",
             batch::READ_WINDOWS_HEAD,
@@ -625,24 +663,7 @@ mod tests {
             admit::RECOUNT_MEMBERS_SQL,
             admit::CANCEL_EMPTY_SQL,
         ] {
-            let explain = format!("EXPLAIN QUERY PLAN {sql}");
-            let mut query = sqlx::query(&explain);
-            for n in 1..=8 {
-                if sql.contains(&format!("${n}")) {
-                    query = query.bind(None::<String>);
-                }
-            }
-            let plan: Vec<String> = query
-                .fetch_all(&pool)
-                .await
-                .unwrap()
-                .iter()
-                .map(|row| row.get("detail"))
-                .collect();
-            let batches: Vec<&String> = plan
-                .iter()
-                .filter(|step| step.contains(" push_delivery_batches"))
-                .collect();
+            let (batches, plan) = batch_steps(&pool, sql).await;
             assert!(
                 !batches.is_empty()
                     && batches
@@ -658,31 +679,15 @@ mod tests {
     /// the live states, SQLite read every batch kept for the day, in its one writer's rounds.
     #[tokio::test]
     async fn sqlite_reads_live_batches_by_provider_or_deadline_from_an_index() {
-        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-        SQLITE_MIGRATIONS.run(&pool).await.unwrap();
+        let pool = migrated_sqlite().await;
         for sql in [
             reports::HOLD_SQL,
             reports::RELEASE_SQL,
             cleanup::OVERDUE_SQL,
         ] {
-            let explain = format!("EXPLAIN QUERY PLAN {sql}");
-            let mut query = sqlx::query(&explain);
-            for n in 1..=8 {
-                if sql.contains(&format!("${n}")) {
-                    query = query.bind(None::<String>);
-                }
-            }
-            let plan: Vec<String> = query
-                .fetch_all(&pool)
-                .await
-                .unwrap()
-                .iter()
-                .map(|row| row.get("detail"))
-                .collect();
+            let (batches, plan) = batch_steps(&pool, sql).await;
             assert!(
-                plan.iter()
-                    .filter(|step| step.contains(" push_delivery_batches"))
-                    .all(|step| step.contains("USING INDEX")),
+                !batches.is_empty() && batches.iter().all(|step| step.contains("USING INDEX")),
                 "{sql}\n{plan:#?}"
             );
         }
@@ -696,8 +701,7 @@ mod tests {
     #[tokio::test]
     async fn sqlite_counts_a_hosts_quota_from_the_windows_start() {
         use crate::admission as batch;
-        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-        SQLITE_MIGRATIONS.run(&pool).await.unwrap();
+        let pool = migrated_sqlite().await;
         let quota: i64 = sqlx::query_scalar(
             "SELECT rootpage FROM sqlite_master WHERE name = 'push_events_quota'",
         )
@@ -713,17 +717,8 @@ mod tests {
             batch::READ_SEEN_TAIL
         );
         for sql in [one, group] {
-            let explain = format!("EXPLAIN {sql}");
-            let mut query = sqlx::query(&explain);
-            let params = (1..=8).filter(|n| sql.contains(&format!("${n}"))).count()
-                + sql.matches('?').count();
-            for _ in 0..params {
-                query = query.bind(None::<i64>);
-            }
-            let program: Vec<(String, i64, i64)> = query
-                .fetch_all(&pool)
+            let program: Vec<(String, i64, i64)> = explain(&pool, &sql, false)
                 .await
-                .unwrap()
                 .iter()
                 .map(|row| (row.get("opcode"), row.get("p1"), row.get("p2")))
                 .collect();
