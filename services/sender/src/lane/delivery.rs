@@ -1,0 +1,365 @@
+//! One delivery: a claimed batch's attempt at its provider, the breaker's view of the answer,
+//! and the report of its outcome; its lease renewed meanwhile.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use orca_push_proto::queue::v1 as queue_pb;
+use orca_push_proto::registry::v1 as registry_pb;
+use orca_push_storage::Clock;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use super::{HELD_FOR, QueueClient, SATURATED_RETRY, Sender, now_ms};
+use crate::breaker::{Breaker, Change, Gate, ProbeGuard};
+use crate::payload::Job;
+use crate::providers::Target;
+use crate::report::Reporter;
+use crate::verdict::{Verdict, at_ms, gives_up};
+
+/// What the registry said of a batch's device when its claim was read: the device (None when the
+/// registration is gone), or the code of the failed call.
+type Lookup = Result<Option<registry_pb::DeliveryDevice>, tonic::Code>;
+
+/// What became of one attempt.
+enum Outcome {
+    Verdict(Verdict, Option<Target>),
+    /// Not tried: back to the queue, at this time, as neither an attempt nor a retry (the
+    /// earliest member's deadline passed: the queue drops what expired and keeps the rest; a
+    /// provider on hold; a provider's share of the lane full).
+    HandBack(i64, &'static str),
+    Gone(&'static str),
+}
+
+impl Sender {
+    pub(super) async fn hand_back(
+        &self,
+        job: &Job,
+        at: i64,
+        reason: &str,
+    ) -> Result<bool, tonic::Status> {
+        let answer = self
+            .queue
+            .clone()
+            .retry(queue_pb::RetryRequest {
+                batch_id: job.batch_id.clone(),
+                lease_token: job.lease_token.clone(),
+                retry_at_ms: at,
+                reason: reason.to_owned(),
+                provider_answered: false,
+                hand_back: true,
+            })
+            .await?
+            .into_inner();
+        Ok(answer.expired)
+    }
+
+    pub(super) async fn deliver(
+        &self,
+        job: Job,
+        device: Lookup,
+        place: Option<OwnedSemaphorePermit>,
+        reporter: &Reporter,
+    ) {
+        // Its own trace, linked to the trace of every event it carries.
+        let span = tracing::info_span!(
+            "delivery",
+            otel.name = "deliver batch",
+            otel.kind = "consumer",
+            orca.members = job.member_traceparents.len(),
+            orca.attempt = job.attempt,
+        );
+        orca_push_telemetry::link_traces(&span, &job.member_traceparents);
+        self.deliver_in_span(job, device, place, reporter)
+            .instrument(span)
+            .await;
+    }
+
+    async fn deliver_in_span(
+        &self,
+        job: Job,
+        device: Lookup,
+        place: Option<OwnedSemaphorePermit>,
+        reporter: &Reporter,
+    ) {
+        let renewing = CancellationToken::new();
+        let renewer = tokio::spawn(renew_lease(
+            self.queue.clone(),
+            job.batch_id.clone(),
+            job.lease_token.clone(),
+            self.lease_ms,
+            job.deadline_ms,
+            self.clock.clone(),
+            renewing.clone(),
+        ));
+        let outcome = self.attempt(&job, device, place).await;
+        renewing.cancel();
+        let _ = renewer.await;
+        if let Err(status) = self.report(&job, outcome, reporter).await {
+            // The lease lapses and another lane repeats the attempt.
+            tracing::warn!(code = ?status.code(), "could not record a delivery outcome");
+        }
+    }
+
+    /// `place` is the batch's place in its provider's share of the lane (None if it was full).
+    async fn attempt(
+        &self,
+        job: &Job,
+        device: Lookup,
+        place: Option<OwnedSemaphorePermit>,
+    ) -> Outcome {
+        let now = now_ms(&*self.clock);
+        if now >= job.deadline_ms {
+            return Outcome::HandBack(now, "deadline");
+        }
+        let device = match device {
+            Ok(device) => device,
+            Err(code) => {
+                // The registry, not the provider, failed: a retry that is not an attempt.
+                return Outcome::Verdict(Verdict::unanswered(format!("registry_{code:?}")), None);
+            }
+        };
+        let Some(device) = device else {
+            return Outcome::Gone("registration_deleted");
+        };
+        if device.dead {
+            return Outcome::Gone("dead");
+        }
+        let target = Target::from_device(device);
+        let (breaker, provider) = self.breakers.of(&target);
+        // A probe whose result is never recorded (handed back, cancelled, or an answer that
+        // says nothing of the provider) lets the next attempt probe instead.
+        let probe = match breaker.gate(std::time::Instant::now()) {
+            Gate::Pass => None,
+            Gate::Probe => Some(ProbeGuard::new(breaker)),
+            Gate::Hold(until) => {
+                let wait = until.saturating_duration_since(std::time::Instant::now());
+                return Outcome::HandBack(at_ms(now, wait), "provider_held");
+            }
+        };
+        let Some(_place) = place else {
+            return Outcome::HandBack(at_ms(now, SATURATED_RETRY), "provider_saturated");
+        };
+        // Nothing is sent past the earliest member's deadline, however the provider stalls.
+        let left = Duration::from_millis(u64::try_from(job.deadline_ms - now).unwrap_or(0));
+        let verdict =
+            tokio::time::timeout(left, self.providers.send(job, &target, now, &self.counters))
+                .await
+                .unwrap_or_else(|_| Verdict::unanswered("deadline"));
+        let recorded = self.record_health(breaker, provider, &verdict).await;
+        if let Some(probe) = probe.filter(|_| recorded) {
+            probe.recorded();
+        }
+        Outcome::Verdict(verdict, Some(target))
+    }
+
+    /// Feeds the provider's breaker; holds or releases the provider's queued work when it opens or
+    /// closes. False when the verdict said nothing of the provider (nothing recorded).
+    async fn record_health(
+        &self,
+        breaker: &Breaker,
+        provider: queue_pb::Provider,
+        verdict: &Verdict,
+    ) -> bool {
+        let change = match verdict {
+            // APNs throttles one device token this way: that says nothing of the provider.
+            Verdict::Retry { reason, .. } if reason == "TooManyRequests" => return false,
+            Verdict::Retry { .. } => breaker.failure(std::time::Instant::now()),
+            // Not-configured failures say nothing of the provider.
+            Verdict::Failed(reason) if reason.ends_with("_not_configured") => return false,
+            _ => breaker.success(),
+        };
+        let now = now_ms(&*self.clock);
+        let request = match change {
+            Change::None => return true,
+            Change::Opened(until) => {
+                let wait = until.saturating_duration_since(std::time::Instant::now());
+                // The probe: when the hold is over, one held batch is made due again. The rest
+                // stay held until the provider answers (or their deadline), so a large backlog
+                // is written once, not at every probe.
+                let queue = self.queue.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(wait).await;
+                    let probe = queue_pb::HoldProviderRequest {
+                        provider: provider as i32,
+                        release: true,
+                        release_limit: 1,
+                        ..Default::default()
+                    };
+                    if let Err(status) = queue.clone().hold_provider(probe).await {
+                        tracing::warn!(code = ?status.code(), "could not release a probe");
+                    }
+                });
+                queue_pb::HoldProviderRequest {
+                    provider: provider as i32,
+                    until_ms: at_ms(now, HELD_FOR),
+                    due_before_ms: at_ms(now, wait),
+                    ..Default::default()
+                }
+            }
+            Change::Closed => queue_pb::HoldProviderRequest {
+                provider: provider as i32,
+                release: true,
+                ..Default::default()
+            },
+        };
+        if let Err(status) = self.queue.clone().hold_provider(request).await {
+            // Holding saves work; a missed hold or release costs at most HELD_FOR: without a hold
+            // the provider's batches are claimed and handed back one by one.
+            tracing::warn!(code = ?status.code(), "could not hold or release a provider's work");
+        }
+        true
+    }
+
+    async fn report(
+        &self,
+        job: &Job,
+        outcome: Outcome,
+        reporter: &Reporter,
+    ) -> Result<(), tonic::Status> {
+        let answered = matches!(&outcome, Outcome::Verdict(v, Some(_)) if v.answered());
+        let complete = |outcome: queue_pb::Outcome, reason: String| queue_pb::CompleteRequest {
+            batch_id: job.batch_id.clone(),
+            lease_token: job.lease_token.clone(),
+            outcome: outcome as i32,
+            reason,
+            provider_answered: answered,
+        };
+        let provider = match &outcome {
+            Outcome::Verdict(_, Some(target)) => target.provider(),
+            _ => "none",
+        };
+        let delivered = |outcome: &'static str| {
+            metrics::counter!("orca_push_deliveries_total", "provider" => provider, "outcome" => outcome).increment(1);
+        };
+        let c = &self.counters;
+        let request = match outcome {
+            Outcome::HandBack(at, reason) => {
+                if self.hand_back(job, at, reason).await? {
+                    c.expired.fetch_add(1, Ordering::Relaxed);
+                    delivered("expired");
+                }
+                return Ok(());
+            }
+            Outcome::Gone("dead") => {
+                c.dead.fetch_add(1, Ordering::Relaxed);
+                delivered("dead");
+                complete(queue_pb::Outcome::Dead, "dead".into())
+            }
+            Outcome::Gone(reason) => {
+                c.failed.fetch_add(1, Ordering::Relaxed);
+                delivered("failed");
+                complete(queue_pb::Outcome::Failed, reason.into())
+            }
+            Outcome::Verdict(Verdict::Sent, _) => {
+                c.sent.fetch_add(1, Ordering::Relaxed);
+                delivered("sent");
+                complete(queue_pb::Outcome::Sent, "sent".into())
+            }
+            Outcome::Verdict(Verdict::Dead(reason), target) => {
+                c.dead.fetch_add(1, Ordering::Relaxed);
+                delivered("dead");
+                metrics::counter!("orca_push_dead_tokens_total", "provider" => provider)
+                    .increment(1);
+                if let Some(target) = target {
+                    self.registry
+                        .clone()
+                        .mark_dead(target.mark_dead_request(&job.registration_id))
+                        .await?;
+                }
+                complete(queue_pb::Outcome::Dead, reason)
+            }
+            Outcome::Verdict(Verdict::Failed(reason), _) => {
+                c.failed.fetch_add(1, Ordering::Relaxed);
+                delivered("failed");
+                complete(queue_pb::Outcome::Failed, reason)
+            }
+            Outcome::Verdict(
+                Verdict::Retry {
+                    reason,
+                    not_before,
+                    class,
+                    answered,
+                },
+                target,
+            ) => {
+                if gives_up(class, answered, job.attempt) {
+                    c.failed.fetch_add(1, Ordering::Relaxed);
+                    delivered("failed");
+                    complete(
+                        queue_pb::Outcome::Failed,
+                        format!("attempts_exhausted_{reason}"),
+                    )
+                } else {
+                    c.retried.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("orca_push_delivery_retries_total", "provider" => provider)
+                        .increment(1);
+                    let delay =
+                        self.backoff
+                            .delay(job.retries + 1, not_before, &mut rand::thread_rng());
+                    let answer = self
+                        .queue
+                        .clone()
+                        .retry(queue_pb::RetryRequest {
+                            batch_id: job.batch_id.clone(),
+                            lease_token: job.lease_token.clone(),
+                            retry_at_ms: at_ms(now_ms(&*self.clock), delay),
+                            reason,
+                            provider_answered: answered && target.is_some(),
+                            hand_back: false,
+                        })
+                        .await?
+                        .into_inner();
+                    if answer.expired {
+                        c.expired.fetch_add(1, Ordering::Relaxed);
+                        delivered("expired");
+                    }
+                    return Ok(());
+                }
+            }
+        };
+        if !reporter.complete(request).await? {
+            tracing::warn!(
+                "the lease of a delivered batch was lost before its outcome was recorded"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Renews a batch's lease every third of it while its lane works on it, until `done` or the
+/// batch's deadline: past that, nothing will be sent, and the lease is left to lapse.
+async fn renew_lease(
+    queue: QueueClient,
+    batch_id: String,
+    token: String,
+    lease_ms: u32,
+    deadline_ms: i64,
+    clock: Arc<dyn Clock>,
+    done: CancellationToken,
+) {
+    let every = Duration::from_millis(u64::from(lease_ms) / 3);
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        if now_ms(&*clock) >= deadline_ms {
+            return;
+        }
+        let renewed = queue
+            .clone()
+            .renew_lease(queue_pb::RenewLeaseRequest {
+                batch_id: batch_id.clone(),
+                lease_token: token.clone(),
+                lease_ms,
+            })
+            .await;
+        if !matches!(renewed, Ok(ref r) if r.get_ref().renewed) {
+            tracing::warn!("lost the lease of a batch in flight");
+            return;
+        }
+    }
+}
