@@ -1,7 +1,8 @@
 //! How full each service's connection pools are, as gauges sampled every 5 s:
 //! `orca_push_db_pool_connections{service, backend, pool, state}` (`idle` or `in_use`; their sum
 //! is the pool's size) and `orca_push_db_pool_max_connections{service, backend, pool}`. `pool` is
-//! SQLite's `writer` (one connection) or `readers`, or PostgreSQL's one `read_write` pool.
+//! SQLite's `writer` (one connection) or `readers`, or PostgreSQL's `read_write` pool (and the
+//! queue's `rounds`, its admission writers' own connections).
 
 use std::time::Duration;
 
@@ -30,6 +31,12 @@ impl StorePools {
     /// PostgreSQL: one pool serves reads and writes.
     pub fn postgres(pool: &PgPool) -> Self {
         Self(vec![("read_write", Pool::Postgres(pool.clone()))])
+    }
+
+    /// These and a PostgreSQL pool of its own for `role` (the queue's admission `rounds`).
+    pub fn with_postgres(mut self, role: &'static str, pool: &PgPool) -> Self {
+        self.0.push((role, Pool::Postgres(pool.clone())));
+        self
     }
 
     /// Records every pool's use now, labelled with `service` (`auth`, `registry`, `queue`).

@@ -113,6 +113,7 @@ impl GroupCommit {
         let groups = Arc::new(AtomicU64::new(0));
         let writers = store.group_writers().max(1);
         let running = (writers > 1).then(|| Arc::new(Running::default()));
+        let mut own_thread = Vec::new();
         for _ in 0..writers {
             let writer = Writer {
                 store: store.clone(),
@@ -125,10 +126,13 @@ impl GroupCommit {
                 running: running.clone(),
             };
             if store.writer_thread() {
-                spawn_on_own_thread(writer);
+                own_thread.push(writer);
             } else {
                 tokio::spawn(writer.run());
             }
+        }
+        if !own_thread.is_empty() {
+            spawn_on_own_thread(own_thread, store.writer_io());
         }
         Self { waiting, groups }
     }
@@ -231,31 +235,42 @@ impl Batch {
     }
 }
 
-/// Runs `writer` on a thread of its own, with a runtime of its own. Every statement of a group is
-/// a round trip to sqlx's SQLite worker thread; on the shared runtime the writer then waits behind
-/// every ready request task before it sends the next one (profiled: 3-4 ms per group of 30 on two
-/// busy cores before anything was written). On its own thread it is woken at once.
+/// Runs `writers` on a thread of their own, with a runtime of their own. Every statement of a
+/// group is a round trip (to sqlx's SQLite worker thread, or to the PostgreSQL server); on the
+/// shared runtime the writer then waits behind every ready request task before it sends the next
+/// one (profiled on SQLite: 3-4 ms per group of 30 on two busy cores before anything was written).
+/// On its own thread it is woken at once.
 ///
-/// Its runtime has a timer (the pool's acquire timeout) but no I/O driver: nothing on it does I/O
-/// (SQLite runs on sqlx's thread, the sync is a blocking call), and without one the thread parks
-/// on a futex rather than in `epoll_wait`, woken without an `eventfd` write. The I/O driver's
-/// turn was a fifth of this thread's samples at 100 end-to-end flows.
-fn spawn_on_own_thread<S: QueueStore>(writer: Writer<S>) {
-    match tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-    {
+/// `io`: whether the writers' connections are sockets this runtime drives (PostgreSQL: the
+/// store's round connections are opened here, so their answers wake this thread directly).
+/// Without it the runtime has a timer (the pool's acquire timeout) but no I/O driver, and the
+/// thread parks on a futex rather than in `epoll_wait`, woken without an `eventfd` write: on
+/// SQLite, nothing on it does I/O (SQLite runs on sqlx's thread, the sync is a blocking call), and
+/// the I/O driver's turn was a fifth of this thread's samples at 100 end-to-end flows.
+fn spawn_on_own_thread<S: QueueStore>(writers: Vec<Writer<S>>, io: bool) {
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    builder.enable_time();
+    if io {
+        builder.enable_io();
+    }
+    match builder.build() {
         Ok(runtime) => {
             let thread = std::thread::Builder::new()
                 .name("queue-writer".into())
-                .spawn(move || runtime.block_on(writer.run()));
+                .spawn(move || {
+                    runtime.block_on(futures::future::join_all(
+                        writers.into_iter().map(Writer::run),
+                    ))
+                });
             if let Err(error) = thread {
-                tracing::error!(%error, "the admission writer's thread did not start");
+                tracing::error!(%error, "the admission writers' thread did not start");
             }
         }
         Err(error) => {
-            tracing::warn!(%error, "no runtime for the admission writer; it shares the main one");
-            tokio::spawn(writer.run());
+            tracing::warn!(%error, "no runtime for the admission writers; they share the main one");
+            for writer in writers {
+                tokio::spawn(writer.run());
+            }
         }
     }
 }

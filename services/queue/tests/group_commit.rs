@@ -670,8 +670,9 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
     let (config, _db) = orca_push_storage::testing::fresh(Backend::Postgres).await;
     let pool = one_connection(&config).await;
     let clock = orca_push_storage::ManualClock::new(T0);
+    let store = orca_push_queue::AnyQueueStore::new(pool.clone());
     let queue = orca_push_queue::DeliveryQueue::new(
-        orca_push_queue::AnyQueueStore::new(pool.clone()),
+        store.clone(),
         std::sync::Arc::new(clock),
         WINDOW,
         std::sync::Arc::new(orca_push_queue::Wake::new()),
@@ -683,9 +684,11 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
             admitted.statuses.into_iter().map(|(_, s)| s).collect();
         assert_eq!(statuses, vec![AdmissionStatus::Queued]);
     }
-    let Pool::Postgres(pg) = pool else {
-        unreachable!("a PostgreSQL pool")
-    };
+    // The rounds ran on the writers' own connection (one, as the pool has one).
+    let pg = store
+        .rounds_pool()
+        .expect("PostgreSQL's rounds pool")
+        .clone();
     let setting: String = sqlx::query_scalar("SHOW plan_cache_mode")
         .fetch_one(&pg)
         .await
@@ -723,6 +726,55 @@ async fn postgresql_plans_a_groups_reads_once_per_connection() {
             "one generic plan, used by every group: {statement}"
         );
     }
+}
+
+/// On PostgreSQL the admission writers run on a thread of their own, over connections opened
+/// there: a round's round trips go on while the runtime serving requests is busy. On that runtime
+/// each answer from the server waited behind every ready request task before the round could send
+/// its next statement.
+#[tokio::test]
+async fn postgresql_rounds_go_on_while_the_request_runtime_is_busy() {
+    let h = harness(Backend::Postgres).await;
+    let admission = alert(1, &["phone-1"]);
+    let mut admitting = Box::pin(h.queue.enqueue(&admission));
+    // Polled once, the admission is handed to the writers and waits for its answer.
+    assert!(futures::poll!(&mut admitting).is_pending());
+    // This runtime's one thread is now held (as by requests), while another thread watches the
+    // table from a runtime of its own.
+    let config = h.config.clone();
+    let watching = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let pool = orca_push_storage::open(&config, &orca_push_queue::STORAGE)
+                .await
+                .unwrap();
+            let Pool::Postgres(pg) = pool else {
+                unreachable!("a PostgreSQL pool")
+            };
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while std::time::Instant::now() < until {
+                let events: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM push_events")
+                    .fetch_one(&pg)
+                    .await
+                    .unwrap();
+                if events == 1 {
+                    return true;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            false
+        })
+    });
+    let committed = watching.join().unwrap();
+    assert!(
+        committed,
+        "the round committed while the request runtime was held"
+    );
+    let admitted = admitting.await.unwrap();
+    assert_eq!(admitted.statuses.len(), 1);
 }
 
 /// On PostgreSQL a group's plans, made once per connection, look rows up by key however the

@@ -21,7 +21,17 @@ impl AnyQueueStore {
     pub fn pools(&self) -> orca_push_storage::StorePools {
         match self {
             Self::Sqlite(s) => orca_push_storage::StorePools::sqlite(&s.pool, &s.readers),
-            Self::Postgres(s) => orca_push_storage::StorePools::postgres(&s.pool),
+            Self::Postgres(s) => {
+                orca_push_storage::StorePools::postgres(&s.pool).with_postgres("rounds", &s.rounds)
+            }
+        }
+    }
+
+    /// PostgreSQL: the pool the admission writers' rounds run on (`PgQueueStore::rounds`).
+    pub fn rounds_pool(&self) -> Option<&sqlx::PgPool> {
+        match self {
+            Self::Sqlite(_) => None,
+            Self::Postgres(s) => Some(&s.rounds),
         }
     }
 
@@ -91,6 +101,12 @@ impl QueueStore for AnyQueueStore {
         match self {
             Self::Sqlite(s) => s.writer_thread(),
             Self::Postgres(s) => s.writer_thread(),
+        }
+    }
+    fn writer_io(&self) -> bool {
+        match self {
+            Self::Sqlite(s) => s.writer_io(),
+            Self::Postgres(s) => s.writer_io(),
         }
     }
     fn keeps_between_rounds(&self) -> bool {

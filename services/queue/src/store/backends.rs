@@ -110,6 +110,8 @@ impl SqliteQueueStore {
     /// (`super::direct`), and wait there for the disk rather than on a runtime serving requests
     /// (only if that thread's runtime cannot be built does the writer share the main one).
     pub(super) const WRITER_THREAD: bool = true;
+    /// Nothing on the writer's thread does I/O.
+    pub(super) const WRITER_IO: bool = false;
     /// Its rounds keep the pool's writer connection from one to the next (`super::direct`).
     pub(super) const KEEPS_BETWEEN_ROUNDS: bool = true;
 
@@ -170,6 +172,10 @@ impl SqliteQueueStore {
 #[derive(Debug, Clone)]
 pub struct PgQueueStore {
     pub(super) pool: sqlx::PgPool,
+    /// The admission writers' connections (one each, at most `pool`'s bound), opened by the
+    /// writers on their own thread (`WRITER_THREAD`), so that thread's runtime drives their
+    /// sockets. Beside `pool`, not out of it.
+    pub(super) rounds: sqlx::PgPool,
     pub(super) readers: sqlx::PgPool,
     pub(super) row_by_row: bool,
     /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
@@ -207,8 +213,18 @@ impl PgQueueStore {
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
+        // Lazy: a connection is opened by the first round that needs it, on the writers' thread.
+        let rounds = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(
+                u32::try_from(Self::GROUP_WRITERS)
+                    .unwrap_or(u32::MAX)
+                    .min(pool.options().get_max_connections()),
+            )
+            .acquire_timeout(pool.options().get_acquire_timeout())
+            .connect_lazy_with((*pool.connect_options()).clone());
         Self {
             pool,
+            rounds,
             readers,
             row_by_row: false,
             batched_groups: Default::default(),
@@ -242,7 +258,13 @@ impl PgQueueStore {
     /// planning was a fifth of the server's CPU (round 30, docs/benchmarks.md).
     pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(usize::MAX);
     /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
-    pub(super) const GROUP_WRITERS: usize = 4;
+    /// Two since the writers have a thread of their own (`WRITER_THREAD`): their rounds then end
+    /// sooner, and four side by side split the load into rounds a third the size (at 1,000
+    /// end-to-end flows 19 admissions a round against 55), each paying the server its round trips:
+    /// 5% fewer deliveries there than before the thread. Two gave 3% more deliveries at 1,000
+    /// flows, 6% more at 100, and 8-13% more admissions at 8 to 64 connections, where four gave
+    /// 9-18% (docs/benchmarks.md, round 33).
+    pub(super) const GROUP_WRITERS: usize = 2;
     /// Reports keep transactions of their own: in a round they would take batch row locks after
     /// the round's host locks and a dismissal's batch locks, an order two rounds could each hold
     /// half of; and PostgreSQL's writers already run side by side.
@@ -253,8 +275,14 @@ impl PgQueueStore {
     /// gave 913 and 720 APNs deliveries/s with it against 916 and 898 without (FCM 751 and 750
     /// against 966 and 1,001). Claims, which run beside admissions on their own connections, stay.
     pub(super) const HANDS_OFF: bool = false;
-    /// Its connections belong to the main runtime's I/O driver: the writers run there.
-    pub(super) const WRITER_THREAD: bool = false;
+    /// The writers run on a thread of their own, over connections of their own opened there
+    /// (`rounds`), so a statement's answer wakes that thread rather than waiting for the main
+    /// runtime to reach the writer's task behind every ready request. A round is some eight round
+    /// trips: on the main runtime, at 100 end-to-end flows, an admission took 10-12 ms to answer
+    /// at the median, 7.5-8.5 ms on the thread (docs/benchmarks.md, round 33).
+    pub(super) const WRITER_THREAD: bool = true;
+    /// The writers' thread drives the sockets of their connections (`rounds`).
+    pub(super) const WRITER_IO: bool = true;
     pub(super) const KEEPS_BETWEEN_ROUNDS: bool = false;
 
     /// A round keeps nothing for the next.
@@ -294,7 +322,7 @@ impl PgQueueStore {
         &self,
         group: &[&Admission],
     ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.rounds.begin().await?;
         let hosts: Vec<&str> = group.iter().map(|a| a.host_fingerprint.as_str()).collect();
         sqlx::query(Self::LOCK_HOSTS_SQL)
             .bind(hosts)

@@ -145,8 +145,12 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
     /// whose per-host locks let groups of different hosts commit side by side.
     fn group_writers(&self) -> usize;
-    /// Whether each writer gets a thread of its own (see `group_commit`).
+    /// Whether the writers get a thread of their own (see `group_commit`).
     fn writer_thread(&self) -> bool;
+    /// Whether that thread drives its writers' sockets (their connections are opened there).
+    fn writer_io(&self) -> bool {
+        false
+    }
     /// Whether the writers are busy: while they are, a round may keep for the next what it
     /// would otherwise give back (on SQLite the pool's writer connection, `direct`); told they
     /// are not, it gives that back.
@@ -269,6 +273,9 @@ macro_rules! queue_store {
             }
             fn writer_thread(&self) -> bool {
                 Self::WRITER_THREAD
+            }
+            fn writer_io(&self) -> bool {
+                Self::WRITER_IO
             }
             fn writers_busy(&self, busy: bool) {
                 self.keep_between_rounds(busy);
