@@ -108,7 +108,13 @@ mod tests {
     /// The quoted variable names in the config's sources, as `Config::from_lookup` asks for them.
     fn read_by_config() -> BTreeSet<String> {
         const NOT_SETTINGS: [&str; 1] = ["ORCA_PUSH_FACADE_URL"];
-        let sources = [include_str!("config.rs"), include_str!("connections.rs")].join("\n");
+        let sources = [
+            include_str!("config.rs"),
+            include_str!("config/exports.rs"),
+            include_str!("config/readers.rs"),
+            include_str!("connections.rs"),
+        ]
+        .join("\n");
         sources
             .split('"')
             .skip(1)
