@@ -2,7 +2,7 @@
 //! `orca_push_db_pool_connections{service, backend, pool, state}` (`idle` or `in_use`; their sum
 //! is the pool's size) and `orca_push_db_pool_max_connections{service, backend, pool}`. `pool` is
 //! SQLite's `writer` (one connection) or `readers`, or PostgreSQL's `read_write` pool (and the
-//! queue's `rounds`, its admission writers' own connections).
+//! queue's `rounds`, its admission writer's own connection).
 
 use std::time::Duration;
 

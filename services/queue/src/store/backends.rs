@@ -172,9 +172,9 @@ impl SqliteQueueStore {
 #[derive(Debug, Clone)]
 pub struct PgQueueStore {
     pub(super) pool: sqlx::PgPool,
-    /// The admission writers' connections (one each, at most `pool`'s bound), opened by the
-    /// writers on their own thread (`WRITER_THREAD`), so that thread's runtime drives their
-    /// sockets. Beside `pool`, not out of it.
+    /// The admission writer's connection (one per writer, at most `pool`'s bound), opened by the
+    /// writer on its own thread (`WRITER_THREAD`), so that thread's runtime drives its socket.
+    /// Beside `pool`, not out of it.
     pub(super) rounds: sqlx::PgPool,
     pub(super) readers: sqlx::PgPool,
     pub(super) row_by_row: bool,
@@ -257,17 +257,19 @@ impl PgQueueStore {
     /// past that), and the rest were parsed and planned on every run: at 100 end-to-end flows,
     /// planning was a fifth of the server's CPU (round 30, docs/benchmarks.md).
     pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(usize::MAX);
-    /// Groups of different hosts commit side by side; a host's admissions serialise on its lock.
-    /// Two since the writers have a thread of their own (`WRITER_THREAD`): their rounds then end
-    /// sooner, and four side by side split the load into rounds a third the size (at 1,000
-    /// end-to-end flows 19 admissions a round against 55), each paying the server its round trips:
-    /// 5% fewer deliveries there than before the thread. Two gave 3% more deliveries at 1,000
-    /// flows, 6% more at 100, and 8-13% more admissions at 8 to 64 connections, where four gave
-    /// 9-18% (docs/benchmarks.md, round 33).
-    pub(super) const GROUP_WRITERS: usize = 2;
+    /// One, on a thread of its own (`WRITER_THREAD`): its rounds follow each other, each taking
+    /// everything waiting (up to `MAX_GROUP`), so every admission pays a share of one round's
+    /// round trips. Other replicas' writers still commit beside it; a host's admissions serialise
+    /// on its lock. Four writers side by side on that thread split the load into rounds a third the
+    /// size (19 admissions a round against 55 at 1,000 end-to-end flows), each paying the server
+    /// its round trips, and 1,000-flow deliveries fell 5%. One against two, four runs each: 14% /
+    /// 25% / 24% more admissions at 8 / 32 / 64 connections, 7% more deliveries at 1,000 flows,
+    /// even at 100 (docs/benchmarks.md, round 33). Before the thread there were four, and rounds
+    /// of fewer than 8 gathered while another committed (`crate::group_commit`).
+    pub(super) const GROUP_WRITERS: usize = 1;
     /// Reports keep transactions of their own: in a round they would take batch row locks after
     /// the round's host locks and a dismissal's batch locks, an order two rounds could each hold
-    /// half of; and PostgreSQL's writers already run side by side.
+    /// half of (every replica has a writer); and reports run beside the rounds.
     pub(super) const REPORTS_IN_ROUNDS: bool = false;
     /// Claims run beside the admissions on connections of their own, as reports do.
     pub(super) const CLAIMS_IN_ROUNDS: bool = false;
