@@ -49,9 +49,9 @@ const IDLE_AFTER: std::time::Duration = std::time::Duration::from_millis(1);
 /// below it the round gathers until that one ends. Every round costs the server its round trips
 /// whatever its size: on PostgreSQL at 8 connections, rounds that each took what was there made
 /// groups of 1.45 admissions at 0.85 ms of server CPU per send; gathering, a third less
-/// (docs/benchmarks.md, round 27). 8 is also the largest group whose statements PostgreSQL keeps
-/// prepared. Neither backend runs several writers since round 33 (PostgreSQL's one writer on a
-/// thread of its own made larger rounds than two or four); this stays for a store that does.
+/// (docs/benchmarks.md, round 27). Neither backend runs several writers since round 33
+/// (PostgreSQL's one writer on a thread of its own made larger rounds than two or four); this
+/// stays for a store that does.
 const SIDE_BY_SIDE_FROM: usize = 8;
 /// The longest a round gathers while another commits: a slow round (a row lock, a stalled
 /// connection) delays the next round by no more than this.
