@@ -228,11 +228,36 @@ pub fn sqlite_readers(writer: &SqlitePool, max_connections: u32) -> SqlitePool {
     sqlite_pool_options(max_connections).connect_lazy_with((*writer.connect_options()).clone())
 }
 
+/// A pooled PostgreSQL connection idle for longer than this is pinged before it is handed out
+/// (`postgres_pool_options`).
+pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
+
+/// Options for a pool of PostgreSQL connections. sqlx pings a connection before every use by
+/// default (`test_before_acquire`): one more round trip to the server, which wakes for it, before
+/// every transaction and every statement run on the pool. The queue's admission writer paid it
+/// before every round, between one commit and the next round's `BEGIN` (round 34,
+/// docs/benchmarks.md). sqlx also pings every connection as it goes back to the pool, so one taken
+/// again soon after was alive a moment ago; one idle for longer than `PING_IDLE_AFTER` is pinged
+/// first, so that a connection the server closed meanwhile (a restart, a fail-over, an idle
+/// timeout) is replaced rather than failing the next statement.
+pub fn postgres_pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= PING_IDLE_AFTER {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
+}
+
 async fn open_postgres(url: &str, service: &ServiceStorage) -> Result<PgPool, OpenError> {
     let options = PgConnectOptions::from_str(url)
         .map_err(OpenError::Connect)?
         .options([("search_path", service.postgres_schema)]);
-    let pool = PgPoolOptions::new()
+    let pool = postgres_pool_options()
         .max_connections(service.max_connections)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)
@@ -419,6 +444,14 @@ mod tests {
                 .len()
                 > 0
         );
+    }
+
+    /// A PostgreSQL connection is pinged before use only once it sat idle for `PING_IDLE_AFTER`
+    /// (`postgres_pool_options`); what happens after the server closes one is shown on the queue
+    /// (`postgresql_work_goes_on_after_the_server_closes_idle_connections`).
+    #[test]
+    fn postgresql_pools_do_not_ping_before_every_use() {
+        assert!(!postgres_pool_options().get_test_before_acquire());
     }
 
     #[tokio::test]

@@ -777,6 +777,50 @@ async fn postgresql_rounds_go_on_while_the_request_runtime_is_busy() {
     assert_eq!(admitted.statuses.len(), 1);
 }
 
+/// The pools no longer ping a connection before every use (a round trip before every round), but
+/// ping one that sat idle for longer than `PING_IDLE_AFTER`: after the server closes idle
+/// connections (a restart, a fail-over, an idle timeout), the writer's next round and a statement
+/// on a service's pool still succeed, on new connections, rather than failing on the dead ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_work_goes_on_after_the_server_closes_idle_connections() {
+    let h = harness(Backend::Postgres).await;
+    let open = || async {
+        match orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+            .await
+            .unwrap()
+        {
+            Pool::Postgres(pg) => pg,
+            Pool::Sqlite(_) => unreachable!("a PostgreSQL pool"),
+        }
+    };
+    let (service, closer) = (open().await, open().await);
+    let count = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM push_events")
+            .fetch_one(&pool)
+            .await
+    };
+    let first = h.queue.enqueue(&alert(1, &["phone-1"])).await.unwrap();
+    assert_eq!(first.statuses[0].1, AdmissionStatus::Queued);
+    assert_eq!(count(service.clone()).await.unwrap(), 1);
+    // Every other connection to this database, the writer's and `service`'s among them.
+    let closed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&closer)
+    .await
+    .unwrap();
+    assert!(
+        closed.len() >= 2,
+        "the writer's and the service's connections"
+    );
+    tokio::time::sleep(orca_push_storage::PING_IDLE_AFTER + std::time::Duration::from_millis(200))
+        .await;
+    let second = h.queue.enqueue(&alert(2, &["phone-1"])).await.unwrap();
+    assert_eq!(second.statuses[0].1, AdmissionStatus::Queued);
+    assert_eq!(count(service).await.unwrap(), 2);
+}
+
 /// On PostgreSQL a group's plans, made once per connection, look rows up by key however the
 /// tables grow after: made on new, nearly empty tables (a fresh deployment, a benchmark run), the
 /// seen read scanned all of `push_events` and the window update every open window on each call,

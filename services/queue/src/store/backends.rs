@@ -214,7 +214,7 @@ impl PgQueueStore {
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
         // Lazy: a connection is opened by the first round that needs it, on the writers' thread.
-        let rounds = sqlx::postgres::PgPoolOptions::new()
+        let rounds = orca_push_storage::postgres_pool_options()
             .max_connections(
                 u32::try_from(Self::GROUP_WRITERS)
                     .unwrap_or(u32::MAX)
