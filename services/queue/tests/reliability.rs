@@ -311,3 +311,59 @@ async fn a_probe_is_never_a_batch_past_its_deadline(backend: Backend) {
     );
     assert_eq!(claimed[0].members[0].notification_seq, 2);
 }
+
+/// On PostgreSQL a claim's lease commits without waiting for the WAL to reach the disk (lost in a
+/// crash, its batch is due again and claimed again, as on SQLite); the admission before it and the
+/// delivery's report after it still wait. A trigger records the setting each write to the batch
+/// ran under.
+#[tokio::test]
+async fn postgresql_syncs_admissions_and_reports_but_not_leases() {
+    use orca_push_queue::store::Completion;
+    let h = harness_with(Backend::Postgres, 0).await;
+    let orca_push_storage::Pool::Postgres(pg) =
+        orca_push_queue::open_and_migrate(&h.config).await.unwrap()
+    else {
+        unreachable!("a PostgreSQL pool")
+    };
+    for statement in [
+        "CREATE TABLE sync_seen (n serial, op text, state text, sync text)",
+        "CREATE FUNCTION record_sync() RETURNS trigger AS $$ BEGIN \
+         INSERT INTO sync_seen (op, state, sync) \
+         VALUES (TG_OP, NEW.state, current_setting('synchronous_commit')); \
+         RETURN NEW; END $$ LANGUAGE plpgsql",
+        "CREATE TRIGGER record_sync AFTER INSERT OR UPDATE ON push_delivery_batches \
+         FOR EACH ROW EXECUTE FUNCTION record_sync()",
+    ] {
+        sqlx::query(statement).execute(&pg).await.unwrap();
+    }
+    h.admit(&alert(1, &["r1"])).await;
+    let b = h.claim_all().await.pop().unwrap();
+    let recorded = h
+        .queue
+        .complete_many(vec![Completion {
+            batch_id: b.batch_id.clone(),
+            lease_token: b.lease_token.clone(),
+            outcome: Outcome::Sent,
+            reason: "x".into(),
+            answered: true,
+        }])
+        .await
+        .unwrap();
+    assert_eq!(recorded, [true]);
+    let seen: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT op, state, sync FROM sync_seen ORDER BY n")
+            .fetch_all(&pg)
+            .await
+            .unwrap();
+    let sync_of = |op: &str, state: &str| {
+        seen.iter()
+            .filter(|(o, s, _)| o == op && (s == state || state == "*"))
+            .map(|(_, _, sync)| sync.as_str())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(sync_of("INSERT", "*"), ["on"], "the admission: {seen:?}");
+    assert_eq!(sync_of("UPDATE", "leased"), ["off"], "the lease: {seen:?}");
+    let report = seen.last().unwrap();
+    assert_ne!(report.1, "leased", "the report ends the lease: {seen:?}");
+    assert_eq!(report.2, "on", "the report: {seen:?}");
+}

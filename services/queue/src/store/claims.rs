@@ -40,7 +40,7 @@ macro_rules! claim_statements {
                 now: i64,
                 skip: Skip,
             ) -> Result<Vec<ClaimedBatch>, QueueError> {
-                let mut tx = self.begin_claim().await?;
+                let mut tx = self.begin_lease().await?;
                 let (claimed, _) = Self::claim_in(&mut tx, lane, max, lease_ms, now, skip).await?;
                 tx.commit().await?;
                 Ok(claimed)
