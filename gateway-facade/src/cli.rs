@@ -172,8 +172,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             match service {
                 None => {
                     let addr = std::net::SocketAddr::from(([0, 0, 0, 0], config.facade.port));
-                    let listener = tokio::net::TcpListener::bind(addr)
-                        .await
+                    let listener = crate::connections::listen(addr)
                         .with_context(|| format!("PORT: cannot listen on {addr}"))?;
                     topology::serve_all_in_one(config, listener, shutdown).await
                 }

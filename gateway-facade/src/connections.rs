@@ -40,6 +40,26 @@ impl Default for HttpLimits {
     }
 }
 
+/// Connections the kernel completes and keeps for a listener until it accepts them. `bind` in
+/// Rust's standard library and in tokio asks for 128: at the start of the benchmark's 1,000
+/// end-to-end flows, which connect at once while both cores are busy, 607 connections overflowed
+/// that queue and 421 clients waited a second to send their SYN again (round 34,
+/// docs/benchmarks.md). Linux caps it at `net.core.somaxconn` (4,096 by default since 5.4).
+pub const ACCEPT_BACKLOG: u32 = 4096;
+
+/// A listener on `addr` with an accept queue of `ACCEPT_BACKLOG`. Like `TcpListener::bind`, it
+/// sets `SO_REUSEADDR`, so a restarted process listens again at once.
+pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
+}
+
 /// Serves `router` on `listener` until `shutdown`, then lets every open connection finish the
 /// requests it has in flight (no new ones) and returns once all are closed.
 pub async fn serve(
@@ -196,6 +216,24 @@ async fn idle_for(mut in_flight: watch::Receiver<usize>, idle: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Clients that connect together all get their connection while the server has yet to accept
+    /// them: with `bind`'s queue of 128, those past it waited a second for their SYN to be sent
+    /// again.
+    #[tokio::test]
+    async fn a_burst_of_connections_waits_in_the_accept_queue() {
+        let listener = listen(std::net::SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connects = (0..400)
+            .map(|_| tokio::time::timeout(Duration::from_millis(700), TcpStream::connect(addr)));
+        let connected = futures::future::join_all(connects).await;
+        let waited = connected.iter().filter(|c| !matches!(c, Ok(Ok(_)))).count();
+        assert_eq!(
+            waited, 0,
+            "of 400 connections, {waited} were not completed at once"
+        );
+        drop(listener);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn idleness_counts_from_the_end_of_the_last_request() {

@@ -56,7 +56,7 @@ pub async fn serve_all_in_one(
             config.require_internal_key().context(
                 "ORCA_PUSH_GRPC_ADDR: internal callers need tokens signed with a known key",
             )?;
-            Some(bind(addr).await?)
+            Some(bind(addr)?)
         }
         None => None,
     };
@@ -191,7 +191,7 @@ pub async fn serve_split(
     let shutdown = drain.clone();
     let key = config.require_internal_key()?;
     if service == ServiceName::Facade {
-        let listener = bind(SocketAddr::from(([0, 0, 0, 0], config.facade.port))).await?;
+        let listener = bind(SocketAddr::from(([0, 0, 0, 0], config.facade.port)))?;
         let state = match config.common.mode {
             Mode::Validation => AppState::validation(),
             Mode::Serve => AppState::serving(
@@ -217,7 +217,7 @@ pub async fn serve_split(
         .common
         .grpc_addr
         .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], service.default_grpc_port())));
-    let listener = bind(addr).await?;
+    let listener = bind(addr)?;
     let bound = listener.local_addr()?;
     tracing::info!(service = service.as_str(), addr = %bound, "gRPC service listening");
     match service {
@@ -308,10 +308,8 @@ pub async fn serve_facade(
     Ok(())
 }
 
-async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))
+fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    crate::connections::listen(addr).with_context(|| format!("cannot listen on {addr}"))
 }
 
 /// What gRPC health answers for on the all-in-one internal listener: the process (liveness, as
@@ -349,7 +347,7 @@ impl Exposer<'_> {
                 routes,
             ))),
             InternalTransport::Loopback => {
-                let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+                let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
                 let url = format!("http://{}", listener.local_addr()?);
                 self.tasks.spawn(orca_push_internal_auth::serve_routes(
                     listener,
