@@ -48,13 +48,15 @@ impl Default for HttpLimits {
 pub const ACCEPT_BACKLOG: u32 = 4096;
 
 /// A listener on `addr` with an accept queue of `ACCEPT_BACKLOG`. Like `TcpListener::bind`, it
-/// sets `SO_REUSEADDR`, so a restarted process listens again at once.
+/// sets `SO_REUSEADDR` (not on Windows, where it would let another socket take the port), so a
+/// restarted process listens again at once. Called within a tokio runtime, as `bind` is.
 pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
     } else {
         tokio::net::TcpSocket::new_v6()?
     };
+    #[cfg(not(windows))]
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(ACCEPT_BACKLOG)
@@ -219,7 +221,8 @@ mod tests {
 
     /// Clients that connect together all get their connection while the server has yet to accept
     /// them: with `bind`'s queue of 128, those past it waited a second for their SYN to be sent
-    /// again.
+    /// again. Where the kernel caps the queue at 128 or less, the burst fits either queue and the
+    /// test shows nothing.
     #[tokio::test]
     async fn a_burst_of_connections_waits_in_the_accept_queue() {
         let listener = listen(std::net::SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
@@ -233,10 +236,15 @@ mod tests {
         let connects = (0..burst)
             .map(|_| tokio::time::timeout(Duration::from_millis(700), TcpStream::connect(addr)));
         let connected = futures::future::join_all(connects).await;
-        let waited = connected.iter().filter(|c| !matches!(c, Ok(Ok(_)))).count();
+        let waited = connected.iter().filter(|c| c.is_err()).count();
+        let failed: Vec<String> = connected
+            .iter()
+            .filter_map(|c| c.as_ref().ok()?.as_ref().err().map(ToString::to_string))
+            .collect();
+        assert!(failed.is_empty(), "connections failed: {failed:?}");
         assert_eq!(
             waited, 0,
-            "of {burst} connections, {waited} were not completed at once"
+            "of {burst} connections, {waited} were not completed within 700 ms"
         );
         drop(listener);
     }

@@ -111,8 +111,7 @@ pub async fn serve(
     handle: PrometheusHandle,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
+    let listener = crate::connections::listen(addr)
         .with_context(|| format!("ORCA_PUSH_METRICS_ADDR: cannot listen on {addr}"))?;
     tracing::info!(addr = %listener.local_addr()?, "metrics listening");
     {

@@ -336,6 +336,14 @@ async fn postgresql_syncs_admissions_and_reports_but_not_leases() {
     ] {
         sqlx::query(statement).execute(&pg).await.unwrap();
     }
+    let default: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    assert_eq!(
+        default, "on",
+        "the test server syncs commits unless told otherwise"
+    );
     h.admit(&alert(1, &["r1"])).await;
     let b = h.claim_all().await.pop().unwrap();
     let recorded = h

@@ -359,11 +359,14 @@ impl PgQueueStore {
     }
 
     /// A lane's claim: `begin_claim`'s transaction, whose commit does not wait for the WAL to
-    /// reach the disk (`synchronous_commit` off for it alone). A lease needs no sync: lost in a
-    /// crash, its batch is due again and is claimed again, at worst delivered twice, as on SQLite,
-    /// whose writer answers claims at the commit, before the sync. The next synchronous commit
-    /// (a round, a delivery's report) flushes the WAL up to and past it, so a report on disk
-    /// never outlives its lease. Sampled at 100 end-to-end flows, waiting for a WAL flush at
+    /// reach the disk, nor for a synchronous standby (`synchronous_commit` off for it alone). A
+    /// lease needs no sync: lost in a crash or a fail-over, its batch is due again and is claimed
+    /// again, at worst delivered twice, as on SQLite, whose writer answers claims at the commit,
+    /// before the sync. What else a claim writes follows from the time and the table (a batch past
+    /// its deadline expired, a fenced member cancelled, their payloads cleared): lost, the next
+    /// claim writes it again, though a status read in between shows it pending again. The next
+    /// synchronous commit (a round, a delivery's report) flushes the WAL up to and past it, so a
+    /// report on disk never outlives its lease. Sampled at 100 end-to-end flows, waiting for a WAL flush at
     /// `COMMIT` was what the server's busy connections did most; a claim's is in the path from a
     /// send's commit to its provider request. Unsynced leases gave 7-12% more deliveries at 1,000
     /// flows, where claims are most numerous, and 2% at 100 (round 34, docs/benchmarks.md).
