@@ -366,10 +366,10 @@ impl PgQueueStore {
     /// its deadline expired, a fenced member cancelled, their payloads cleared): lost, the next
     /// claim writes it again, though a status read in between shows it pending again. The next
     /// synchronous commit (a round, a delivery's report) flushes the WAL up to and past it, so a
-    /// report on disk never outlives its lease. Sampled at 100 end-to-end flows, waiting for a WAL flush at
-    /// `COMMIT` was what the server's busy connections did most; a claim's is in the path from a
-    /// send's commit to its provider request. Unsynced leases gave 7-12% more deliveries at 1,000
-    /// flows, where claims are most numerous, and 2% at 100 (round 34, docs/benchmarks.md).
+    /// report on disk never outlives its lease. Sampled at 100 end-to-end flows, waiting for a WAL
+    /// flush at `COMMIT` was what the server's busy connections did most; a claim's is in the path
+    /// from a send's commit to its provider request. Unsynced leases gave 7-12% more deliveries at
+    /// 1,000 flows, where claims are most numerous, and 2% at 100 (round 34, docs/benchmarks.md).
     pub(super) async fn begin_lease(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         self.pool.begin_with(Self::BEGIN_LEASE_SQL).await
     }

@@ -142,8 +142,9 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
     }
     /// Whether admissions hand new work due at once to waiting claims (`crate::handoff`).
     fn hands_off(&self) -> bool;
-    /// How many groups may be admitted at once: one on SQLite (one writer), a few on PostgreSQL,
-    /// whose per-host locks let groups of different hosts commit side by side.
+    /// How many groups a process may admit at once. One on both backends (SQLite has one writer;
+    /// PostgreSQL's one writer on its own thread made larger rounds than several, round 33); its
+    /// per-host locks would let several commit side by side, as other replicas' writers do.
     fn group_writers(&self) -> usize;
     /// Whether the writers get a thread of their own (see `group_commit`).
     fn writer_thread(&self) -> bool;
