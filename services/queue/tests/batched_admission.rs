@@ -190,3 +190,52 @@ async fn batched_and_row_by_row_admissions_write_the_same_rows(backend: Backend)
 }
 
 on_both_backends!(batched_and_row_by_row_admissions_write_the_same_rows);
+
+/// A round on PostgreSQL writes its hosts into its `BEGIN` when each is made only of a
+/// fingerprint's characters, and binds them otherwise: a group mixing both kinds is admitted,
+/// retried and held to its quota the same way on both backends.
+async fn hosts_of_any_characters_are_locked_admitted_and_counted(backend: Backend) {
+    let (config, _guard) = fresh(backend).await;
+    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+    let store = AnyQueueStore::new(pool);
+    let hosts = ["hostAAAAAAAAAAAA", "it's", "back\\slash", "two words; é"];
+    let group_of = |from: i64| -> Vec<Admission> {
+        hosts
+            .iter()
+            .flat_map(|host| {
+                (from..from + 50).map(move |seq| {
+                    let mut a = alert(seq, &[&format!("{host}-phone")]);
+                    a.host_fingerprint = (*host).into();
+                    a
+                })
+            })
+            .collect()
+    };
+    let now = T0 as i64;
+    let mut queued = 0;
+    let mut limited = 0;
+    for from in (1..=301).step_by(50) {
+        let group = group_of(from);
+        let group: Vec<&Admission> = group.iter().collect();
+        for result in store.enqueue_group(&group, now, 0, None).await {
+            match result.unwrap().statuses[0].1 {
+                AdmissionStatus::Queued => queued += 1,
+                AdmissionStatus::RateLimited => limited += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!(
+        (queued, limited),
+        (4 * 300, 4 * 50),
+        "each host held to 300"
+    );
+    // The first group again: retries, answered queued, spending no quota.
+    let again = group_of(1);
+    let again: Vec<&Admission> = again.iter().collect();
+    for result in store.enqueue_group(&again, now, 0, None).await {
+        assert_eq!(result.unwrap().statuses[0].1, AdmissionStatus::Queued);
+    }
+}
+
+on_both_backends!(hosts_of_any_characters_are_locked_admitted_and_counted);

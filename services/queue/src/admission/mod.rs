@@ -463,8 +463,9 @@ impl Window {
 /// How a group's batched admission went.
 #[derive(Debug)]
 pub enum Batched {
-    /// Written: one result per admission, in order, and the claims to answer once it commits.
-    Done(Vec<Enqueued>, crate::handoff::Handed),
+    /// Written: one result per admission, in order, the claims to answer once it commits, and
+    /// whether its writes also woke other replicas (PostgreSQL's `pg_notify`).
+    Done(Vec<Enqueued>, crate::handoff::Handed, bool),
     /// Not the common case (a dismissal, a retry, an identity twice): admit row by row instead,
     /// in the same transaction (nothing was written).
     RowByRow,

@@ -48,6 +48,12 @@ pub const INTO_BATCHES: &str = " INTO push_delivery_batches (batch_id, registrat
 pub const INSERT_RECIPIENTS: &str = "INSERT INTO push_event_recipients (event_id, \
      registration_id, batch_id, status, silent, created_at, updated_at) ";
 
+/// `INSERT_RECIPIENTS` that also wakes other replicas: this, the rows, `WAKING_TAIL`, the
+/// channel and the payload, then `)`. Its one row counts the recipients inserted (`n`).
+pub const WAKING_HEAD: &str = "WITH w AS (INSERT INTO push_event_recipients (event_id, \
+     registration_id, batch_id, status, silent, created_at, updated_at) ";
+pub const WAKING_TAIL: &str = " RETURNING 1) SELECT (SELECT COUNT(*) FROM w) AS n, pg_notify(";
+
 /// Before the rows of the windows' final states.
 pub const UPDATE_WINDOWS_HEAD: &str =
     "WITH v (id, was, n, members, routing, due, quiet, late, state) AS (";
@@ -113,6 +119,11 @@ impl<'args> Writes<'args> {
         query
     }
 
+    /// How many queries there are so far.
+    pub fn count(&self) -> usize {
+        self.queries.len()
+    }
+
     /// The queries to run in order, each with its rows in all.
     pub fn queries(self) -> impl Iterator<Item = (Stmt<'args>, usize)> {
         self.queries.into_iter()
@@ -134,7 +145,9 @@ macro_rules! batched_admission {
                 Self::KEEP_ROWS_AT_MOST.is_some_and(|most| rows <= most)
             }
 
-            /// Admits `group` on the batched path inside `tx` (see `crate::admission`).
+            /// Admits `group` on the batched path inside `tx` (see `crate::admission`). Where
+            /// the backend notifies other replicas (`WAKES_IN_WRITES`), the recipients' insert
+            /// does it too, signed with `origin`, and `Batched::Done` says so.
             async fn admit_batched(
                 tx: &mut <$store as Backend>::Tx,
                 group: &[&Admission],
@@ -142,6 +155,7 @@ macro_rules! batched_admission {
                 coalesce_ms: i64,
                 handoff: Option<&$crate::handoff::Handoff>,
                 round: &mut Vec<$crate::handoff::Offer>,
+                origin: &str,
             ) -> Result<$crate::admission::Batched, sqlx::Error> {
                 use $crate::admission::{self as batch, Batched};
                 if !batch::eligible(group) {
@@ -224,8 +238,28 @@ macro_rules! batched_admission {
                             .push_bind(b.lease.as_ref().map(|l| l.owner.as_str()));
                     });
                 }
-                for chunk in plan.recipients.chunks(batch::ROWS_PER_STATEMENT) {
-                    let q = writes.statement(batch::INSERT_RECIPIENTS, chunk.len());
+                // The wake-up of other replicas rides in the last recipients' statement: one
+                // round trip fewer in a round every admission in it waits for. Work due is
+                // always some recipient's, so a round that wakes has one.
+                let wake = if Self::WAKES_IN_WRITES {
+                    let due = $crate::wake::earliest_due(group.iter().copied().zip(&plan.results));
+                    (!due.is_empty()).then(|| $crate::wake::payload_from(&due, origin))
+                } else {
+                    None
+                };
+                let chunks = plan.recipients.chunks(batch::ROWS_PER_STATEMENT).count();
+                let mut counted_at = None;
+                for (i, chunk) in plan
+                    .recipients
+                    .chunks(batch::ROWS_PER_STATEMENT)
+                    .enumerate()
+                {
+                    let waking = wake.as_deref().filter(|_| i + 1 == chunks);
+                    let head = match waking {
+                        Some(_) => batch::WAKING_HEAD,
+                        None => batch::INSERT_RECIPIENTS,
+                    };
+                    let q = writes.statement(head, chunk.len());
                     q.push_values(chunk, |mut row, r| {
                         row.push_bind(plan.events[r.event].event_id.as_str())
                             .push_bind(r.registration_id)
@@ -235,11 +269,26 @@ macro_rules! batched_admission {
                             .push_bind(now)
                             .push_bind(now);
                     });
+                    if let Some(payload) = waking {
+                        q.push(batch::WAKING_TAIL)
+                            .push_bind($crate::store::WAKE_CHANNEL)
+                            .push(", ")
+                            .push_bind(payload.to_owned())
+                            .push(")");
+                        counted_at = Some(writes.count() - 1);
+                    }
                 }
+                let woke = counted_at.is_some();
                 let mut changed = 0;
                 let joined = tx.joins();
                 for (i, (q, rows)) in writes.queries().enumerate() {
-                    changed += q.persistent(Self::keep_statement(rows)).execute(tx).await?;
+                    let q = q.persistent(Self::keep_statement(rows));
+                    changed += if counted_at == Some(i) {
+                        let inserted: i64 = q.fetch_one(tx).await?.col("n")?;
+                        u64::try_from(inserted).unwrap_or(0)
+                    } else {
+                        q.execute(tx).await?
+                    };
                     // A query per statement: a window update that lost a race is known before
                     // the inserts run.
                     let raced = i == 0
@@ -253,7 +302,7 @@ macro_rules! batched_admission {
                 if changed != batch::changes_expected(&plan) {
                     return Ok(Batched::Raced);
                 }
-                Ok(Batched::Done(plan.results, handed))
+                Ok(Batched::Done(plan.results, handed, woke))
             }
 
             /// One row per admission: whether its identity is stored, its host's quota use, and

@@ -13,6 +13,60 @@ macro_rules! begin_by_key {
     };
 }
 
+/// `PgQueueStore::LOCK_HOSTS_SQL` up to the hosts' array, then the array and `lock_hosts_tail!`.
+macro_rules! lock_hosts_head {
+    () => {
+        "SELECT \
+         set_config('plan_cache_mode', 'force_generic_plan', true), \
+         set_config('enable_seqscan', 'off', true), \
+         set_config('enable_hashjoin', 'off', true), \
+         set_config('enable_mergejoin', 'off', true), \
+         (SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
+          (SELECT DISTINCT hashtextextended('push_events:' || h, 0) AS k \
+           FROM UNNEST("
+    };
+}
+
+macro_rules! lock_hosts_tail {
+    () => {
+        "::text[]) AS h ORDER BY k) AS keys)"
+    };
+}
+
+/// The longest host fingerprint written into a round's `BEGIN` as a literal
+/// (`begin_locking_hosts`); the contract's are 16 characters.
+const INLINE_HOST_AT_MOST: usize = 64;
+
+/// `BEGIN` and `PgQueueStore::LOCK_HOSTS_SQL` as one simple query, with `hosts` written in it as
+/// literals: one round trip where the two statements took two. `None` unless every host is made
+/// only of the characters of a base64url fingerprint (letters, digits, `-`, `_`), which can
+/// neither end a literal nor escape from one; the round then binds them as before.
+fn begin_locking_hosts(hosts: &[&str]) -> Option<String> {
+    let safe = |host: &str| {
+        !host.is_empty()
+            && host.len() <= INLINE_HOST_AT_MOST
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if hosts.is_empty() || !hosts.iter().all(|host| safe(host)) {
+        return None;
+    }
+    let mut sql = String::with_capacity(420 + hosts.len() * (INLINE_HOST_AT_MOST + 3));
+    sql.push_str(concat!("BEGIN; ", lock_hosts_head!(), "ARRAY["));
+    for (i, host) in hosts.iter().enumerate() {
+        if i > 0 {
+            sql.push(',');
+        }
+        sql.push('\'');
+        sql.push_str(host);
+        sql.push('\'');
+    }
+    sql.push(']');
+    sql.push_str(lock_hosts_tail!());
+    Some(sql)
+}
+
 /// Wakes every replica's waiting lanes once the transaction it runs in commits (PostgreSQL).
 const NOTIFY_SQL: &str = "SELECT pg_notify($1, $2)";
 
@@ -99,6 +153,8 @@ impl SqliteQueueStore {
     /// 550 bytes compiled per row, the 1,024 texts the cache holds stay under about 70 MB however
     /// the mixes vary (the benchmark's peak RSS rose by 2-5 MiB when they were joined).
     pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(128);
+    /// No other replica to wake (`wake_replicas`).
+    pub(super) const WAKES_IN_WRITES: bool = false;
     /// One writer: a second group could only wait for it.
     pub(super) const GROUP_WRITERS: usize = 1;
     /// Reports share the admission writer's rounds: one transaction and one sync for both, and
@@ -271,6 +327,9 @@ impl PgQueueStore {
     /// past that), and the rest were parsed and planned on every run: at 100 end-to-end flows,
     /// planning was a fifth of the server's CPU (round 30, docs/benchmarks.md).
     pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(usize::MAX);
+    /// A batched round's recipients' insert also notifies other replicas (`wake_replicas`'s
+    /// `pg_notify`, sent with the commit all the same): one round trip fewer a round.
+    pub(super) const WAKES_IN_WRITES: bool = true;
     /// One, on a thread of its own (`WRITER_THREAD`): its rounds follow each other, each taking
     /// everything waiting (up to `MAX_GROUP`), so every admission pays a share of one round's
     /// round trips. Other replicas' writers still commit beside it; a host's admissions serialise
@@ -325,21 +384,20 @@ impl PgQueueStore {
     /// `set_config(.., true)` lasts until the transaction ends, so transactions begun otherwise
     /// on the same connection (claims, clean-up, reports outside the writer's rounds) plan as
     /// before.
-    const LOCK_HOSTS_SQL: &'static str = "SELECT \
-         set_config('plan_cache_mode', 'force_generic_plan', true), \
-         set_config('enable_seqscan', 'off', true), \
-         set_config('enable_hashjoin', 'off', true), \
-         set_config('enable_mergejoin', 'off', true), \
-         (SELECT COUNT(pg_advisory_xact_lock(k)) FROM \
-          (SELECT DISTINCT hashtextextended('push_events:' || h, 0) AS k \
-           FROM UNNEST($1::text[]) AS h ORDER BY k) AS keys)";
+    const LOCK_HOSTS_SQL: &'static str = concat!(lock_hosts_head!(), "$1", lock_hosts_tail!());
 
+    /// A round's transaction, its hosts locked (`LOCK_HOSTS_SQL`). Fingerprints as the contract
+    /// makes them go in `BEGIN`'s own round trip (`begin_locking_hosts`): a round is a chain of
+    /// round trips that each admission in it waits for, one after another.
     pub(super) async fn begin_group_write(
         &self,
         group: &[&Admission],
     ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        let mut tx = self.rounds.begin().await?;
         let hosts: Vec<&str> = group.iter().map(|a| a.host_fingerprint.as_str()).collect();
+        if let Some(begin) = begin_locking_hosts(&hosts) {
+            return self.rounds.begin_with(begin).await;
+        }
+        let mut tx = self.rounds.begin().await?;
         sqlx::query(Self::LOCK_HOSTS_SQL)
             .bind(hosts)
             .execute(&mut *tx)
@@ -407,5 +465,38 @@ impl PgQueueStore {
             .execute(pool)
             .await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::begin_locking_hosts;
+
+    #[test]
+    fn fingerprints_go_in_the_begin_as_literals() {
+        let sql = begin_locking_hosts(&["hostAAAA-_09zZ", "b"]).unwrap();
+        assert!(sql.starts_with("BEGIN; SELECT"), "{sql}");
+        assert!(
+            sql.contains("UNNEST(ARRAY['hostAAAA-_09zZ','b']::text[])"),
+            "{sql}"
+        );
+        assert!(sql.contains("pg_advisory_xact_lock(k)"), "{sql}");
+    }
+
+    #[test]
+    fn a_host_no_literal_may_hold_is_left_to_a_bound_parameter() {
+        for odd in [
+            "it's",
+            "back\\slash",
+            "two words",
+            "é",
+            "",
+            "a;b",
+            &"x".repeat(65),
+        ] {
+            assert_eq!(begin_locking_hosts(&["hostAAAA", odd]), None, "{odd:?}");
+        }
+        assert_eq!(begin_locking_hosts(&[]), None);
+        assert!(begin_locking_hosts(&[&"x".repeat(64)]).is_some());
     }
 }

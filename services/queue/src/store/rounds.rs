@@ -175,24 +175,33 @@ macro_rules! round_statements {
                     }));
                 }
                 let batched = if group.is_empty() {
-                    Batched::Done(Vec::new(), Vec::new())
+                    Batched::Done(Vec::new(), Vec::new(), false)
                 } else if self.row_by_row {
                     Batched::RowByRow
                 } else {
-                    Self::admit_batched(&mut tx, group, now, coalesce_ms, handoff, &mut round)
-                        .await?
+                    Self::admit_batched(
+                        &mut tx,
+                        group,
+                        now,
+                        coalesce_ms,
+                        handoff,
+                        &mut round,
+                        self.origin(),
+                    )
+                    .await?
                 };
-                let (admitted, handed) = match batched {
-                    Batched::Done(admitted, handed) => {
+                let (admitted, handed, woke) = match batched {
+                    Batched::Done(admitted, handed, woke) => {
                         if !group.is_empty() {
                             self.batched_groups
                                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
-                        (admitted, handed)
+                        (admitted, handed, woke)
                     }
                     Batched::RowByRow => (
                         Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                         Vec::new(),
+                        false,
                     ),
                     Batched::Raced => {
                         // The offers taken went with the plan: the claims keep what the table
@@ -203,6 +212,7 @@ macro_rules! round_statements {
                         (
                             Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                             Vec::new(),
+                            false,
                         )
                     }
                 };
@@ -213,7 +223,7 @@ macro_rules! round_statements {
                     Self::finish_reported(&mut tx, reports, now).await?
                 };
                 let due = $crate::wake::earliest_due(group.iter().copied().zip(&admitted));
-                if !due.is_empty() {
+                if !due.is_empty() && !woke {
                     let payload = $crate::wake::payload_from(&due, self.origin());
                     Self::wake_replicas(&mut tx, &payload).await?;
                 }
