@@ -26,6 +26,8 @@ pub struct Wake {
     notify: Notify,
     /// APNs, FCM, and work of no known provider (never skipped).
     news: [AtomicU64; 3],
+    /// Of that news, work due at once ([`Wake::work_due`] at or before its `now`).
+    due_now: [AtomicU64; 3],
     /// The claims looking for work or asleep (see [`Wake::claim`]).
     claims: Mutex<Vec<Claim>>,
     next_claim: AtomicU64,
@@ -78,6 +80,12 @@ impl Wake {
             return;
         }
         let instant = Instant::now();
+        // Counted before the wake, so a claim it wakes sees it ([`Wake::heard_due_now`]).
+        for (provider, at) in due {
+            if *at <= now {
+                self.due_now[slot(*provider)].fetch_add(1, Ordering::SeqCst);
+            }
+        }
         let news: Vec<Provider> = {
             let claims = self.claims();
             due.iter()
@@ -149,15 +157,13 @@ impl Wake {
     /// The news a claim leaving `skip`'s work alone cares about, so far. Taken before a claim
     /// reads, it tells [`Wake::news`] what the read may not have seen.
     pub fn heard(&self, skip: Skip) -> Heard {
-        let counted = |provider: Provider| self.news[slot(provider)].load(Ordering::SeqCst);
-        let mut sum = counted(Provider::Unknown);
-        if !skip.apns {
-            sum = sum.wrapping_add(counted(Provider::Apns));
-        }
-        if !skip.fcm {
-            sum = sum.wrapping_add(counted(Provider::Fcm));
-        }
-        Heard(sum)
+        counted(&self.news, skip)
+    }
+
+    /// [`Wake::heard`] for news of work due at once alone: a claim that hears more of it than it
+    /// had before it slept may claim without reading when work is due.
+    pub fn heard_due_now(&self, skip: Skip) -> Heard {
+        counted(&self.due_now, skip)
     }
 
     /// Waits until there is news `skip` cares about beyond `heard`, or until `until`.
@@ -214,6 +220,19 @@ pub fn earliest_due<'a>(
         }
     }
     due
+}
+
+/// The news in `counters` of the providers `skip` takes, and of work of no known provider.
+fn counted(counters: &[AtomicU64; 3], skip: Skip) -> Heard {
+    let of = |provider: Provider| counters[slot(provider)].load(Ordering::SeqCst);
+    let mut sum = of(Provider::Unknown);
+    if !skip.apns {
+        sum = sum.wrapping_add(of(Provider::Apns));
+    }
+    if !skip.fcm {
+        sum = sum.wrapping_add(of(Provider::Fcm));
+    }
+    Heard(sum)
 }
 
 fn slot(provider: Provider) -> usize {

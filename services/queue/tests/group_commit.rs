@@ -441,7 +441,22 @@ on_both_backends!(
     lanes_woken_together_share_one_read,
     a_held_providers_new_work_does_not_wake_claims_that_skip_it,
     a_failed_round_wakes_the_lanes_to_look,
+    a_lane_woken_by_work_due_now_claims_without_a_read,
 );
+
+/// News of work due at once says what a read of the earliest due time would: the lane it wakes
+/// claims without one. On PostgreSQL that read was a round trip between a send's commit and its
+/// claim; on SQLite the round hands such work to the waiting claim.
+async fn a_lane_woken_by_work_due_now_claims_without_a_read(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    let queue = h.queue.clone();
+    let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, 30_000, 5_000).await });
+    let before = h.settled_due_reads().await;
+    h.admit(&alert(1, &["phone-1"])).await;
+    let claimed = waiting.await.unwrap().unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(h.queue.due_reads() - before, 0, "claimed on the news alone");
+}
 
 /// Every admission group wakes the waiting lanes; a window due seconds later must not cost them a
 /// write transaction each (on SQLite they would queue in the one writer's way).

@@ -61,20 +61,30 @@ impl<S: QueueStore> DeliveryQueue<S> {
         }
         let give_up = tokio::time::Instant::now() + Duration::from_millis(wait_ms.min(MAX_WAIT_MS));
         let waiting = self.wake.claim(skip);
+        // Woken by news of work due at once (see below).
+        let mut woken_due_now = false;
         loop {
             // Note what was heard before looking, so work committed meanwhile is not missed; and
             // while looking, work due at any time is news for this claim.
             waiting.looking();
             let heard = self.wake.heard(skip);
+            let heard_due_now = self.wake.heard_due_now(skip);
             let claims_before = self.last_claim().ended;
             let listening_since = std::time::Instant::now();
             // A read first: a claim is a write transaction, and every admission wakes every
             // waiting lane, mostly for a window that is due seconds later. Claiming on each wake
             // put four empty write transactions per admission group in the one SQLite writer's
-            // way; the read runs beside it.
-            let until_due = self.next_due(skip, listening_since).await?.map(|at| {
-                Duration::from_millis(u64::try_from(at - now(&*self.clock)).unwrap_or(0))
-            });
+            // way; the read runs beside it. But news of work due at once says what the read
+            // would: the lanes it woke go straight to their turns (on PostgreSQL, where nothing
+            // hands such work over, the read was a round trip between a send's commit and its
+            // claim, and the server's most frequent statement).
+            let until_due = if std::mem::take(&mut woken_due_now) {
+                Some(Duration::ZERO)
+            } else {
+                self.next_due(skip, listening_since).await?.map(|at| {
+                    Duration::from_millis(u64::try_from(at - now(&*self.clock)).unwrap_or(0))
+                })
+            };
             if until_due.is_some_and(|d| d.is_zero()) {
                 // The lanes that one read found work for take turns: the first claims it all, and
                 // a lane whose turn comes after a claim that came back short looks again rather
@@ -142,6 +152,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             waiting.asleep_until(until);
             if !self.store.hands_off() {
                 self.wake.news(skip, heard, until).await;
+                woken_due_now = self.wake.heard_due_now(skip) != heard_due_now;
                 continue;
             }
             let max = usize::try_from(max).unwrap_or(1);
