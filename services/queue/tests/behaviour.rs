@@ -27,6 +27,7 @@ on_both_backends!(
     an_event_without_a_notification_id_stays_alone,
     a_dismissal_cancels_pending_alerts_and_fences_older_ones,
     expired_work_is_not_handed_out,
+    a_member_past_its_deadline_expires_at_the_claim_and_the_rest_go_out,
     leases_lapse_renew_and_guard_completion,
     retries_are_persistent_and_never_pass_the_deadline,
     outcomes_are_recorded_per_recipient,
@@ -409,6 +410,31 @@ async fn expired_work_is_not_handed_out(backend: Backend) {
         .unwrap()
         .unwrap();
     assert_eq!(record.recipients[0].status, "expired");
+}
+
+/// A window's members keep their own deadlines: one past its own when the window is claimed is
+/// recorded expired and left out; the others go out in the batch.
+async fn a_member_past_its_deadline_expires_at_the_claim_and_the_rest_go_out(backend: Backend) {
+    let h = harness(backend).await;
+    let mut short = alert(1, &["r1"]);
+    short.expires_at_ms = Some(T0 as i64 + 2_000);
+    h.admit(&short).await;
+    h.clock.advance(1_000);
+    h.admit(&alert(2, &["r1"])).await;
+    h.clock.advance(WINDOW - 1_000);
+    let batches = h.claim_all().await;
+    assert_eq!(batches.len(), 1);
+    let seqs: Vec<i64> = batches[0]
+        .members
+        .iter()
+        .map(|m| m.notification_seq)
+        .collect();
+    assert_eq!(seqs, [2], "the short-lived member is left out");
+    let record = |seq| h.queue.event_record(HOST, Kind::Alert, "epoch-1", seq);
+    let short = record(1).await.unwrap().unwrap();
+    assert_eq!(short.recipients[0].status, "expired");
+    let kept = record(2).await.unwrap().unwrap();
+    assert_eq!(kept.recipients[0].status, "pending");
 }
 
 async fn leases_lapse_renew_and_guard_completion(backend: Backend) {
