@@ -19,6 +19,21 @@ pub enum QueueError {
     Round(std::sync::Arc<QueueError>),
 }
 
+impl QueueError {
+    /// Whether the database connection the work ran on was lost under it: closed by the server
+    /// (`57P01`-`57P03`: a terminated backend, a restart; or any error of class `08`) or broken
+    /// (an I/O error). The pool replaces such a connection, so the work may succeed on the next.
+    pub fn connection_lost(&self) -> bool {
+        match self {
+            QueueError::Storage(sqlx::Error::Io(_)) => true,
+            QueueError::Storage(sqlx::Error::Database(error)) => error
+                .code()
+                .is_some_and(|code| code.starts_with("08") || code.starts_with("57P0")),
+            _ => false,
+        }
+    }
+}
+
 impl From<QueueError> for tonic::Status {
     fn from(error: QueueError) -> Self {
         match error {
@@ -47,5 +62,20 @@ impl From<QueueError> for tonic::Status {
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::QueueError;
+
+    #[test]
+    fn a_broken_or_closed_connection_is_lost_and_nothing_else_is() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(QueueError::Storage(sqlx::Error::Io(io)).connection_lost());
+        assert!(!QueueError::Storage(sqlx::Error::PoolTimedOut).connection_lost());
+        assert!(!QueueError::Storage(sqlx::Error::RowNotFound).connection_lost());
+        assert!(!QueueError::WriterStopped.connection_lost());
+        assert!(!QueueError::InvalidRequest("bad").connection_lost());
     }
 }

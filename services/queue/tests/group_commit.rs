@@ -836,6 +836,38 @@ async fn postgresql_work_goes_on_after_the_server_closes_idle_connections() {
     assert_eq!(count(service).await.unwrap(), 2);
 }
 
+/// A connection the server closed less than `PING_IDLE_AFTER` after its last use is not pinged
+/// before the next round: the round's first statement fails on it, and the admission goes again
+/// on a new connection rather than being answered `dependency_unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_an_admission_whose_connection_was_just_closed_goes_again_on_a_new_one() {
+    let h = harness(Backend::Postgres).await;
+    let Pool::Postgres(closer) = orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+        .await
+        .unwrap()
+    else {
+        unreachable!("a PostgreSQL pool");
+    };
+    let first = h.queue.enqueue(&alert(1, &["phone-1"])).await.unwrap();
+    assert_eq!(first.statuses[0].1, AdmissionStatus::Queued);
+    let closed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&closer)
+    .await
+    .unwrap();
+    assert!(!closed.is_empty(), "the writer's connection");
+    // At once: the writer's connection was used a moment ago, so nothing pings it first.
+    let second = h.queue.enqueue(&alert(2, &["phone-1"])).await.unwrap();
+    assert_eq!(second.statuses[0].1, AdmissionStatus::Queued);
+    let stored: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM push_events")
+        .fetch_one(&closer)
+        .await
+        .unwrap();
+    assert_eq!(stored, 2);
+}
+
 /// On PostgreSQL a group's plans, made once per connection, look rows up by key however the
 /// tables grow after: made on new, nearly empty tables (a fresh deployment, a benchmark run), the
 /// seen read scanned all of `push_events` and the window update every open window on each call,

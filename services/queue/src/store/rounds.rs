@@ -44,9 +44,23 @@ macro_rules! round_statements {
                 }
                 let mut results = Vec::with_capacity(group.len());
                 for a in group {
-                    let one = self
+                    let mut one = self
                         .admit_together(&[a], &[], &[], now, coalesce_ms, handoff)
                         .await;
+                    // A connection the server closed since its last use (a restart, a fail-over,
+                    // less than `PING_IDLE_AFTER` idle) fails the first statement sent on it, and
+                    // the pool replaces it: the admission goes again on the next, once. If the
+                    // first commit did reach the server, the second finds the event stored and is
+                    // answered as a retry is (queued, no quota spent, no recipient twice).
+                    if one.as_ref().is_err_and(QueueError::connection_lost) {
+                        // The lost attempt may have committed work no answer names: the lanes
+                        // look (`Round::uncertain`).
+                        apart = true;
+                        tracing::debug!("admission's connection lost; admitting it again");
+                        one = self
+                            .admit_together(&[a], &[], &[], now, coalesce_ms, handoff)
+                            .await;
+                    }
                     apart |= one.is_err();
                     results.push(one.map(|mut done| done.admitted.remove(0)));
                 }
