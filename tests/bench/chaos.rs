@@ -164,7 +164,8 @@ impl ModeRun<'_> {
         let started = Instant::now();
         let deadline = started + Duration::from_secs_f64(args.chaos_seconds);
         let bar = crate::report::phase_bar("chaos: kill -9 under load", args.chaos_seconds);
-        let mut kills: Vec<Instant> = Vec::new();
+        // Each kill from the signal until the gateway is ready again: nothing is claimed meanwhile.
+        let mut kills: Vec<(Instant, Instant)> = Vec::new();
         let mut downtimes: Vec<f64> = Vec::new();
         let killing = async {
             let every = Duration::from_secs_f64(args.kill_every);
@@ -173,10 +174,10 @@ impl ModeRun<'_> {
                 tokio::time::sleep_until(next.into()).await;
                 let killed_at = Instant::now();
                 gateway.process("all").kill().await;
-                kills.push(killed_at);
                 gateway.process("all").respawn().await;
                 let ready = until_ready(self.http, &gateway.base, Duration::from_secs(60)).await;
                 let ready = ready.context("the gateway was not ready within 60 s of a restart")?;
+                kills.push((killed_at, ready));
                 downtimes.push(seconds(ready - killed_at));
                 bar.set_position(started.elapsed().as_millis() as u64);
                 bar.set_message(format!("{} kills", kills.len()));
@@ -309,7 +310,9 @@ impl ModeRun<'_> {
         )
         .await;
         self.keep_log(&gateway);
-        let tally = ledger.tally(&[stopped_at]);
+        // The outage lasts until the server accepts again: nothing is claimed meanwhile, so an
+        // arrival during it was under way at the stop.
+        let tally = ledger.tally(&[(stopped_at, pg_ready)]);
         let mut figures = tally_figures(&tally);
         let since_ready = |at: Instant| at.saturating_duration_since(pg_ready).as_secs_f64();
         let attempts = ledger.attempts();

@@ -72,9 +72,11 @@ pub struct Tally {
     pub duplicated_pairs: u64,
     /// Repeats whose collapse id differs from the first arrival's (or is missing).
     pub duplicates_with_other_collapse_id: u64,
-    /// Repeats with no disruption (kill, database stop) between the first arrival and them.
+    /// Repeats with no disruption (kill, database outage) between the first arrival and them: none
+    /// began before the repeat and was still going on at the first arrival (see `tally`).
     pub duplicates_without_disruption_between: u64,
-    /// The longest time from a duplicated pair's first arrival to the next disruption.
+    /// The longest time from a duplicated pair's first arrival to the start of the next disruption
+    /// (0 if it arrived during one).
     pub duplicate_first_to_disruption_max_ms: f64,
     /// Failed and refused attempts by kind.
     pub failures: BTreeMap<String, u64>,
@@ -142,8 +144,12 @@ impl Ledger {
         self.books.lock().unwrap().attempts.clone()
     }
 
-    /// The counts, with `disruptions` (kill or stop instants, in order) to place duplicates.
-    pub fn tally(&self, disruptions: &[Instant]) -> Tally {
+    /// The counts, with `disruptions` (each from its start to its end, in order: a kill is an
+    /// instant, a database outage lasts from its stop until the server accepts again) to place
+    /// duplicates. A repeat is across a disruption if one began before it and had not ended at
+    /// the first arrival: a delivery under way when the database stopped reaches the provider
+    /// during the outage, and its repeat, after a lease lost in the crash, follows the restart.
+    pub fn tally(&self, disruptions: &[(Instant, Instant)]) -> Tally {
         let books = self.books.lock().unwrap();
         let now = Instant::now();
         let mut tally = Tally {
@@ -183,9 +189,9 @@ impl Ledger {
             }
             tally.duplicated_pairs += 1;
             tally.duplicates += repeats.len() as u64;
-            let next_disruption = disruptions.iter().find(|d| **d >= *first_at);
-            if let Some(d) = next_disruption {
-                let gap = d.duration_since(*first_at).as_secs_f64() * 1000.0;
+            let next_disruption = disruptions.iter().find(|(_, end)| *end >= *first_at);
+            if let Some((start, _)) = next_disruption {
+                let gap = start.saturating_duration_since(*first_at).as_secs_f64() * 1000.0;
                 tally.duplicate_first_to_disruption_max_ms =
                     tally.duplicate_first_to_disruption_max_ms.max(gap);
             }
@@ -193,11 +199,65 @@ impl Ledger {
                 if first_collapse.is_none() || collapse != first_collapse {
                     tally.duplicates_with_other_collapse_id += 1;
                 }
-                if next_disruption.is_none_or(|d| *d > *at) {
+                let across = disruptions
+                    .iter()
+                    .any(|(start, end)| *start <= *at && *end >= *first_at);
+                if !across {
                     tally.duplicates_without_disruption_between += 1;
                 }
             }
         }
         tally
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arrival(id: &str, at: Instant) -> Arrival {
+        Arrival {
+            provider: "apns",
+            notification_id: Some(id.to_owned()),
+            token: "token".to_owned(),
+            collapse_id: Some(format!("c-{id}")),
+            at,
+        }
+    }
+
+    /// Repeats are placed against each disruption's whole span: one whose first copy arrived
+    /// before or during an outage and whose repeat came after its start is across it; one whose
+    /// first copy came after the outage ended is not.
+    #[test]
+    fn a_repeat_is_across_an_outage_its_first_copy_arrived_before_or_during() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let outage = (ms(1_000), ms(6_000));
+        let ledger = Ledger::default();
+        ledger.arrived(vec![
+            // Before the stop, again after the restart.
+            arrival("before", ms(900)),
+            arrival("before", ms(6_100)),
+            // A delivery under way at the stop, reaching the provider during the outage.
+            arrival("during", ms(1_004)),
+            arrival("during", ms(6_100)),
+            // Both after the outage: no disruption explains it.
+            arrival("after", ms(6_500)),
+            arrival("after", ms(7_000)),
+            // Both before it.
+            arrival("early", ms(100)),
+            arrival("early", ms(200)),
+        ]);
+        let tally = ledger.tally(&[outage]);
+        assert_eq!((tally.duplicated_pairs, tally.duplicates), (4, 4));
+        assert_eq!(tally.duplicates_without_disruption_between, 2);
+        assert_eq!(tally.duplicates_with_other_collapse_id, 0);
+        assert_eq!(tally.duplicate_first_to_disruption_max_ms, 900.0);
+        // A kill is an instant: a first copy after it is not across it.
+        let kill = (ms(1_000), ms(1_000));
+        assert_eq!(
+            ledger.tally(&[kill]).duplicates_without_disruption_between,
+            3
+        );
     }
 }
