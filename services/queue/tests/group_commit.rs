@@ -868,6 +868,46 @@ async fn postgresql_an_admission_whose_connection_was_just_closed_goes_again_on_
     assert_eq!(stored, 2);
 }
 
+/// A round whose host lock fails on the server (here the database's `lock_timeout`, while
+/// another connection holds the host's lock) fails its admission cleanly, and the rounds after it
+/// run: the aborted transaction its `BEGIN` left on the writer's connection is ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_a_round_whose_lock_fails_leaves_the_writer_able_to_go_on() {
+    let h = harness(Backend::Postgres).await;
+    let Pool::Postgres(other) = orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+        .await
+        .unwrap()
+    else {
+        unreachable!("a PostgreSQL pool");
+    };
+    // Before the writer's connection opens (at its first round), so that it gets the setting.
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&other)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!(
+        "ALTER DATABASE \"{database}\" SET lock_timeout = '300ms'"
+    ))
+    .execute(&other)
+    .await
+    .unwrap();
+    let mut holder = other.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('push_events:' || $1, 0))")
+        .bind(HOST)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    assert!(
+        h.queue.enqueue(&alert(1, &["phone-1"])).await.is_err(),
+        "the host's lock is held past the lock timeout"
+    );
+    holder.commit().await.unwrap();
+    for seq in 2..=3 {
+        let admitted = h.queue.enqueue(&alert(seq, &["phone-1"])).await.unwrap();
+        assert_eq!(admitted.statuses[0].1, AdmissionStatus::Queued);
+    }
+}
+
 /// On PostgreSQL a group's plans, made once per connection, look rows up by key however the
 /// tables grow after: made on new, nearly empty tables (a fresh deployment, a benchmark run), the
 /// seen read scanned all of `push_events` and the window update every open window on each call,

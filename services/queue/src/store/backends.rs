@@ -395,7 +395,11 @@ impl PgQueueStore {
     ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         let hosts: Vec<&str> = group.iter().map(|a| a.host_fingerprint.as_str()).collect();
         if let Some(begin) = begin_locking_hosts(&hosts) {
-            return self.rounds.begin_with(begin).await;
+            let began = self.rounds.begin_with(begin).await;
+            if let Err(sqlx::Error::Database(_)) = &began {
+                self.end_failed_begin().await;
+            }
+            return began;
         }
         let mut tx = self.rounds.begin().await?;
         sqlx::query(Self::LOCK_HOSTS_SQL)
@@ -403,6 +407,19 @@ impl PgQueueStore {
             .execute(&mut *tx)
             .await?;
         Ok(tx)
+    }
+
+    /// After a round's `BEGIN` whose locks failed on the server (a `lock_timeout` or
+    /// `statement_timeout` the operator set, a cancelled wait): the server's transaction is
+    /// aborted, but sqlx, whose custom `BEGIN` failed, holds none and gave the connection back as
+    /// it was, where every later round would fail on it ("current transaction is aborted"). A
+    /// `ROLLBACK` on the rounds' pool ends it: that pool holds one connection per writer, and the
+    /// one writer's is the one that failed. Best effort: one that fails leaves the next round to
+    /// fail too, and to try again.
+    async fn end_failed_begin(&self) {
+        if let Err(error) = sqlx::raw_sql("ROLLBACK").execute(&self.rounds).await {
+            tracing::warn!(%error, "could not end a round's failed transaction");
+        }
     }
 
     /// A lane's transaction (a claim, a report outside the rounds, a retry, a provider's hold):
