@@ -20,17 +20,36 @@ pub enum QueueError {
 }
 
 impl QueueError {
-    /// Whether the database connection the work ran on was lost under it: closed by the server
-    /// (`57P01`-`57P03`: a terminated backend, a restart; or any error of class `08`) or broken
-    /// (an I/O error). The pool replaces such a connection, so the work may succeed on the next.
+    /// Whether the database connection the work ran on was lost under it (`connection_lost`).
     pub fn connection_lost(&self) -> bool {
-        match self {
-            QueueError::Storage(sqlx::Error::Io(_)) => true,
-            QueueError::Storage(sqlx::Error::Database(error)) => error
-                .code()
-                .is_some_and(|code| code.starts_with("08") || code.starts_with("57P0")),
-            _ => false,
-        }
+        matches!(self, QueueError::Storage(error) if connection_lost(error))
+    }
+}
+
+/// Whether `error` says the connection it came on is gone: broken (an I/O error) or closed by
+/// the server (a connection failure of class `08`; `57P01`-`57P03` a terminated backend, a
+/// shutdown, a restart; `57P05` an idle session's timeout). The pool replaces such a connection,
+/// so the work may succeed on the next. A protocol violation (`08P01`) or a dropped database
+/// (`57P04`) would fail again, and is not counted.
+pub fn connection_lost(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(error) => error.code().is_some_and(|code| {
+            matches!(
+                &*code,
+                "08000"
+                    | "08001"
+                    | "08003"
+                    | "08004"
+                    | "08006"
+                    | "08007"
+                    | "57P01"
+                    | "57P02"
+                    | "57P03"
+                    | "57P05"
+            )
+        }),
+        _ => false,
     }
 }
 

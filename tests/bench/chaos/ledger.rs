@@ -146,9 +146,12 @@ impl Ledger {
 
     /// The counts, with `disruptions` (each from its start to its end, in order: a kill is an
     /// instant, a database outage lasts from its stop until the server accepts again) to place
-    /// duplicates. A repeat is across a disruption if one began before it and had not ended at
-    /// the first arrival: a delivery under way when the database stopped reaches the provider
+    /// duplicates. A repeat is across a disruption if its first arrival came before the
+    /// disruption began and the repeat after, or its first arrival during the disruption and the
+    /// repeat after it ended: a delivery under way when the database stopped reaches the provider
     /// during the outage, and its repeat, after a lease lost in the crash, follows the restart.
+    /// Two arrivals both during an outage are not: nothing is claimed then, so both were under way
+    /// at once.
     pub fn tally(&self, disruptions: &[(Instant, Instant)]) -> Tally {
         let books = self.books.lock().unwrap();
         let now = Instant::now();
@@ -199,9 +202,11 @@ impl Ledger {
                 if first_collapse.is_none() || collapse != first_collapse {
                     tally.duplicates_with_other_collapse_id += 1;
                 }
-                let across = disruptions
-                    .iter()
-                    .any(|(start, end)| *start <= *at && *end >= *first_at);
+                let across = disruptions.iter().any(|(start, end)| {
+                    let straddles = *first_at < *start && *start <= *at;
+                    let outlasts = *start <= *first_at && *first_at <= *end && *end < *at;
+                    straddles || outlasts
+                });
                 if !across {
                     tally.duplicates_without_disruption_between += 1;
                 }
@@ -247,17 +252,20 @@ mod tests {
             // Both before it.
             arrival("early", ms(100)),
             arrival("early", ms(200)),
+            // Both during it: two copies under way at once, which no outage explains.
+            arrival("twice", ms(1_002)),
+            arrival("twice", ms(1_003)),
         ]);
         let tally = ledger.tally(&[outage]);
-        assert_eq!((tally.duplicated_pairs, tally.duplicates), (4, 4));
-        assert_eq!(tally.duplicates_without_disruption_between, 2);
+        assert_eq!((tally.duplicated_pairs, tally.duplicates), (5, 5));
+        assert_eq!(tally.duplicates_without_disruption_between, 3);
         assert_eq!(tally.duplicates_with_other_collapse_id, 0);
         assert_eq!(tally.duplicate_first_to_disruption_max_ms, 900.0);
         // A kill is an instant: a first copy after it is not across it.
         let kill = (ms(1_000), ms(1_000));
         assert_eq!(
             ledger.tally(&[kill]).duplicates_without_disruption_between,
-            3
+            4
         );
     }
 }

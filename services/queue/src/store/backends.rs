@@ -33,6 +33,13 @@ macro_rules! lock_hosts_tail {
     };
 }
 
+// `PgQueueStore::end_failed_begin` ends an aborted transaction with a `ROLLBACK` on the rounds'
+// pool, which reaches the connection that failed only while that pool holds one connection.
+const _: () = assert!(
+    PgQueueStore::GROUP_WRITERS == 1,
+    "end_failed_begin must roll back on the connection that failed"
+);
+
 /// The longest host fingerprint written into a round's `BEGIN` as a literal
 /// (`begin_locking_hosts`); the contract's are 16 characters.
 const INLINE_HOST_AT_MOST: usize = 64;
@@ -394,14 +401,26 @@ impl PgQueueStore {
         group: &[&Admission],
     ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         let hosts: Vec<&str> = group.iter().map(|a| a.host_fingerprint.as_str()).collect();
-        if let Some(begin) = begin_locking_hosts(&hosts) {
-            let began = self.rounds.begin_with(begin).await;
-            if let Err(sqlx::Error::Database(_)) = &began {
-                self.end_failed_begin().await;
+        let inline = begin_locking_hosts(&hosts);
+        let locked = inline.is_some();
+        let began = match inline {
+            Some(begin) => self.rounds.begin_with(begin).await,
+            None => self.rounds.begin().await,
+        };
+        let mut tx = match began {
+            Ok(tx) => tx,
+            Err(error) => {
+                if matches!(error, sqlx::Error::Database(_))
+                    && !crate::error::connection_lost(&error)
+                {
+                    self.end_failed_begin().await;
+                }
+                return Err(error);
             }
-            return began;
+        };
+        if locked {
+            return Ok(tx);
         }
-        let mut tx = self.rounds.begin().await?;
         sqlx::query(Self::LOCK_HOSTS_SQL)
             .bind(hosts)
             .execute(&mut *tx)
@@ -409,13 +428,15 @@ impl PgQueueStore {
         Ok(tx)
     }
 
-    /// After a round's `BEGIN` whose locks failed on the server (a `lock_timeout` or
-    /// `statement_timeout` the operator set, a cancelled wait): the server's transaction is
-    /// aborted, but sqlx, whose custom `BEGIN` failed, holds none and gave the connection back as
-    /// it was, where every later round would fail on it ("current transaction is aborted"). A
-    /// `ROLLBACK` on the rounds' pool ends it: that pool holds one connection per writer, and the
-    /// one writer's is the one that failed. Best effort: one that fails leaves the next round to
-    /// fail too, and to try again.
+    /// After a round's `BEGIN` that the server refused on a live connection: its locks failed (a
+    /// `lock_timeout` or `statement_timeout` the operator set, a cancelled wait), or an earlier
+    /// such failure left the connection in an aborted transaction. sqlx, whose `BEGIN` failed,
+    /// holds no transaction and gave the connection back as it was, where every later round
+    /// would fail on it ("current transaction is aborted"). A `ROLLBACK` on the rounds' pool ends
+    /// it: that pool holds one connection, the one writer's (asserted beside `begin_locking_hosts`),
+    /// the one that failed. Best effort: if it fails, the next round's `BEGIN` fails and comes here again.
+    /// Not after a lost connection: the pool closes that one, and a `ROLLBACK` would wait for a
+    /// new connection to a server that may still be down.
     async fn end_failed_begin(&self) {
         if let Err(error) = sqlx::raw_sql("ROLLBACK").execute(&self.rounds).await {
             tracing::warn!(%error, "could not end a round's failed transaction");
