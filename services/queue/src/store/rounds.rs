@@ -236,10 +236,13 @@ macro_rules! round_statements {
                 } else {
                     Self::finish_reported(&mut tx, reports, now).await?
                 };
-                let due = $crate::wake::earliest_due(group.iter().copied().zip(&admitted));
-                if !due.is_empty() && !woke {
-                    let payload = $crate::wake::payload_from(&due, self.origin());
-                    Self::wake_replicas(&mut tx, &payload).await?;
+                // A batched round on PostgreSQL woke replicas from its recipients' insert already.
+                if !woke {
+                    let due = $crate::wake::earliest_due(group.iter().copied().zip(&admitted));
+                    if !due.is_empty() {
+                        let payload = $crate::wake::payload_from(&due, self.origin());
+                        Self::wake_replicas(&mut tx, &payload).await?;
+                    }
                 }
                 tx.commit().await?;
                 if let Some(handoff) = handoff {
