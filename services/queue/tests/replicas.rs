@@ -198,3 +198,50 @@ async fn a_lane_sleeps_through_another_replicas_later_windows() {
     shutdown.cancel();
     lane.abort();
 }
+
+/// A replica tells the others of work due later only when it is news: once it has told them of a
+/// window ending at some time, windows ending later need no notification (the others' claims are
+/// awake by then and read them). Work due sooner, or once that time has come, is told again.
+/// Every notification was one more commit holding the server's notification lock through its flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_tells_the_others_of_later_windows_only_once_the_first_has_ended() {
+    let (config, _guard) = fresh(Backend::Postgres).await;
+    let shutdown = CancellationToken::new();
+    let admitting = replica(&config, 2_000, &shutdown).await;
+    let other = replica(&config, 2_000, &shutdown).await;
+    // Both replicas listen before the first commit.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let first = Instant::now();
+    for seq in 1..=10 {
+        admitting
+            .enqueue(&alert(seq, &format!("phone-{seq}")))
+            .await
+            .unwrap();
+    }
+    assert!(
+        first.elapsed() < Duration::from_millis(1_500),
+        "all inside the first window"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        other.replica_news(),
+        1,
+        "nine windows ending later are no news"
+    );
+    // Past the first window's end, a new window is news again.
+    tokio::time::sleep(Duration::from_millis(2_000).saturating_sub(first.elapsed())).await;
+    admitting.enqueue(&alert(11, "phone-11")).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while other.replica_news() < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(other.replica_news(), 2);
+    // The other replica's claims still take all of it.
+    let mut claimed = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while claimed < 11 && Instant::now() < deadline {
+        claimed += other.claim("lane", 64, 30_000, 3_000).await.unwrap().len();
+    }
+    assert_eq!(claimed, 11);
+    shutdown.cancel();
+}

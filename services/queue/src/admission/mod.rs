@@ -464,8 +464,13 @@ impl Window {
 #[derive(Debug)]
 pub enum Batched {
     /// Written: one result per admission, in order, the claims to answer once it commits, and
-    /// whether its writes also woke other replicas (PostgreSQL's `pg_notify`).
-    Done(Vec<Enqueued>, crate::handoff::Handed, bool),
+    /// where its writes told other replicas of its work (PostgreSQL's `pg_notify`), what they
+    /// told (empty: nothing was news, `crate::wake::Told`).
+    Done(
+        Vec<Enqueued>,
+        crate::handoff::Handed,
+        Option<Vec<(crate::model::Provider, i64)>>,
+    ),
     /// Not the common case (a dismissal, a retry, an identity twice): admit row by row instead,
     /// in the same transaction (nothing was written).
     RowByRow,

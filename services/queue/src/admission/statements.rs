@@ -147,7 +147,8 @@ macro_rules! batched_admission {
 
             /// Admits `group` on the batched path inside `tx` (see `crate::admission`). Where
             /// the backend notifies other replicas (`WAKES_IN_WRITES`), the recipients' insert
-            /// does it too, signed with `origin`, and `Batched::Done` says so.
+            /// tells them what of the group's work is news after `told`, signed with `origin`,
+            /// and `Batched::Done` says what.
             async fn admit_batched(
                 tx: &mut <$store as Backend>::Tx,
                 group: &[&Admission],
@@ -155,7 +156,7 @@ macro_rules! batched_admission {
                 coalesce_ms: i64,
                 handoff: Option<&$crate::handoff::Handoff>,
                 round: &mut Vec<$crate::handoff::Offer>,
-                origin: &str,
+                (told, origin): ($crate::wake::Told, &str),
             ) -> Result<$crate::admission::Batched, sqlx::Error> {
                 use $crate::admission::{self as batch, Batched};
                 if !batch::eligible(group) {
@@ -241,12 +242,16 @@ macro_rules! batched_admission {
                 // The wake-up of other replicas rides in the last recipients' statement: one
                 // round trip fewer in a round every admission in it waits for. Work due is
                 // always some recipient's, so a round that wakes has one.
-                let wake = if Self::WAKES_IN_WRITES {
-                    let due = $crate::wake::earliest_due(group.iter().copied().zip(&plan.results));
-                    (!due.is_empty()).then(|| $crate::wake::payload_from(&due, origin))
-                } else {
-                    None
-                };
+                let news = Self::WAKES_IN_WRITES.then(|| {
+                    told.news(
+                        &$crate::wake::earliest_due(group.iter().copied().zip(&plan.results)),
+                        now,
+                    )
+                });
+                let wake = news
+                    .as_deref()
+                    .filter(|news| !news.is_empty())
+                    .map(|news| $crate::wake::payload_from(news, origin));
                 let chunks = plan.recipients.chunks(batch::ROWS_PER_STATEMENT).count();
                 let mut counted_at = None;
                 for (i, chunk) in plan
@@ -278,7 +283,6 @@ macro_rules! batched_admission {
                         counted_at = Some(writes.count() - 1);
                     }
                 }
-                let woke = counted_at.is_some();
                 let mut changed = 0;
                 let joined = tx.joins();
                 for (i, (q, rows)) in writes.queries().enumerate() {
@@ -302,7 +306,7 @@ macro_rules! batched_admission {
                 if changed != batch::changes_expected(&plan) {
                     return Ok(Batched::Raced);
                 }
-                Ok(Batched::Done(plan.results, handed, woke))
+                Ok(Batched::Done(plan.results, handed, news))
             }
 
             /// One row per admission: whether its identity is stored, its host's quota use, and

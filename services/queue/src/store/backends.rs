@@ -228,6 +228,13 @@ impl SqliteQueueStore {
         ""
     }
 
+    /// Nothing is notified, so everything would be news.
+    pub(super) fn told(&self) -> crate::wake::Told {
+        crate::wake::Told::default()
+    }
+
+    pub(super) fn heard_told(&self, _told: &[(crate::model::Provider, i64)]) {}
+
     /// One process owns a SQLite queue: the in-process waker is enough.
     pub(super) async fn wake_replicas(
         _tx: &mut <Self as Backend>::Tx,
@@ -260,6 +267,8 @@ pub struct PgQueueStore {
     /// Signs this replica's notifications, so that its listener skips their echo
     /// (`crate::wake::payload_from`).
     pub(super) origin: std::sync::Arc<str>,
+    /// What its rounds have told other replicas (`crate::wake::Told`).
+    pub(super) told: std::sync::Arc<std::sync::Mutex<crate::wake::Told>>,
     /// Where the clean-up's payload sweep ended.
     pub(super) payload_sweep: std::sync::Arc<super::cleanup::PayloadSweep>,
 }
@@ -306,6 +315,7 @@ impl PgQueueStore {
             row_by_row: false,
             batched_groups: Default::default(),
             origin: super::random_id().into(),
+            told: std::sync::Arc::default(),
             payload_sweep: std::sync::Arc::default(),
         }
     }
@@ -313,6 +323,24 @@ impl PgQueueStore {
     /// What signs this replica's notifications (`crate::wake::payload_from`).
     pub fn origin(&self) -> &str {
         &self.origin
+    }
+
+    /// What this replica's rounds have told other replicas, for the next round to tell only news.
+    pub(super) fn told(&self) -> crate::wake::Told {
+        *self
+            .told
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A round that told `told` has committed.
+    pub(super) fn heard_told(&self, told: &[(crate::model::Provider, i64)]) {
+        if !told.is_empty() {
+            self.told
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .heard(told);
+        }
     }
 
     /// Where reads outside a transaction go.

@@ -189,7 +189,7 @@ macro_rules! round_statements {
                     }));
                 }
                 let batched = if group.is_empty() {
-                    Batched::Done(Vec::new(), Vec::new(), false)
+                    Batched::Done(Vec::new(), Vec::new(), Some(Vec::new()))
                 } else if self.row_by_row {
                     Batched::RowByRow
                 } else {
@@ -200,22 +200,22 @@ macro_rules! round_statements {
                         coalesce_ms,
                         handoff,
                         &mut round,
-                        self.origin(),
+                        (self.told(), self.origin()),
                     )
                     .await?
                 };
-                let (admitted, handed, woke) = match batched {
-                    Batched::Done(admitted, handed, woke) => {
+                let (admitted, handed, told) = match batched {
+                    Batched::Done(admitted, handed, told) => {
                         if !group.is_empty() {
                             self.batched_groups
                                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
-                        (admitted, handed, woke)
+                        (admitted, handed, told)
                     }
                     Batched::RowByRow => (
                         Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                         Vec::new(),
-                        false,
+                        None,
                     ),
                     Batched::Raced => {
                         // The offers taken went with the plan: the claims keep what the table
@@ -226,7 +226,7 @@ macro_rules! round_statements {
                         (
                             Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
                             Vec::new(),
-                            false,
+                            None,
                         )
                     }
                 };
@@ -236,15 +236,23 @@ macro_rules! round_statements {
                 } else {
                     Self::finish_reported(&mut tx, reports, now).await?
                 };
-                // A batched round on PostgreSQL woke replicas from its recipients' insert already.
-                if !woke {
-                    let due = $crate::wake::earliest_due(group.iter().copied().zip(&admitted));
-                    if !due.is_empty() {
-                        let payload = $crate::wake::payload_from(&due, self.origin());
-                        Self::wake_replicas(&mut tx, &payload).await?;
+                // A batched round on PostgreSQL told replicas from its recipients' insert already.
+                let told = match told {
+                    Some(told) => told,
+                    None => {
+                        let due = self.told().news(
+                            &$crate::wake::earliest_due(group.iter().copied().zip(&admitted)),
+                            now,
+                        );
+                        if !due.is_empty() {
+                            let payload = $crate::wake::payload_from(&due, self.origin());
+                            Self::wake_replicas(&mut tx, &payload).await?;
+                        }
+                        due
                     }
-                }
+                };
                 tx.commit().await?;
+                self.heard_told(&told);
                 if let Some(handoff) = handoff {
                     for (offer, batches) in handed {
                         handoff.answer(offer, batches);
