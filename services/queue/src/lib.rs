@@ -175,10 +175,21 @@ async fn listen_for_replicas(
         let listener = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
             listener.listen(store::WAKE_CHANNEL).await?;
+            // What was committed before this listener was in place (at start, or while it
+            // reconnected) was told to no one here: the claims look again.
+            wake.any();
             loop {
-                let notification = listener.recv().await?;
-                let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
-                wake.notified(notification.payload(), &origin, now);
+                match listener.try_recv().await? {
+                    Some(notification) => {
+                        let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
+                        wake.notified(notification.payload(), &origin, now);
+                    }
+                    // The connection was lost and made again, listening (sqlx's eager
+                    // reconnect): what was told meanwhile is lost, so the claims look again.
+                    // `recv` reconnected without saying so, and other replicas tell a time
+                    // only once (`wake::Told`).
+                    None => wake.any(),
+                }
             }
             #[allow(unreachable_code)]
             Ok::<(), sqlx::Error>(())

@@ -334,11 +334,21 @@ pub fn sent_by(payload: &str, origin: &str) -> bool {
 /// when news, PostgreSQL admission went 13-15% higher at 32 and 64 connections (docs/benchmarks.md,
 /// round 36). Work due at once, or earlier than what was told, is always told.
 ///
-/// What was told may be withdrawn before its time (its members dismissed): a claim that reads then
-/// sleeps until the next work it finds, so another replica may take later work only when its
-/// claim next looks (within `MAX_WAIT_MS`); this replica's own claims are woken in process.
+/// A time told counts as still to come only while it is more than `TOLD_AHEAD_MS` away: a
+/// round's `now` is read before its transaction, which commits a little later, and replicas'
+/// clocks differ a little. (Claims that leave the provider alone are not woken by news anyway.)
+///
+/// What was told may be gone before its time: its members dismissed, or its batch made due at
+/// once by another replica's admissions (full) and claimed. A claim that reads then sleeps until
+/// the next work it finds, so another replica may take the later work only when its claim next
+/// looks (the lanes wait 10 s, at most `MAX_WAIT_MS`); this replica's own claims are woken in
+/// process, as they always are. So is a round whose commit came more than `TOLD_AHEAD_MS` after
+/// its `now` (a lost connection, the writer's retries).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Told([Option<i64>; 3]);
+
+/// See [`Told`].
+pub const TOLD_AHEAD_MS: i64 = 1_000;
 
 impl Told {
     /// What of `due` is news to other replicas at `now`.
@@ -346,7 +356,7 @@ impl Told {
         due.iter()
             .copied()
             .filter(|&(provider, at)| match self.0[slot(provider)] {
-                Some(told) if told > now => at < told,
+                Some(told) if told > now.saturating_add(TOLD_AHEAD_MS) => at < told,
                 _ => true,
             })
             .collect()
@@ -579,9 +589,14 @@ mod tests {
             "due at once"
         );
         assert_eq!(
-            told.news(&[(Provider::Fcm, 7_000)], 4_000),
+            told.news(&[(Provider::Fcm, 7_000)], 4_000 - TOLD_AHEAD_MS),
             [(Provider::Fcm, 7_000)],
-            "once the time told has come, later work is news again"
+            "as the time told comes near, later work is news again"
+        );
+        assert!(
+            told.news(&[(Provider::Fcm, 7_000)], 4_000 - TOLD_AHEAD_MS - 1)
+                .is_empty(),
+            "until then it is not"
         );
         told.heard(&[(Provider::Fcm, now)]);
         assert_eq!(

@@ -201,26 +201,37 @@ async fn a_lane_sleeps_through_another_replicas_later_windows() {
 
 /// A replica tells the others of work due later only when it is news: once it has told them of a
 /// window ending at some time, windows ending later need no notification (the others' claims are
-/// awake by then and read them). Work due sooner, or once that time has come, is told again.
+/// awake by then and read them). Work due sooner, or once that time comes near, is told again.
 /// Every notification was one more commit holding the server's notification lock through its flush.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_tells_the_others_of_later_windows_only_once_the_first_has_ended() {
     let (config, _guard) = fresh(Backend::Postgres).await;
     let shutdown = CancellationToken::new();
-    let admitting = replica(&config, 2_000, &shutdown).await;
-    let other = replica(&config, 2_000, &shutdown).await;
+    let admitting = replica(&config, 3_000, &shutdown).await;
+    let other = replica(&config, 3_000, &shutdown).await;
     // Both replicas listen before the first commit.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let first = Instant::now();
-    for seq in 1..=10 {
+    // A claim on the other replica waits from before the first window: woken by its news, it
+    // takes that window's batch once due, well before its own 10 s wait ends.
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move {
+            let claimed = other.claim("lane", 64, 30_000, 10_000).await.unwrap();
+            (Instant::now(), claimed.len())
+        }
+    });
+    admitting.enqueue(&alert(1, "phone-1")).await.unwrap();
+    // The first window ends 3 s after its round's time, which is before this.
+    let first_told = Instant::now();
+    for seq in 2..=10 {
         admitting
             .enqueue(&alert(seq, &format!("phone-{seq}")))
             .await
             .unwrap();
     }
     assert!(
-        first.elapsed() < Duration::from_millis(1_500),
-        "all inside the first window"
+        first_told.elapsed() < Duration::from_millis(1_500),
+        "all while the first window's end is more than wake::TOLD_AHEAD_MS away"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
@@ -228,20 +239,60 @@ async fn a_replica_tells_the_others_of_later_windows_only_once_the_first_has_end
         1,
         "nine windows ending later are no news"
     );
-    // Past the first window's end, a new window is news again.
-    tokio::time::sleep(Duration::from_millis(2_000).saturating_sub(first.elapsed())).await;
+    // Once the first window's end is near, a new window is news again.
+    tokio::time::sleep(Duration::from_millis(2_200).saturating_sub(first_told.elapsed())).await;
     admitting.enqueue(&alert(11, "phone-11")).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     while other.replica_news() < 2 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(other.replica_news(), 2);
-    // The other replica's claims still take all of it.
-    let mut claimed = 0;
+    let (claimed_at, mut claimed) = waiting.await.unwrap();
+    assert!(claimed >= 1, "woken, not timed out");
+    assert!(
+        claimed_at.saturating_duration_since(first_told) < Duration::from_millis(4_500),
+        "taken when its window ended"
+    );
+    // The other replica's claims take the rest too.
     let deadline = Instant::now() + Duration::from_secs(10);
     while claimed < 11 && Instant::now() < deadline {
-        claimed += other.claim("lane", 64, 30_000, 3_000).await.unwrap().len();
+        claimed += other.claim("lane", 64, 30_000, 5_000).await.unwrap().len();
     }
     assert_eq!(claimed, 11);
     shutdown.cancel();
+}
+
+/// A replica whose listener's connection is lost and made again cannot know what was told
+/// meanwhile (and other replicas tell a time only once): its claims look again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_look_again_when_the_listener_has_reconnected() {
+    let (config, _guard) = fresh(Backend::Postgres).await;
+    let shutdown = CancellationToken::new();
+    let queue = replica(&config, 0, &shutdown).await;
+    let lane = tokio::spawn({
+        let queue = queue.clone();
+        async move { queue.claim("lane", 64, 30_000, 10_000).await }
+    });
+    // The listener is in place, and the claim asleep with nothing due.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = queue.due_reads();
+    let pool = open_and_migrate(&config).await.unwrap();
+    let orca_push_storage::Pool::Postgres(pg) = pool else {
+        panic!("a PostgreSQL pool");
+    };
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_one(&pg)
+    .await
+    .unwrap();
+    assert_eq!(ended, 1, "the listener's connection");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while queue.due_reads() == before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(queue.due_reads() > before, "the claim looked again");
+    shutdown.cancel();
+    lane.abort();
 }

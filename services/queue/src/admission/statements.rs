@@ -306,7 +306,10 @@ macro_rules! batched_admission {
                 if changed != batch::changes_expected(&plan) {
                     return Ok(Batched::Raced);
                 }
-                Ok(Batched::Done(plan.results, handed, news))
+                // What a statement carried was told; if none did (no recipient to carry it, which
+                // `plan` never leaves), the round tells it on its own.
+                let told = news.filter(|news| news.is_empty() || counted_at.is_some());
+                Ok(Batched::Done(plan.results, handed, told))
             }
 
             /// One row per admission: whether its identity is stored, its host's quota use, and
