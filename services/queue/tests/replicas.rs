@@ -34,6 +34,14 @@ fn alert(seq: i64, registration: &str) -> Admission {
     }
 }
 
+/// Waits until `done` holds, for at most `seconds`.
+async fn eventually(seconds: u64, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    while !done() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A replica: its own pool and process-local waker, on the shared database.
 async fn replica(
     config: &DatabaseConfig,
@@ -151,10 +159,7 @@ async fn a_replica_hears_the_others_commits_not_the_echo_of_its_own() {
             .await
             .unwrap();
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while other.replica_news() < 3 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(5, || other.replica_news() >= 3).await;
     assert_eq!(other.replica_news(), 3, "one notification per commit");
     // The echoes were sent to both listeners at once.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -242,10 +247,7 @@ async fn a_replica_tells_the_others_of_later_windows_only_once_the_first_has_end
     // Once the first window's end is near, a new window is news again.
     tokio::time::sleep(Duration::from_millis(2_200).saturating_sub(first_told.elapsed())).await;
     admitting.enqueue(&alert(11, "phone-11")).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while other.replica_news() < 2 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(5, || other.replica_news() >= 2).await;
     assert_eq!(other.replica_news(), 2);
     let (claimed_at, mut claimed) = waiting.await.unwrap();
     assert!(claimed >= 1, "woken, not timed out");
@@ -288,10 +290,7 @@ async fn claims_look_again_when_the_listener_has_reconnected() {
     .await
     .unwrap();
     assert_eq!(ended, 1, "the listener's connection");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while queue.due_reads() == before && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(5, || queue.due_reads() != before).await;
     assert!(queue.due_reads() > before, "the claim looked again");
     shutdown.cancel();
     lane.abort();

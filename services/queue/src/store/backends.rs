@@ -162,6 +162,8 @@ impl SqliteQueueStore {
     pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(128);
     /// No other replica to wake (`wake_replicas`).
     pub(super) const WAKES_IN_WRITES: bool = false;
+    /// One process owns a SQLite queue: no other replica to tell (`wake_replicas`).
+    pub(super) const TELLS_REPLICAS: bool = false;
     /// One writer: a second group could only wait for it.
     pub(super) const GROUP_WRITERS: usize = 1;
     /// Reports share the admission writer's rounds: one transaction and one sync for both, and
@@ -365,6 +367,8 @@ impl PgQueueStore {
     /// A batched round's recipients' insert also notifies other replicas (`wake_replicas`'s
     /// `pg_notify`, sent with the commit all the same): one round trip fewer a round.
     pub(super) const WAKES_IN_WRITES: bool = true;
+    /// Other replicas share the database and are told of new work (`wake_replicas`).
+    pub(super) const TELLS_REPLICAS: bool = true;
     /// One, on a thread of its own (`WRITER_THREAD`): its rounds follow each other, each taking
     /// everything waiting (up to `MAX_GROUP`), so every admission pays a share of one round's
     /// round trips. Other replicas' writers still commit beside it; a host's admissions serialise

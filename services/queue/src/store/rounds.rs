@@ -239,6 +239,8 @@ macro_rules! round_statements {
                 // A batched round on PostgreSQL told replicas from its recipients' insert already.
                 let told = match told {
                     Some(told) => told,
+                    // SQLite: nothing to tell, nor to work out on every round.
+                    None if !Self::TELLS_REPLICAS => Vec::new(),
                     None => {
                         let due = self.told().news(
                             &$crate::wake::earliest_due(group.iter().copied().zip(&admitted)),
