@@ -87,3 +87,53 @@ async fn a_wrong_gateway_path_is_one_clear_error() {
         "{stderr}"
     );
 }
+
+/// The admission scenario driven by wrk (`--admission-client wrk`), as the performance issue
+/// measured: its script's sends are all answered `queued` (a body the gateway refused, or a
+/// notification identity used twice, would count as an error), and its rows carry wrk's figures
+/// and its CPU. `scripts/test` installs wrk where it is missing.
+#[tokio::test(flavor = "multi_thread")]
+async fn admission_runs_under_wrk() {
+    let json = tempfile::NamedTempFile::new().unwrap();
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_orca-push-bench"))
+        .args([
+            "--smoke",
+            "--modes",
+            "sqlite",
+            "--scenarios",
+            "admission",
+            "--admission-client",
+            "wrk",
+        ])
+        .arg("--gateway")
+        .arg(orca_push_tests::binary())
+        .arg("--json")
+        .arg(json.path())
+        .output()
+        .await
+        .expect("run orca-push-bench");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "orca-push-bench failed:\n{stdout}\n{stderr}"
+    );
+    let report: Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    let rows: Vec<&Value> = report["modes"][0]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["scenario"] == "admission")
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for row in rows {
+        assert!(row["phase"].as_str().unwrap().ends_with("(wrk)"), "{row}");
+        assert_eq!(row["errors"], 0, "{row}");
+        assert!(row["ops"].as_u64().unwrap() > 0, "{row}");
+        assert!(row["latency_ms"]["p50"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(
+            row["extra"]["wrk_cpu_percent"].as_f64().unwrap() > 0.0,
+            "{row}"
+        );
+    }
+}

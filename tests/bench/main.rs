@@ -14,6 +14,7 @@ mod population;
 mod procstat;
 mod report;
 mod scenarios;
+mod wrk;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -138,6 +139,10 @@ struct Args {
     /// Connections (requests in flight) of the admission scenario's closed loops.
     #[arg(long, value_delimiter = ',', default_value = "8,32,64")]
     admission_connections: Vec<usize>,
+    /// What drives the admission scenario's closed loops: the bench's own HTTP/1 connections, or
+    /// wrk (Debian: `wrk`), the load generator the performance issue measured with.
+    #[arg(long, value_enum, default_value_t = outage::Client::Bench)]
+    admission_client: outage::Client,
     /// Seconds of each phase of the outage scenario.
     #[arg(long, default_value_t = 5.0)]
     outage_seconds: f64,
@@ -540,8 +545,9 @@ impl ModeRun<'_> {
                     &pool,
                     args.admission_seconds,
                     &args.admission_connections,
+                    args.admission_client,
                 )
-                .await,
+                .await?,
             );
             self.keep_log(&gateway);
         }

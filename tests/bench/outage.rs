@@ -89,6 +89,16 @@ fn answer(status: u16) -> axum::response::Response {
     }
 }
 
+/// What drives the admission scenario's closed loops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Client {
+    /// The bench's own HTTP/1 connections (`crate::lines`).
+    Bench,
+    /// wrk, as the performance issue measured (`crate::wrk`).
+    Wrk,
+}
+
 /// `admission`: a closed loop of sends at each of `levels` connections, every host new to the
 /// gateway with one Android phone, every send naming that one phone, while the providers refuse
 /// connections (so failed deliveries retry beside the admissions).
@@ -97,9 +107,14 @@ pub async fn admission(
     pool: &Arc<Pool>,
     seconds: f64,
     levels: &[usize],
-) -> Vec<Phase> {
+    client: Client,
+) -> anyhow::Result<Vec<Phase>> {
     let mut rows = Vec::new();
-    for &connections in levels {
+    for (level, &connections) in levels.iter().enumerate() {
+        if client == Client::Wrk {
+            rows.push(admission_by_wrk(target, pool, seconds, connections, level).await?);
+            continue;
+        }
         let (row, _) = measure(
             target,
             "admission",
@@ -121,7 +136,71 @@ pub async fn admission(
         .await;
         rows.push(row);
     }
-    rows
+    Ok(rows)
+}
+
+/// One closed loop of `admission` driven by wrk: the row from wrk's own counts and latencies,
+/// the gateway's and the server's CPU as for every phase, and wrk's CPU in the bench's.
+async fn admission_by_wrk(
+    target: &Target,
+    pool: &Arc<Pool>,
+    seconds: f64,
+    connections: usize,
+    level: usize,
+) -> anyhow::Result<Phase> {
+    let hosts: Vec<&crate::population::Host> = pool.hosts.iter().map(|h| &**h).collect();
+    // Sequences far above the bench's own, and apart for each loop.
+    let first_seq = 1_000_000_000 * (level as u64 + 1);
+    let script = crate::wrk::script(&hosts, first_seq)?;
+    let ran = std::sync::Mutex::new(None);
+    let (mut row, _) = measure(
+        target,
+        "admission",
+        &format!("closed loop, {connections} connections (wrk)"),
+        seconds,
+        |_, _| async {
+            let before = crate::procstat::children_cpu_seconds();
+            let figures = crate::wrk::run(&target.base, connections, seconds, &script).await;
+            let cpu = crate::procstat::children_cpu_seconds() - before;
+            *ran.lock().unwrap() = Some((figures, cpu));
+            BTreeMap::new()
+        },
+    )
+    .await;
+    let (figures, wrk_cpu) = ran
+        .into_inner()
+        .unwrap()
+        .ok_or_else(|| anyhow::anyhow!("wrk did not run"))?;
+    let figures = figures?;
+    let elapsed = row.seconds;
+    row.ops = figures.ok();
+    row.seconds = figures.seconds();
+    row.rate = figures.ok() as f64 / row.seconds.max(1e-9);
+    row.errors = figures.errors();
+    row.error_kinds = [
+        ("not queued", figures.refused),
+        ("connect", figures.connect_errors),
+        ("read", figures.read_errors),
+        ("write", figures.write_errors),
+        ("timeout", figures.timeouts),
+    ]
+    .into_iter()
+    .filter(|(_, n)| *n > 0)
+    .map(|(kind, n)| (kind.to_owned(), n))
+    .collect();
+    row.latency_ms = Some(crate::scenarios::Percentiles {
+        p50: figures.p50_us / 1000.0,
+        p90: figures.p90_us / 1000.0,
+        p99: figures.p99_us / 1000.0,
+        p999: figures.p999_us / 1000.0,
+        max: figures.max_us / 1000.0,
+    });
+    row.bench_cpu_percent += 100.0 * wrk_cpu / elapsed.max(1e-9);
+    row.extra.insert(
+        "wrk_cpu_percent".into(),
+        100.0 * wrk_cpu / elapsed.max(1e-9),
+    );
+    Ok(row)
 }
 
 /// `outage`: sends at `rate` per second while the providers refuse connections, then while they

@@ -56,15 +56,27 @@ pub fn own_cpu_seconds() -> f64 {
     cpu_seconds("/proc/self/stat").unwrap_or(0.0)
 }
 
+/// The CPU time of this load generator's children that have ended and been waited for (a wrk
+/// run, `crate::wrk`).
+pub fn children_cpu_seconds() -> f64 {
+    stat_seconds("/proc/self/stat", 13).unwrap_or(0.0)
+}
+
 fn cpu_seconds(path: &str) -> Option<f64> {
+    stat_seconds(path, 11)
+}
+
+/// The two clock-tick fields of `path` (a `/proc/<pid>/stat`) from `first` after the command
+/// name, in seconds: utime and stime from the 12th (fields 14 and 15 overall), the waited-for
+/// children's cutime and cstime from the 14th (16 and 17).
+fn stat_seconds(path: &str, first: usize) -> Option<f64> {
     let stat = std::fs::read_to_string(path).ok()?;
     // The command name (field 2) is in parentheses and may hold spaces: count from its end.
     let after = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = after.split_whitespace().collect();
-    // After the name, utime and stime are the 12th and 13th fields (14 and 15 overall).
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) / TICKS_PER_SECOND)
+    let user: f64 = fields.get(first)?.parse().ok()?;
+    let system: f64 = fields.get(first + 1)?.parse().ok()?;
+    Some((user + system) / TICKS_PER_SECOND)
 }
 
 fn status_kib(status: &str, key: &str) -> f64 {
