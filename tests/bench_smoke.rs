@@ -4,17 +4,13 @@
 
 use serde_json::Value;
 
-#[tokio::test(flavor = "multi_thread")]
-async fn every_scenario_runs_in_every_mode() {
+/// Runs the bench in smoke mode with `args` against the test build of the gateway: its JSON
+/// report and its standard output, once it has succeeded.
+async fn smoke(args: &[&str]) -> (Value, String) {
     let json = tempfile::NamedTempFile::new().unwrap();
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_orca-push-bench"))
-        .args([
-            "--smoke",
-            "--modes",
-            "sqlite,postgres,split",
-            "--label",
-            "smoke",
-        ])
+        .arg("--smoke")
+        .args(args)
         .arg("--gateway")
         .arg(orca_push_tests::binary())
         .arg("--json")
@@ -22,13 +18,19 @@ async fn every_scenario_runs_in_every_mode() {
         .output()
         .await
         .expect("run orca-push-bench");
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),
         "orca-push-bench failed:\n{stdout}\n{stderr}"
     );
-    let report: Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    let report = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    (report, stdout)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_scenario_runs_in_every_mode() {
+    let (report, stdout) = smoke(&["--modes", "sqlite,postgres,split", "--label", "smoke"]).await;
     let modes = report["modes"].as_array().expect("modes");
     assert_eq!(
         modes
@@ -94,31 +96,15 @@ async fn a_wrong_gateway_path_is_one_clear_error() {
 /// and its CPU. `scripts/test` installs wrk where it is missing.
 #[tokio::test(flavor = "multi_thread")]
 async fn admission_runs_under_wrk() {
-    let json = tempfile::NamedTempFile::new().unwrap();
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_orca-push-bench"))
-        .args([
-            "--smoke",
-            "--modes",
-            "sqlite",
-            "--scenarios",
-            "admission",
-            "--admission-client",
-            "wrk",
-        ])
-        .arg("--gateway")
-        .arg(orca_push_tests::binary())
-        .arg("--json")
-        .arg(json.path())
-        .output()
-        .await
-        .expect("run orca-push-bench");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "orca-push-bench failed:\n{stdout}\n{stderr}"
-    );
-    let report: Value = serde_json::from_slice(&std::fs::read(json.path()).unwrap()).unwrap();
+    let (report, stdout) = smoke(&[
+        "--modes",
+        "sqlite",
+        "--scenarios",
+        "admission",
+        "--admission-client",
+        "wrk",
+    ])
+    .await;
     let rows: Vec<&Value> = report["modes"][0]["phases"]
         .as_array()
         .unwrap()
