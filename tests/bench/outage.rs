@@ -149,9 +149,12 @@ async fn admission_by_wrk(
     level: usize,
 ) -> anyhow::Result<Phase> {
     let hosts: Vec<&crate::population::Host> = pool.hosts.iter().map(|h| &**h).collect();
-    // Sequences far above the bench's own, and apart for each loop.
+    // Sequences (and ids) far above the bench's own, and apart for each loop.
     let first_seq = 1_000_000_000 * (level as u64 + 1);
-    let script = crate::wrk::script(&hosts, first_seq)?;
+    // Requests go to the hosts in turn: at most what the host with the least budget left may
+    // spend, for each (quota would refuse the rest).
+    let each = hosts.iter().map(|h| h.alerts_left()).min().unwrap_or(0);
+    let limit = u64::from(each) * hosts.len() as u64;
     let ran = std::sync::Mutex::new(None);
     let (mut row, _) = measure(
         target,
@@ -160,7 +163,8 @@ async fn admission_by_wrk(
         seconds,
         |_, _| async {
             let before = crate::procstat::children_cpu_seconds();
-            let figures = crate::wrk::run(&target.base, connections, seconds, &script).await;
+            let figures =
+                crate::wrk::run(&target.base, connections, seconds, &hosts, first_seq, limit).await;
             let cpu = crate::procstat::children_cpu_seconds() - before;
             *ran.lock().unwrap() = Some((figures, cpu));
             BTreeMap::new()
@@ -172,10 +176,20 @@ async fn admission_by_wrk(
         .unwrap()
         .ok_or_else(|| anyhow::anyhow!("wrk did not run"))?;
     let figures = figures?;
+    // What each host spent, rounded up: every host got that many requests or one fewer.
+    let per_host = figures.requests.div_ceil(hosts.len().max(1) as u64);
+    for host in &hosts {
+        host.spent_alerts(u32::try_from(per_host).unwrap_or(u32::MAX));
+    }
+    // The CPU columns are over the phase (`row.seconds`), as every row's; the rate over wrk's run.
     let elapsed = row.seconds;
     row.ops = figures.ok();
-    row.seconds = figures.seconds();
-    row.rate = figures.ok() as f64 / row.seconds.max(1e-9);
+    row.rate = figures.ok() as f64 / figures.seconds().max(1e-9);
+    row.extra.insert("wrk_seconds".into(), figures.seconds());
+    if figures.requests >= limit {
+        // wrk's threads stopped at the budget before the run's end: its rate understates.
+        row.extra.insert("stopped_at_quota_budget".into(), 1.0);
+    }
     row.errors = figures.errors();
     row.error_kinds = [
         ("not queued", figures.refused),

@@ -70,6 +70,16 @@ impl Host {
     }
 
     /// Takes one alert (or dismissal) from the host's budget; false when it is spent.
+    /// Alerts this host may still spend (`QUOTA_BUDGET`).
+    pub fn alerts_left(&self) -> u32 {
+        QUOTA_BUDGET.saturating_sub(self.alerts.load(Ordering::Relaxed))
+    }
+
+    /// Counts `n` alerts sent as this host outside `spend` (a wrk run, `crate::wrk`).
+    pub fn spent_alerts(&self, n: u32) {
+        self.alerts.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub fn spend(&self, dismissal: bool) -> bool {
         let counter = if dismissal {
             &self.dismissals

@@ -17,23 +17,33 @@ use serde::Deserialize;
 
 use crate::population::Host;
 
-/// wrk's threads: one per core of the machine the figures are for.
+/// wrk's threads at most: one per core of the machine the figures are for.
 const THREADS: usize = 2;
 
 /// Where the script's figures start on wrk's standard output.
 const FIGURES: &str = "WRK-FIGURES ";
 
 /// The wrk binary on the path.
-pub fn binary() -> anyhow::Result<PathBuf> {
-    let found = std::process::Command::new("wrk")
+async fn binary() -> anyhow::Result<PathBuf> {
+    let found = tokio::process::Command::new("wrk")
         .arg("--version")
         .output()
+        .await
         .is_ok();
     anyhow::ensure!(
         found,
         "wrk not found: --admission-client wrk needs it on the path (Debian: wrk)"
     );
     Ok("wrk".into())
+}
+
+/// wrk's threads for `connections`: as many as divide them evenly (wrk gives each thread
+/// `connections / threads` and drops the rest).
+fn threads(connections: usize) -> usize {
+    (1..=THREADS.min(connections).max(1))
+        .rev()
+        .find(|t| connections.is_multiple_of(*t))
+        .unwrap_or(1)
 }
 
 /// What the script prints once wrk is done: counts, and latencies in microseconds.
@@ -96,11 +106,19 @@ fn lua_string(s: &str) -> String {
     quoted
 }
 
-/// The script for one closed loop over `hosts`: request `n` of thread `t` (from 0) goes as host
-/// `(n * THREADS + t) mod hosts` with notification sequence `first_seq + n * THREADS + t`, so no
-/// two requests of the run share an identity. Each host's body is written here up to its
-/// notification identity (JSON-encoded by serde), the script appends the rest.
-pub fn script(hosts: &[&Host], first_seq: u64) -> anyhow::Result<String> {
+/// The script for one closed loop of `threads` threads over `hosts`: request `n` of thread `t`
+/// (from 0) is number `k = n * threads + t`, and goes as host `k mod hosts` with notification
+/// sequence `first_seq + k` and notification id `w<first_seq + k>`, so that no two requests of a
+/// run share an identity when each loop's `first_seq` is apart from the others' by more than its
+/// requests. A thread stops once `k` reaches `limit`, so that no host spends more than its share
+/// of the quota budget. Each host's body is written here up to its notification identity
+/// (JSON-encoded by serde), the script appends the rest.
+pub fn script(
+    hosts: &[&Host],
+    threads: usize,
+    first_seq: u64,
+    limit: u64,
+) -> anyhow::Result<String> {
     anyhow::ensure!(!hosts.is_empty(), "no hosts to send as");
     let mut table = String::new();
     for host in hosts {
@@ -133,10 +151,14 @@ n = 0
 refused = 0
 
 request = function()
-  local k = n * {THREADS} + tid
+  local k = n * {threads} + tid
   n = n + 1
+  if k >= {limit} then
+    wrk.thread:stop()
+  end
   local h = hosts[(k % #hosts) + 1]
-  local body = h[3] .. '"w' .. k .. '","notificationSeq":' .. ({first_seq} + k) .. '}}}}'
+  local seq = {first_seq} + k
+  local body = h[3] .. '"w' .. seq .. '","notificationSeq":' .. seq .. '}}}}'
   return wrk.format("POST", "/v1/send", {{
     ["Authorization"] = h[1],
     ["X-Forwarded-For"] = h[2],
@@ -168,17 +190,22 @@ end
     ))
 }
 
-/// Runs wrk for `seconds` at `connections` against `base` with `script`; its figures.
+/// Runs wrk for `seconds` at `connections` against `base`, sending as `hosts` from `first_seq`
+/// and at most `limit` requests (`script`); its figures.
 pub async fn run(
     base: &str,
     connections: usize,
     seconds: f64,
-    script: &str,
+    hosts: &[&Host],
+    first_seq: u64,
+    limit: u64,
 ) -> anyhow::Result<Figures> {
+    let threads = threads(connections);
+    let script = script(hosts, threads, first_seq, limit)?;
     let mut file = tempfile::Builder::new().suffix(".lua").tempfile()?;
     std::io::Write::write_all(&mut file, script.as_bytes())?;
-    let output = tokio::process::Command::new(binary()?)
-        .arg(format!("-t{}", THREADS.min(connections)))
+    let output = tokio::process::Command::new(binary().await?)
+        .arg(format!("-t{threads}"))
         .arg(format!("-c{connections}"))
         .arg(format!("-d{}s", seconds.ceil().max(1.0) as u64))
         .arg("--timeout")
@@ -213,6 +240,14 @@ mod tests {
         assert_eq!(figures.errors(), 4);
         assert_eq!(figures.seconds(), 1.0);
         assert!(parse("Running 1s test\n").is_err());
+    }
+
+    #[test]
+    fn every_connection_gets_a_thread_that_holds_it() {
+        assert_eq!(threads(1), 1);
+        assert_eq!(threads(8), 2);
+        assert_eq!(threads(7), 1, "7 over 2 threads would open 6");
+        assert_eq!(threads(64), 2);
     }
 
     #[test]
