@@ -69,7 +69,6 @@ impl Host {
         }
     }
 
-    /// Takes one alert (or dismissal) from the host's budget; false when it is spent.
     /// Alerts this host may still spend (`QUOTA_BUDGET`).
     pub fn alerts_left(&self) -> u32 {
         QUOTA_BUDGET.saturating_sub(self.alerts.load(Ordering::Relaxed))
@@ -80,6 +79,7 @@ impl Host {
         self.alerts.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// Takes one alert (or dismissal) from the host's budget; false when it is spent.
     pub fn spend(&self, dismissal: bool) -> bool {
         let counter = if dismissal {
             &self.dismissals
