@@ -727,6 +727,24 @@ fn mode_verdicts(report: &ModeReport, mode: Mode) -> Vec<Verdict> {
             met: peak.rate >= tps / 2.0,
         });
     }
+    // The same target as docs/benchmarks.md judges it since round 3: the admission scenario at 64
+    // connections (the shape), against the same pgbench run.
+    if let (Some(admitted), Some(tps)) = (
+        find(report, "admission", "closed loop, 64 connections"),
+        report.pgbench_inserts_per_second,
+    ) {
+        verdicts.push(Verdict {
+            target: "accepted sends ≥ ½ × pgbench single-row inserts (admission, 64 connections)"
+                .into(),
+            measured: format!(
+                "{:.0}/s vs {:.0}/s ({:.2}×)",
+                admitted.rate,
+                tps,
+                admitted.rate / tps
+            ),
+            met: admitted.rate >= tps / 2.0,
+        });
+    }
     if let Some(open) = find(report, "send", "open")
         && let Some(l) = &open.latency_ms
     {
@@ -871,5 +889,62 @@ mod pg {
             best = best.max(tps);
         }
         Ok(best)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn phase(scenario: &str, phase: &str, rate: f64) -> Phase {
+        Phase {
+            scenario: scenario.into(),
+            phase: phase.into(),
+            ops: rate as u64,
+            seconds: 1.0,
+            rate,
+            latency_ms: None,
+            errors: 0,
+            error_kinds: Default::default(),
+            gateway_cpu_percent: 0.0,
+            database_cpu_percent: 0.0,
+            bench_cpu_percent: 0.0,
+            rss_mib: 1.0,
+            peak_rss_mib: 1.0,
+            extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn half_pgbench_is_judged_on_the_admission_scenario_at_64_connections_too() {
+        let report = ModeReport {
+            mode: "postgres".into(),
+            description: String::new(),
+            pgbench_inserts_per_second: Some(16_000.0),
+            setup_seconds: 0.0,
+            phases: vec![
+                phase("send", "closed loop, 64 at once", 2_000.0),
+                phase("admission", "closed loop, 8 connections (wrk)", 3_000.0),
+                phase("admission", "closed loop, 64 connections (wrk)", 9_000.0),
+            ],
+            verdicts: Vec::new(),
+            chaos: Vec::new(),
+        };
+        let verdicts = mode_verdicts(&report, Mode::Postgres);
+        let half = |suffix: &str| {
+            verdicts
+                .iter()
+                .find(|v| {
+                    v.target == format!("accepted sends ≥ ½ × pgbench single-row inserts{suffix}")
+                })
+                .unwrap_or_else(|| panic!("no verdict{suffix}: {verdicts:?}"))
+        };
+        assert!(!half("").met, "the send scenario's 2,000/s is under half");
+        let admission = half(" (admission, 64 connections)");
+        assert!(admission.met, "{admission:?}");
+        assert!(
+            admission.measured.starts_with("9000/s vs 16000/s"),
+            "{admission:?}"
+        );
     }
 }
