@@ -91,9 +91,10 @@ async fn a_wrong_gateway_path_is_one_clear_error() {
 }
 
 /// The admission scenario driven by wrk (`--admission-client wrk`), as the performance issue
-/// measured: its script's sends are all answered `queued` (a body the gateway refused, or a
-/// notification identity used twice, would count as an error), and its rows carry wrk's figures
-/// and its CPU. `scripts/test` installs wrk where it is missing.
+/// measured: its script's sends are all answered `queued` (a body the gateway refused, or a send
+/// over a host's quota, would count as an error), and its rows carry wrk's figures and its CPU
+/// (present, not necessarily above zero: a second of a debug build's load can take wrk less than
+/// one clock tick). `scripts/test` installs wrk where it is missing.
 #[tokio::test(flavor = "multi_thread")]
 async fn admission_runs_under_wrk() {
     let (report, stdout) = smoke(&[
@@ -118,7 +119,7 @@ async fn admission_runs_under_wrk() {
         assert!(row["ops"].as_u64().unwrap() > 0, "{row}");
         assert!(row["latency_ms"]["p50"].as_f64().unwrap() > 0.0, "{row}");
         assert!(
-            row["extra"]["wrk_cpu_percent"].as_f64().unwrap() > 0.0,
+            row["extra"]["wrk_cpu_percent"].as_f64().unwrap() >= 0.0,
             "{row}"
         );
     }
