@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use orca_push_internal_auth::{InternalChannel, InternalKey, Target};
 use orca_push_proto::auth::v1::auth_service_client::AuthServiceClient;
+use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
 use orca_push_proto::registry::v1::registry_service_client::RegistryServiceClient;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
+use crate::enqueues::Enqueues;
 use crate::resolves::ResolvedHosts;
 
 /// One service as the facade sees it: its client channel and the name its health is reported under.
@@ -64,6 +66,9 @@ pub struct Backends {
     pub auth: AuthServiceClient<InternalChannel>,
     pub registry: RegistryServiceClient<InternalChannel>,
     pub queue: QueueServiceClient<InternalChannel>,
+    /// Sends to a queue across the network, several to a call (`crate::enqueues`); `None` when the
+    /// queue is in this process, where a call costs no socket.
+    pub enqueues: Option<Enqueues>,
     /// Every service `/ready` checks.
     pub endpoints: Vec<ServiceEndpoint>,
     /// What sends resolved (`crate::resolves`).
@@ -95,13 +100,31 @@ impl Backends {
             ServiceEndpoint::connect("queue", orca_push_queue::HEALTH_NAME, &urls.queue, key)?;
         let sender =
             ServiceEndpoint::connect("sender", orca_push_sender::HEALTH_NAME, &urls.sender, key)?;
+        let queue_client = QueueServiceClient::new(queue.channel.clone());
+        let enqueues = match &urls.queue {
+            Target::Url(_) => Some(Enqueues::spawn(queue_client.clone())),
+            Target::Local(_) => None,
+        };
         Ok(Self {
             auth: AuthServiceClient::new(auth.channel.clone()),
             registry: RegistryServiceClient::new(registry.channel.clone()),
-            queue: QueueServiceClient::new(queue.channel.clone()),
+            queue: queue_client,
+            enqueues,
             endpoints: vec![auth, registry, queue, sender],
             resolves: Arc::default(),
         })
+    }
+
+    /// What `Enqueue` answers for `request`: batched with other sends when the queue is across
+    /// the network, a call of its own in this process.
+    pub async fn enqueue(
+        &self,
+        request: queue_pb::EnqueueRequest,
+    ) -> Result<queue_pb::EnqueueResponse, tonic::Status> {
+        match &self.enqueues {
+            Some(enqueues) => enqueues.enqueue(request).await,
+            None => Ok(self.queue.clone().enqueue(request).await?.into_inner()),
+        }
     }
 
     /// A write through this facade may have changed what `host` resolves to.

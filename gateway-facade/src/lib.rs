@@ -10,6 +10,7 @@ pub mod backends;
 pub mod cli;
 pub mod config;
 pub mod connections;
+pub mod enqueues;
 pub mod error;
 pub mod host_cli;
 pub mod json;

@@ -41,6 +41,7 @@ pub const SERVICE_METHODS: &[&str] = &[
     "/orca.push.registry.v1.RegistryService/HostsWithDevices",
     "/orca.push.registry.v1.RegistryService/WatchDevices",
     "/orca.push.queue.v1.QueueService/Enqueue",
+    "/orca.push.queue.v1.QueueService/EnqueueMany",
     "/orca.push.queue.v1.QueueService/Claim",
     "/orca.push.queue.v1.QueueService/RenewLease",
     "/orca.push.queue.v1.QueueService/Complete",
@@ -109,6 +110,28 @@ pub fn status_with_code(code: tonic::Code, error_code: &'static str) -> tonic::S
     status
 }
 
+/// A failed call's status as one call within a batch answers it (`RefusedCall` of
+/// `EnqueueMany`), keeping its contract error code.
+pub fn refused_call(status: &tonic::Status) -> queue::v1::RefusedCall {
+    queue::v1::RefusedCall {
+        code: status.code() as i32,
+        message: status.message().to_owned(),
+        error_code: error_code(status).map(str::to_owned),
+    }
+}
+
+/// The status a `RefusedCall` stands for, as if its call had failed alone.
+pub fn refused_status(refused: queue::v1::RefusedCall) -> tonic::Status {
+    let mut status = tonic::Status::new(tonic::Code::from_i32(refused.code), refused.message);
+    if let Some(value) = refused
+        .error_code
+        .and_then(|code| tonic::metadata::MetadataValue::try_from(code).ok())
+    {
+        status.metadata_mut().insert(ERROR_CODE_METADATA, value);
+    }
+    status
+}
+
 /// The contract error code a status carries, if any.
 pub fn error_code(status: &tonic::Status) -> Option<&str> {
     status
@@ -168,6 +191,7 @@ pub mod access {
         ("/orca.push.registry.v1.RegistryService/WatchDevices", Write),
         // Queue: admission and the sender's lease protocol write; the support look-ups read.
         ("/orca.push.queue.v1.QueueService/Enqueue", Write),
+        ("/orca.push.queue.v1.QueueService/EnqueueMany", Write),
         ("/orca.push.queue.v1.QueueService/Claim", Write),
         ("/orca.push.queue.v1.QueueService/RenewLease", Write),
         ("/orca.push.queue.v1.QueueService/Complete", Write),

@@ -33,6 +33,7 @@ pub struct RunToCompletion;
 pub const ENDS_WITH_CALLER: &[&str] = &[
     "/orca.push.queue.v1.QueueService/Claim",
     "/orca.push.queue.v1.QueueService/Enqueue",
+    "/orca.push.queue.v1.QueueService/EnqueueMany",
     "/orca.push.queue.v1.QueueService/GetEventOutcomes",
     "/orca.push.queue.v1.QueueService/GetQueueDepth",
     "/orca.push.registry.v1.RegistryService/ResolveRegistrations",

@@ -67,6 +67,16 @@ pub fn set_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) 
     let _ = span.set_parent(extract_context(headers));
 }
 
+/// Makes `span` a child of the span a W3C `traceparent` names (one of several calls carried in one
+/// request, each continuing its own trace). An invalid one leaves `span` as it was.
+pub fn set_parent_from_traceparent(span: &tracing::Span, traceparent: &str) {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    if let Some(parent) = span_context_from_traceparent(traceparent) {
+        let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(parent));
+    }
+}
+
 /// The span context a W3C `traceparent` names, for linking a span to another trace.
 pub fn span_context_from_traceparent(
     traceparent: &str,

@@ -122,14 +122,9 @@ pub async fn send(
             notification: Some(notification),
             recipients: deliverable,
         };
-        orca_push_internal_auth::retry_unavailable(|| {
-            let mut queue = backends.queue.clone();
-            let request = request.clone();
-            async move { queue.enqueue(request).await }
-        })
-        .await?
-        .into_inner()
-        .results
+        orca_push_internal_auth::retry_unavailable(|| backends.enqueue(request.clone()))
+            .await?
+            .results
     };
     let results = ids
         .into_iter()

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use orca_push_proto::queue::v1 as pb;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::error::QueueError;
 use crate::model::{Admission, AdmissionRecipient, AdmissionStatus, Content, Kind, Provider};
@@ -66,6 +67,60 @@ fn seq_from_wire(seq: u64) -> Result<i64, QueueError> {
     i64::try_from(seq).map_err(|_| QueueError::InvalidRequest("notification_seq"))
 }
 
+/// Admissions one `EnqueueMany` call may carry.
+pub const MAX_ENQUEUE_MANY: usize = 256;
+
+/// An `Enqueue` request as the queue admits it.
+fn admission_from_wire(
+    r: pb::EnqueueRequest,
+    trace_parent: Option<String>,
+) -> Result<Admission, QueueError> {
+    let n = r
+        .notification
+        .ok_or(QueueError::InvalidRequest("notification"))?;
+    Ok(Admission {
+        host_fingerprint: r.host_fingerprint,
+        kind: kind_from_wire(n.kind)?,
+        notification_epoch: n.notification_epoch,
+        notification_seq: seq_from_wire(n.notification_seq)?,
+        content: Content {
+            notification_id: n.notification_id,
+            source: n.source,
+            agent_state: n.agent_state,
+            title: n.title,
+            body: n.body,
+            worktree_id: n.worktree_id,
+        },
+        expires_at_ms: n.expires_at_ms,
+        recipients: r
+            .recipients
+            .into_iter()
+            .map(|p| AdmissionRecipient {
+                registration_id: p.registration_id,
+                silent: p.silent,
+                provider: provider_from_wire(p.provider),
+            })
+            .collect(),
+        trace_parent,
+    })
+}
+
+fn enqueue_response(enqueued: crate::store::Enqueued) -> pb::EnqueueResponse {
+    let results = enqueued
+        .statuses
+        .into_iter()
+        .map(|(registration_id, status)| pb::RecipientResult {
+            registration_id,
+            status: match status {
+                AdmissionStatus::Queued => pb::EnqueueStatus::Queued,
+                AdmissionStatus::RateLimited => pb::EnqueueStatus::RateLimited,
+                AdmissionStatus::Error => pb::EnqueueStatus::Error,
+            } as i32,
+        })
+        .collect();
+    pb::EnqueueResponse { results }
+}
+
 /// The caller's trace context, so the delivery can link back to the admission.
 fn current_traceparent() -> Option<String> {
     let mut headers = http::HeaderMap::new();
@@ -82,49 +137,47 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
         &self,
         request: Request<pb::EnqueueRequest>,
     ) -> Result<Response<pb::EnqueueResponse>, Status> {
-        let r = request.into_inner();
-        let n = r
-            .notification
-            .ok_or(QueueError::InvalidRequest("notification"))?;
-        let admission = Admission {
-            host_fingerprint: r.host_fingerprint,
-            kind: kind_from_wire(n.kind)?,
-            notification_epoch: n.notification_epoch,
-            notification_seq: seq_from_wire(n.notification_seq)?,
-            content: Content {
-                notification_id: n.notification_id,
-                source: n.source,
-                agent_state: n.agent_state,
-                title: n.title,
-                body: n.body,
-                worktree_id: n.worktree_id,
-            },
-            expires_at_ms: n.expires_at_ms,
-            recipients: r
-                .recipients
-                .into_iter()
-                .map(|p| AdmissionRecipient {
-                    registration_id: p.registration_id,
-                    silent: p.silent,
-                    provider: provider_from_wire(p.provider),
-                })
-                .collect(),
-            trace_parent: current_traceparent(),
-        };
+        let admission = admission_from_wire(request.into_inner(), current_traceparent())?;
         let enqueued = self.queue.enqueue(&admission).await?;
-        let results = enqueued
-            .statuses
-            .into_iter()
-            .map(|(registration_id, status)| pb::RecipientResult {
-                registration_id,
-                status: match status {
-                    AdmissionStatus::Queued => pb::EnqueueStatus::Queued,
-                    AdmissionStatus::RateLimited => pb::EnqueueStatus::RateLimited,
-                    AdmissionStatus::Error => pb::EnqueueStatus::Error,
-                } as i32,
-            })
-            .collect();
-        Ok(Response::new(pb::EnqueueResponse { results }))
+        Ok(Response::new(enqueue_response(enqueued)))
+    }
+
+    async fn enqueue_many(
+        &self,
+        request: Request<pb::EnqueueManyRequest>,
+    ) -> Result<Response<pb::EnqueueManyResponse>, Status> {
+        let requests = request.into_inner().requests;
+        if requests.len() > MAX_ENQUEUE_MANY {
+            return Err(QueueError::InvalidRequest("requests").into());
+        }
+        // Each admission on its own, all at once, so they reach the writer's next round together.
+        let admissions = requests.into_iter().map(|batched| {
+            let span = tracing::info_span!("queue.admission");
+            if let Some(traceparent) = &batched.traceparent {
+                orca_push_telemetry::set_parent_from_traceparent(&span, traceparent);
+            }
+            let queue = &self.queue;
+            async move {
+                let admitted = async {
+                    let request = batched.request.unwrap_or_default();
+                    let admission = admission_from_wire(request, current_traceparent())?;
+                    Ok::<_, QueueError>(enqueue_response(queue.enqueue(&admission).await?))
+                }
+                .await;
+                let outcome = match admitted {
+                    Ok(response) => pb::enqueue_outcome::Outcome::Admitted(response),
+                    Err(error) => pb::enqueue_outcome::Outcome::Refused(
+                        orca_push_proto::refused_call(&Status::from(error)),
+                    ),
+                };
+                pb::EnqueueOutcome {
+                    outcome: Some(outcome),
+                }
+            }
+            .instrument(span)
+        });
+        let outcomes = futures::future::join_all(admissions).await;
+        Ok(Response::new(pb::EnqueueManyResponse { outcomes }))
     }
 
     async fn claim(

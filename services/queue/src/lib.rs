@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
 pub use error::QueueError;
+pub use grpc::MAX_ENQUEUE_MANY;
 pub use grpc::QueueGrpc;
 pub use queue::DeliveryQueue;
 pub use store::{AnyQueueStore, QueueStore};

@@ -179,7 +179,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    let mut bad = notification;
+    let mut bad = notification.clone();
     bad.title = String::new();
     let err = client
         .enqueue(pb::EnqueueRequest {
@@ -194,5 +194,176 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
+
+    // A send batched by the facade continues its own trace: the admission's kept context is the
+    // send's trace, under the queue's span for it.
+    let send_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let mut batched = notification;
+    batched.notification_seq = 10;
+    let outcomes = client
+        .enqueue_many(pb::EnqueueManyRequest {
+            requests: vec![pb::BatchedEnqueue {
+                request: Some(pb::EnqueueRequest {
+                    host_fingerprint: "hostAAAAAAAAAAAA".into(),
+                    notification: Some(batched),
+                    recipients: vec![pb::Recipient {
+                        registration_id: "r9".into(),
+                        silent: false,
+                        provider: pb::Provider::Apns as i32,
+                    }],
+                }),
+                traceparent: Some(format!("00-{send_trace}-00f067aa0ba902b7-01")),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    assert!(matches!(
+        outcomes[0].outcome,
+        Some(pb::enqueue_outcome::Outcome::Admitted(_))
+    ));
+    let claimed = client
+        .claim(pb::ClaimRequest {
+            lane: "test".into(),
+            max_batches: 4,
+            lease_ms: 30_000,
+            wait_ms: 1_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .batches;
+    assert_eq!(claimed.len(), 1);
+    let kept = &claimed[0].member_traceparents;
+    assert_eq!(kept.len(), 1);
+    assert!(
+        kept[0].starts_with(&format!("00-{send_trace}-")),
+        "{kept:?}"
+    );
+    assert!(
+        !kept[0].contains("00f067aa0ba902b7"),
+        "the queue's own span"
+    );
     shutdown.cancel();
+}
+
+/// `EnqueueMany` answers each send as `Enqueue` would have, in order: a bad one is refused with
+/// its contract code and fails none of the others, the same identity twice is admitted once, and
+/// more than 256 sends are refused whole.
+async fn enqueue_many_admits_each_send_on_its_own(backend: Backend) {
+    let (config, _guard) = fresh(backend).await;
+    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let key = orca_push_internal_auth::InternalKey::generate();
+    tokio::spawn(orca_push_queue::serve(
+        listener,
+        pool,
+        Arc::new(SystemClock),
+        0,
+        key.clone(),
+        shutdown.clone(),
+    ));
+    let mut client = QueueServiceClient::new(
+        orca_push_internal_auth::channel(&url, &key, "test", "queue").unwrap(),
+    );
+    let send = |host: &str, seq: u64, registration: &str| pb::BatchedEnqueue {
+        request: Some(pb::EnqueueRequest {
+            host_fingerprint: host.into(),
+            notification: Some(pb::Notification {
+                notification_id: Some("n-1".into()),
+                notification_seq: seq,
+                notification_epoch: "epoch".into(),
+                source: "terminal-bell".into(),
+                title: "Done".into(),
+                kind: pb::Kind::Alert as i32,
+                ..Default::default()
+            }),
+            recipients: vec![pb::Recipient {
+                registration_id: registration.into(),
+                silent: false,
+                provider: pb::Provider::Fcm as i32,
+            }],
+        }),
+        traceparent: None,
+    };
+    let mut no_notification = send("hostBBBBBBBBBBBB", 1, "rb");
+    no_notification.request.as_mut().unwrap().notification = None;
+    let requests = vec![
+        send("hostAAAAAAAAAAAA", 1, "ra"),
+        no_notification,
+        send("hostCCCCCCCCCCCC", 1, "rc"),
+        send("hostDDDDDDDDDDDD", u64::MAX, "rd"),
+        send("hostAAAAAAAAAAAA", 1, "ra"),
+    ];
+    let outcomes = client
+        .enqueue_many(pb::EnqueueManyRequest { requests })
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    let answered: Vec<_> = outcomes
+        .into_iter()
+        .map(|o| match o.outcome.unwrap() {
+            pb::enqueue_outcome::Outcome::Admitted(admitted) => {
+                let statuses: Vec<_> = admitted
+                    .results
+                    .iter()
+                    .map(|r| (r.registration_id.clone(), r.status))
+                    .collect();
+                Ok(statuses)
+            }
+            pb::enqueue_outcome::Outcome::Refused(refused) => {
+                let status = orca_push_proto::refused_status(refused);
+                Err((
+                    status.code(),
+                    orca_push_proto::error_code(&status).map(str::to_owned),
+                ))
+            }
+        })
+        .collect();
+    let queued = |id: &str| Ok(vec![(id.to_owned(), pb::EnqueueStatus::Queued as i32)]);
+    let invalid = Err((
+        tonic::Code::InvalidArgument,
+        Some("invalid_request".to_owned()),
+    ));
+    assert_eq!(
+        answered,
+        [
+            queued("ra"),
+            invalid.clone(),
+            queued("rc"),
+            invalid,
+            queued("ra")
+        ]
+    );
+    let depth = client
+        .get_queue_depth(pb::GetQueueDepthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(depth.due, 2, "one event per identity");
+
+    let too_many = (0..257)
+        .map(|i| send("hostEEEEEEEEEEEE", i + 1, "re"))
+        .collect();
+    let err = client
+        .enqueue_many(pb::EnqueueManyRequest { requests: too_many })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_many_admits_each_send_on_its_own_on_sqlite() {
+    enqueue_many_admits_each_send_on_its_own(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_many_admits_each_send_on_its_own_on_postgresql() {
+    enqueue_many_admits_each_send_on_its_own(Backend::Postgres).await;
 }
