@@ -67,7 +67,8 @@ fn seq_from_wire(seq: u64) -> Result<i64, QueueError> {
     i64::try_from(seq).map_err(|_| QueueError::InvalidRequest("notification_seq"))
 }
 
-/// Admissions one `EnqueueMany` call may carry.
+/// Admissions one `EnqueueMany` call may carry. As many of the largest sends the contract allows
+/// stay under tonic's 4 MiB message limit (a test checks).
 pub const MAX_ENQUEUE_MANY: usize = 256;
 
 /// An `Enqueue` request as the queue admits it.
@@ -383,5 +384,44 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
             leased: depth.leased,
             oldest_due_age_ms: depth.oldest_due_age_ms,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use orca_push_api::limits::{MAX_NOTIFICATION_BYTES, MAX_OPAQUE_ID, MAX_REGISTRATION_IDS};
+    use prost::Message as _;
+
+    use super::*;
+
+    #[test]
+    fn the_largest_enqueue_many_fits_in_one_grpc_message() {
+        // A notification is at most MAX_NOTIFICATION_BYTES of JSON, so its strings are fewer.
+        let request = pb::EnqueueRequest {
+            host_fingerprint: "h".repeat(64),
+            notification: Some(pb::Notification {
+                notification_id: Some("n".repeat(MAX_NOTIFICATION_BYTES)),
+                notification_seq: u64::MAX,
+                notification_epoch: "e".repeat(64),
+                expires_at_ms: Some(i64::MAX),
+                ..Default::default()
+            }),
+            recipients: vec![
+                pb::Recipient {
+                    registration_id: "r".repeat(MAX_OPAQUE_ID),
+                    silent: true,
+                    provider: pb::Provider::Apns as i32,
+                };
+                MAX_REGISTRATION_IDS
+            ],
+        };
+        let batched = pb::BatchedEnqueue {
+            request: Some(request),
+            traceparent: Some(format!("00-{}-{}-01", "a".repeat(32), "b".repeat(16))),
+        };
+        let largest = pb::EnqueueManyRequest {
+            requests: vec![batched; MAX_ENQUEUE_MANY],
+        };
+        assert!(largest.encoded_len() < 4 << 20, "{}", largest.encoded_len());
     }
 }
