@@ -66,7 +66,7 @@ pub struct Backends {
     pub auth: AuthServiceClient<InternalChannel>,
     pub registry: RegistryServiceClient<InternalChannel>,
     pub queue: QueueServiceClient<InternalChannel>,
-    /// Sends to a queue across the network, several to a call (`crate::enqueues`); `None` when the
+    /// Sends to a queue across a socket, several to a call (`crate::enqueues`); `None` when the
     /// queue is in this process, where a call costs no socket.
     pub enqueues: Option<Enqueues>,
     /// Every service `/ready` checks.

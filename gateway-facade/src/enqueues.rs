@@ -1,22 +1,29 @@
-//! Sends to a queue across the network, several to a call. In split mode every send was an
-//! `Enqueue` call of its own: its HTTP/2 stream, headers and frames, and a `writev` and a read at
-//! each end. When a send wakes the task that calls the queue, the task lets the runtime take one
-//! turn first (no timer), and every send that reached it meanwhile goes in the same `EnqueueMany`,
-//! each admitted or refused on its own; a lone send still goes as a plain `Enqueue`. At 32 and 64
-//! connections this carried 4-7 sends a call and cut the five processes' CPU per send by a fifth
-//! (docs/benchmarks.md, round 38). In one process there is no socket to save: sends call the queue
-//! directly.
+//! Sends to a queue across a socket, several to a call. In split mode every send was an `Enqueue`
+//! call of its own: its HTTP/2 stream, headers and frames, and a `writev` and a read at each end.
+//! When a send wakes the task that calls the queue, the task lets the runtime take one turn first
+//! (no timer), and every send that reached it meanwhile (up to one commit round's worth,
+//! [`MAX_BATCH`]) goes in the same `EnqueueMany`, each admitted or refused on its own; a lone send
+//! still goes as a plain `Enqueue`. At 32 and 64 connections this carried 4-7 sends a call and cut
+//! the five processes' CPU per send by a fifth to a third (docs/benchmarks.md, round 38). The queue
+//! in this process (all in one, unless `ORCA_PUSH_INTERNAL_TRANSPORT=loopback`) has no socket to
+//! save: sends call it directly.
+//!
+//! A send handed to the task is admitted even if its HTTP request is dropped meanwhile, as one
+//! whose `Enqueue` call had gone out was before (admission runs to completion; a retry of the same
+//! identity is answered `queued` again).
 //!
 //! Each send keeps its trace: a lone one's call is a child of its span, as before; a batched one
-//! carries its `traceparent`, which the queue's span for its admission continues, and the batch's
-//! span links to every send's. A queue that predates `EnqueueMany` answers it `Unimplemented`: its
-//! sends then go one by one, and the facade asks again a minute later.
+//! carries its `traceparent`, which the queue's span for its admission continues (that span is the
+//! parent of the admission's `queue.group_commit` or linked from it), and the call's own span links
+//! to every send's. A queue that predates `EnqueueMany` answers it `Unimplemented`: sends then go one
+//! by one, and the facade asks again a minute later. A call refused whole for any other reason than
+//! a lost connection is made again one send at a time, so each send gets its own answer.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use orca_push_internal_auth::InternalChannel;
+use orca_push_internal_auth::{CALL_TIMEOUT, InternalChannel};
 use orca_push_proto::queue::v1 as pb;
 use pb::queue_service_client::QueueServiceClient;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -27,8 +34,8 @@ type QueueClient = QueueServiceClient<InternalChannel>;
 
 /// Calls out at once at most.
 pub const MAX_IN_FLIGHT: usize = 64;
-/// Sends one call carries at most.
-pub const MAX_BATCH: usize = orca_push_queue::MAX_ENQUEUE_MANY;
+/// Sends one call carries at most: one commit round's worth (the queue takes up to 256).
+pub const MAX_BATCH: usize = orca_push_queue::group_commit::MAX_GROUP;
 /// Sends waiting for a call; past it a send waits to be taken.
 const WAITING: usize = 4096;
 /// How long sends go one by one after a queue answered `EnqueueMany` `Unimplemented`.
@@ -66,13 +73,19 @@ impl Enqueues {
             span: tracing::Span::current(),
             answer,
         };
-        self.waiting
-            .send(waiting)
+        let ended = || Status::unavailable("the queue call ended without an answer");
+        // As long as a call of its own could have taken, waiting for a free call included.
+        let answer = async {
+            self.waiting.send(waiting).await.map_err(|_| ended())?;
+            answered.await.unwrap_or_else(|_| Err(ended()))
+        };
+        tokio::time::timeout(CALL_TIMEOUT, answer)
             .await
-            .map_err(|_| Status::unavailable("the facade is stopping"))?;
-        answered
-            .await
-            .unwrap_or_else(|_| Err(Status::unavailable("the facade is stopping")))
+            .unwrap_or_else(|_| {
+                Err(Status::deadline_exceeded(
+                    "no answer from the queue in time",
+                ))
+            })
     }
 }
 
@@ -117,7 +130,7 @@ async fn call(
         .iter()
         .map(|w| pb::BatchedEnqueue {
             request: Some(w.request.clone()),
-            traceparent: traceparent_of(&w.span),
+            traceparent: orca_push_telemetry::traceparent_of(&w.span),
         })
         .collect();
     let answered = queue
@@ -139,15 +152,19 @@ async fn call(
                 let _ = waiting.answer.send(answer);
             }
         }
-        Err(status) if status.code() == tonic::Code::Unimplemented => {
-            unoffered.mark();
-            one_by_one(queue, batch).await;
-        }
-        Err(status) => {
-            for waiting in batch {
-                let _ = waiting.answer.send(Err(status.clone()));
+        Err(status) => match on_call_failure(&status) {
+            CallFailure::EachFails => {
+                for waiting in batch {
+                    let _ = waiting.answer.send(Err(status.clone()));
+                }
             }
-        }
+            CallFailure::OneByOne { unimplemented } => {
+                if unimplemented {
+                    unoffered.mark();
+                }
+                one_by_one(queue, batch).await;
+            }
+        },
     }
 }
 
@@ -167,13 +184,32 @@ async fn one_by_one(queue: QueueClient, batch: Vec<Waiting>) {
     futures::future::join_all(calls).await;
 }
 
-fn traceparent_of(span: &tracing::Span) -> Option<String> {
-    let mut headers = http::HeaderMap::new();
-    span.in_scope(|| orca_push_telemetry::inject_current_context(&mut headers));
-    headers
-        .get("traceparent")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
+/// What a failure of a whole `EnqueueMany` call means for its sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CallFailure {
+    /// Each send's own call would have met it (a lost connection, a queue going away): each is
+    /// answered with it, and retried on its own as before.
+    EachFails,
+    /// The call itself was refused (`unimplemented`: the queue does not know `EnqueueMany`): each send
+    /// goes again as a call of its own, for its own answer.
+    OneByOne { unimplemented: bool },
+}
+
+fn on_call_failure(status: &Status) -> CallFailure {
+    use tonic::Code::{Cancelled, DeadlineExceeded, Internal, Unavailable, Unimplemented, Unknown};
+    match status.code() {
+        Unimplemented => CallFailure::OneByOne {
+            unimplemented: true,
+        },
+        Unavailable | Unknown | Internal | Cancelled | DeadlineExceeded
+            if orca_push_proto::error_code(status).is_none() =>
+        {
+            CallFailure::EachFails
+        }
+        _ => CallFailure::OneByOne {
+            unimplemented: false,
+        },
+    }
 }
 
 /// Until when `EnqueueMany` is not asked for (ms since `origin`; 0: it is).
@@ -197,13 +233,22 @@ impl Unoffered {
     }
 
     fn now(&self) -> bool {
-        let until = self.until_ms.load(Ordering::Relaxed);
-        until != 0 && self.elapsed_ms() < until
+        self.at(self.elapsed_ms())
     }
 
     fn mark(&self) {
-        let until = self.elapsed_ms() + u64::try_from(UNOFFERED_RETRY.as_millis()).unwrap_or(0);
-        self.until_ms.store(until.max(1), Ordering::Relaxed);
+        self.mark_at(self.elapsed_ms());
+    }
+
+    fn at(&self, elapsed_ms: u64) -> bool {
+        let until = self.until_ms.load(Ordering::Relaxed);
+        until != 0 && elapsed_ms < until
+    }
+
+    fn mark_at(&self, elapsed_ms: u64) {
+        let retry = u64::try_from(UNOFFERED_RETRY.as_millis()).unwrap_or(u64::MAX);
+        let until = elapsed_ms.saturating_add(retry).max(1);
+        self.until_ms.store(until, Ordering::Relaxed);
     }
 }
 
@@ -224,10 +269,19 @@ mod tests {
         Many(usize),
     }
 
-    /// A queue that admits every send, refuses those of host `refused` as a quota would, and
-    /// answers `EnqueueMany` only when `offers_many`.
+    /// How the fake queue answers `EnqueueMany`.
+    #[derive(Debug, Clone, Copy)]
+    enum Many {
+        Answers,
+        /// An older queue.
+        Unimplemented,
+        /// The whole call fails with this code.
+        Fails(tonic::Code),
+    }
+
+    /// A queue that admits every send and refuses those of host `refused` as a quota would.
     struct FakeQueue {
-        offers_many: bool,
+        many: Many,
         asked: Arc<Mutex<Vec<Asked>>>,
         traceparents: Arc<Mutex<Vec<Option<String>>>>,
     }
@@ -268,8 +322,10 @@ mod tests {
             self.asked.lock().unwrap().push(Asked::Many(requests.len()));
             let mut traceparents = self.traceparents.lock().unwrap();
             traceparents.extend(requests.iter().map(|b| b.traceparent.clone()));
-            if !self.offers_many {
-                return Err(Status::unimplemented("EnqueueMany"));
+            match self.many {
+                Many::Answers => {}
+                Many::Unimplemented => return Err(Status::unimplemented("EnqueueMany")),
+                Many::Fails(code) => return Err(Status::new(code, "refused")),
             }
             let outcomes = requests
                 .iter()
@@ -335,22 +391,20 @@ mod tests {
     }
 
     /// Batching in front of a fake queue across a real socket, and what the queue was asked.
-    async fn batching_to(offers_many: bool) -> (Enqueues, Arc<Mutex<Vec<Asked>>>) {
-        let (enqueues, asked, _) = batching_with_traces(offers_many).await;
+    async fn batching_to(many: Many) -> (Enqueues, Arc<Mutex<Vec<Asked>>>) {
+        let (enqueues, asked, _) = batching_with_traces(many).await;
         (enqueues, asked)
     }
 
     type Traceparents = Arc<Mutex<Vec<Option<String>>>>;
 
-    async fn batching_with_traces(
-        offers_many: bool,
-    ) -> (Enqueues, Arc<Mutex<Vec<Asked>>>, Traceparents) {
+    async fn batching_with_traces(many: Many) -> (Enqueues, Arc<Mutex<Vec<Asked>>>, Traceparents) {
         let asked = Arc::new(Mutex::new(Vec::new()));
         let traceparents = Traceparents::default();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let fake = FakeQueue {
-            offers_many,
+            many,
             asked: asked.clone(),
             traceparents: traceparents.clone(),
         };
@@ -378,7 +432,8 @@ mod tests {
         }
     }
 
-    /// `n` sends made at once (before the batching task runs), the fourth of host `refused`.
+    /// `n` sends made at once, the fourth of host `refused`. On the tests' current-thread runtime
+    /// every one is waiting before the batching task first runs, so they go in one call.
     async fn burst(enqueues: &Enqueues, n: usize) -> Vec<Result<pb::EnqueueResponse, Status>> {
         let sends = (0..n).map(|i| {
             let host = if i == 3 {
@@ -407,7 +462,7 @@ mod tests {
 
     #[tokio::test]
     async fn sends_made_together_go_in_one_call_each_with_its_own_answer() {
-        let (enqueues, asked) = batching_to(true).await;
+        let (enqueues, asked) = batching_to(Many::Answers).await;
         let answers = burst(&enqueues, 20).await;
         check_answers(&answers);
         assert_eq!(*asked.lock().unwrap(), [Asked::Many(20)]);
@@ -427,7 +482,7 @@ mod tests {
             std::io::sink,
         );
         let _scoped = tracing::subscriber::set_default(subscriber);
-        let (enqueues, asked, traceparents) = batching_with_traces(true).await;
+        let (enqueues, asked, traceparents) = batching_with_traces(Many::Answers).await;
         let spans: Vec<_> = (0..3)
             .map(|i| tracing::info_span!("send", orca.i = i))
             .collect();
@@ -438,7 +493,10 @@ mod tests {
             answer.unwrap();
         }
         assert_eq!(*asked.lock().unwrap(), [Asked::Many(3)]);
-        let expected: Vec<_> = spans.iter().map(traceparent_of).collect();
+        let expected: Vec<_> = spans
+            .iter()
+            .map(orca_push_telemetry::traceparent_of)
+            .collect();
         assert!(expected.iter().all(Option::is_some), "{expected:?}");
         assert_ne!(expected[0], expected[1]);
         assert_eq!(*traceparents.lock().unwrap(), expected);
@@ -446,7 +504,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_queue_without_enqueue_many_gets_the_sends_one_by_one() {
-        let (enqueues, asked) = batching_to(false).await;
+        let (enqueues, asked) = batching_to(Many::Unimplemented).await;
         check_answers(&burst(&enqueues, 5).await);
         let mut expected = vec![Asked::Many(5)];
         expected.extend([Asked::One; 5]);
@@ -455,5 +513,75 @@ mod tests {
         check_answers(&burst(&enqueues, 5).await);
         expected.extend([Asked::One; 5]);
         assert_eq!(*asked.lock().unwrap(), expected);
+    }
+
+    #[tokio::test]
+    async fn a_call_refused_whole_goes_again_one_send_at_a_time() {
+        let (enqueues, asked) = batching_to(Many::Fails(tonic::Code::InvalidArgument)).await;
+        check_answers(&burst(&enqueues, 5).await);
+        let mut expected = vec![Asked::Many(5)];
+        expected.extend([Asked::One; 5]);
+        // Not taken for an older queue: the next burst asks for EnqueueMany again.
+        check_answers(&burst(&enqueues, 5).await);
+        expected.push(Asked::Many(5));
+        expected.extend([Asked::One; 5]);
+        assert_eq!(*asked.lock().unwrap(), expected);
+    }
+
+    #[tokio::test]
+    async fn a_call_lost_whole_fails_each_of_its_sends_as_their_own_would_have() {
+        let (enqueues, asked) = batching_to(Many::Fails(tonic::Code::Unavailable)).await;
+        for answer in burst(&enqueues, 5).await {
+            assert_eq!(answer.unwrap_err().code(), tonic::Code::Unavailable);
+        }
+        assert_eq!(*asked.lock().unwrap(), [Asked::Many(5)]);
+    }
+
+    #[test]
+    fn a_failed_call_is_shared_only_when_the_connection_failed() {
+        use tonic::Code;
+        for code in [
+            Code::Unavailable,
+            Code::Unknown,
+            Code::Internal,
+            Code::Cancelled,
+        ] {
+            assert_eq!(
+                on_call_failure(&Status::new(code, "")),
+                CallFailure::EachFails
+            );
+        }
+        assert_eq!(
+            on_call_failure(&Status::unimplemented("")),
+            CallFailure::OneByOne {
+                unimplemented: true
+            }
+        );
+        // A service's own refusal names its contract code: not a lost connection.
+        let refused =
+            orca_push_proto::status_with_code(Code::Unavailable, "dependency_unavailable");
+        for status in [
+            refused,
+            Status::invalid_argument(""),
+            Status::resource_exhausted(""),
+            Status::permission_denied(""),
+        ] {
+            assert_eq!(
+                on_call_failure(&status),
+                CallFailure::OneByOne {
+                    unimplemented: false
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn an_older_queue_is_asked_again_a_minute_later() {
+        let unoffered = Unoffered::default();
+        assert!(!unoffered.at(0));
+        unoffered.mark_at(5_000);
+        assert!(unoffered.at(5_000));
+        assert!(unoffered.at(64_999));
+        assert!(!unoffered.at(65_000));
     }
 }

@@ -67,6 +67,20 @@ pub fn set_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) 
     let _ = span.set_parent(extract_context(headers));
 }
 
+/// The W3C `traceparent` of `span` (from any task), if it is in a trace.
+pub fn traceparent_of(span: &tracing::Span) -> Option<String> {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let context = span.context();
+    let mut headers = http::HeaderMap::new();
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&context, &mut HeaderInjector(&mut headers))
+    });
+    headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
 /// Makes `span` a child of the span a W3C `traceparent` names (one of several calls carried in one
 /// request, each continuing its own trace). An invalid one leaves `span` as it was.
 pub fn set_parent_from_traceparent(span: &tracing::Span, traceparent: &str) {

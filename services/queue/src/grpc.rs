@@ -124,12 +124,7 @@ fn enqueue_response(enqueued: crate::store::Enqueued) -> pb::EnqueueResponse {
 
 /// The caller's trace context, so the delivery can link back to the admission.
 fn current_traceparent() -> Option<String> {
-    let mut headers = http::HeaderMap::new();
-    orca_push_telemetry::inject_current_context(&mut headers);
-    headers
-        .get("traceparent")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
+    orca_push_telemetry::traceparent_of(&tracing::Span::current())
 }
 
 #[tonic::async_trait]
@@ -151,7 +146,8 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
         if requests.len() > MAX_ENQUEUE_MANY {
             return Err(QueueError::InvalidRequest("requests").into());
         }
-        // Each admission on its own, all at once, so they reach the writer's next round together.
+        // Each admission on its own, all at once, so they reach the writer together (a round takes
+        // up to `MAX_GROUP` of them; the facade sends no more in one call).
         let admissions = requests.into_iter().map(|batched| {
             let span = tracing::info_span!("queue.admission");
             if let Some(traceparent) = &batched.traceparent {
