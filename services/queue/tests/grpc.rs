@@ -5,20 +5,19 @@ use std::sync::Arc;
 use orca_push_proto::queue::v1 as pb;
 use orca_push_proto::queue::v1::queue_service_client::QueueServiceClient;
 use orca_push_storage::SystemClock;
-use orca_push_storage::testing::{Backend, fresh};
+use orca_push_storage::testing::{Backend, TestDbGuard, fresh};
 use tokio_util::sync::CancellationToken;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
-    // As in every process without a collector: spans exist, so an admission has a trace context
-    // to keep.
-    let _telemetry = orca_push_telemetry::init(
-        opentelemetry_sdk::trace::SdkTracerProvider::builder().build(),
-        orca_push_telemetry::LogFormat::Text,
-        orca_push_telemetry::SpanDetail::ContextOnly,
-    )
-    .unwrap();
-    let (config, _guard) = fresh(Backend::Sqlite).await;
+/// A queue served on a fresh database of `backend`, its client, what stops it and the database's
+/// guard.
+async fn queue_over_grpc(
+    backend: Backend,
+) -> (
+    QueueServiceClient<orca_push_internal_auth::InternalChannel>,
+    CancellationToken,
+    TestDbGuard,
+) {
+    let (config, guard) = fresh(backend).await;
     let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -32,9 +31,41 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
         key.clone(),
         shutdown.clone(),
     ));
-    let mut client = QueueServiceClient::new(
+    let client = QueueServiceClient::new(
         orca_push_internal_auth::channel(&url, &key, "test", "queue").unwrap(),
     );
+    (client, shutdown, guard)
+}
+
+/// Up to four due batches, under a 30 s lease, waiting up to a second for them.
+async fn claim_due(
+    client: &mut QueueServiceClient<orca_push_internal_auth::InternalChannel>,
+) -> Vec<pb::ClaimedBatch> {
+    client
+        .claim(pb::ClaimRequest {
+            lane: "test".into(),
+            max_batches: 4,
+            lease_ms: 30_000,
+            wait_ms: 1_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .batches
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
+    // As in every process without a collector: spans exist, so an admission has a trace context
+    // to keep.
+    let _telemetry = orca_push_telemetry::init(
+        opentelemetry_sdk::trace::SdkTracerProvider::builder().build(),
+        orca_push_telemetry::LogFormat::Text,
+        orca_push_telemetry::SpanDetail::ContextOnly,
+    )
+    .unwrap();
+    let (mut client, shutdown, _guard) = queue_over_grpc(Backend::Sqlite).await;
 
     let notification = pb::Notification {
         notification_id: Some("n-1".into()),
@@ -71,18 +102,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
         .into_inner();
     assert_eq!(depth.due, 1);
 
-    let claimed = client
-        .claim(pb::ClaimRequest {
-            lane: "test".into(),
-            max_batches: 4,
-            lease_ms: 30_000,
-            wait_ms: 1_000,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .batches;
+    let claimed = claim_due(&mut client).await;
     assert_eq!(claimed.len(), 1);
     let batch = &claimed[0];
     assert_eq!(batch.registration_id, "r1");
@@ -223,18 +243,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
         outcomes[0].outcome,
         Some(pb::enqueue_outcome::Outcome::Admitted(_))
     ));
-    let claimed = client
-        .claim(pb::ClaimRequest {
-            lane: "test".into(),
-            max_batches: 4,
-            lease_ms: 30_000,
-            wait_ms: 1_000,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .batches;
+    let claimed = claim_due(&mut client).await;
     assert_eq!(claimed.len(), 1);
     let kept = &claimed[0].member_traceparents;
     assert_eq!(kept.len(), 1);
@@ -253,23 +262,7 @@ async fn enqueue_claim_complete_and_read_outcomes_over_grpc() {
 /// its contract code and fails none of the others, the same identity twice is admitted once, and
 /// more than 256 sends are refused whole.
 async fn enqueue_many_admits_each_send_on_its_own(backend: Backend) {
-    let (config, _guard) = fresh(backend).await;
-    let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let key = orca_push_internal_auth::InternalKey::generate();
-    tokio::spawn(orca_push_queue::serve(
-        listener,
-        pool,
-        Arc::new(SystemClock),
-        0,
-        key.clone(),
-        shutdown.clone(),
-    ));
-    let mut client = QueueServiceClient::new(
-        orca_push_internal_auth::channel(&url, &key, "test", "queue").unwrap(),
-    );
+    let (mut client, shutdown, _guard) = queue_over_grpc(backend).await;
     let send = |host: &str, seq: u64, registration: &str| pb::BatchedEnqueue {
         request: Some(pb::EnqueueRequest {
             host_fingerprint: host.into(),
