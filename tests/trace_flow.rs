@@ -2,37 +2,14 @@
 //! exporter and logs by a buffer: the span tree an SRE follows from request to provider, and no
 //! token, title, body, session token or fingerprint (beyond 4 characters) in any span or log.
 
-use std::io::Write as _;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opentelemetry::trace::{SpanKind, TraceId};
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use opentelemetry_sdk::trace::SpanData;
 use orca_push_host::HostKey;
-use orca_push_tests::mock_apns::MockApns;
-use orca_push_tests::{Raw, bearer};
+use orca_push_tests::bearer;
+use orca_push_tests::traced::TracedGateway;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
-
-#[derive(Clone, Default)]
-struct LogBuffer(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for LogBuffer {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuffer {
-    type Writer = LogBuffer;
-    fn make_writer(&'a self) -> LogBuffer {
-        self.clone()
-    }
-}
 
 fn attribute(span: &SpanData, key: &str) -> Option<String> {
     span.attributes
@@ -43,49 +20,8 @@ fn attribute(span: &SpanData, key: &str) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
-    let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder()
-        .with_simple_exporter(exporter.clone())
-        .build();
-    let logs = LogBuffer::default();
-    let _telemetry = orca_push_telemetry::init_with_log_writer(
-        provider.clone(),
-        orca_push_telemetry::LogFormat::Text,
-        logs.clone(),
-    )
-    .unwrap();
-
-    let apns = MockApns::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let mut vars = apns.env();
-    vars.push((
-        "ORCA_PUSH_DATA_DIR".into(),
-        dir.path().display().to_string(),
-    ));
-    vars.push(("ORCA_PUSH_COALESCE_MS".into(), "0".into()));
-    let config = orca_push::Config::from_lookup(|k| {
-        vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
-    })
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
-    let drain = CancellationToken::new();
-    let gateway = tokio::spawn(orca_push::topology::serve_all_in_one(
-        Arc::new(config),
-        listener,
-        drain.clone(),
-    ));
-
-    let raw = Raw {
-        http: reqwest::Client::new(),
-        base,
-    };
-    for _ in 0..100 {
-        if raw.get("/ready", &[]).await.status == 200 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let gateway = TracedGateway::start(&[]).await;
+    let (raw, apns) = (&gateway.raw, &gateway.apns);
     let key = HostKey::generate();
     let session = raw.login(&key, &[]).await;
     let auth = bearer(&session);
@@ -108,8 +44,7 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
     assert_eq!(reply.body["results"][0]["status"], "queued");
     apns.wait_for(token, 1, Duration::from_secs(20)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    provider.force_flush().unwrap();
-    let spans = exporter.get_finished_spans().unwrap();
+    let spans = gateway.spans();
 
     // The request's trace: facade, then every gRPC hop as client and server, then SQL.
     let trace_id = TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap();
@@ -213,15 +148,10 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
             )
             .await;
         assert_eq!(reply.body["results"][0]["status"], "queued");
-        provider.force_flush().unwrap();
-        from_memory = exporter
-            .get_finished_spans()
-            .unwrap()
-            .into_iter()
-            .find(|s| {
-                s.name == "POST /v1/send"
-                    && attribute(s, "orca.resolve.source").as_deref() == Some("memory")
-            });
+        from_memory = gateway.spans().into_iter().find(|s| {
+            s.name == "POST /v1/send"
+                && attribute(s, "orca.resolve.source").as_deref() == Some("memory")
+        });
         if from_memory.is_some() {
             break;
         }
@@ -230,29 +160,25 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
     let from_memory = from_memory.expect("a send resolved from memory within 6 s");
     let its_trace = from_memory.span_context.trace_id();
     assert!(
-        !exporter.get_finished_spans().unwrap().iter().any(|s| {
+        !gateway.spans().iter().any(|s| {
             s.span_context.trace_id() == its_trace && s.name.contains("ResolveRegistrations")
         }),
         "a send resolved from memory makes no registry call"
     );
-    let spans = exporter.get_finished_spans().unwrap();
+    let spans = gateway.spans();
 
     // Nothing personal anywhere.
-    let everything = format!("{spans:?}");
-    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
     let fingerprint = key.fingerprint();
-    for secret in [
-        token,
-        title,
-        body,
-        session.as_str(),
-        &fingerprint[..5],
-        &apns.key_pem[30..60],
-    ] {
-        assert!(!everything.contains(secret), "{secret} in a span");
-        assert!(!logged.contains(secret), "{secret} in the logs");
-    }
-    drain.cancel();
-    let _ = logs.0.lock().unwrap().flush();
-    let _ = tokio::time::timeout(Duration::from_secs(10), gateway).await;
+    gateway.assert_nothing_leaked(
+        &spans,
+        &[
+            token,
+            title,
+            body,
+            session.as_str(),
+            &fingerprint[..5],
+            &apns.key_pem[30..60],
+        ],
+    );
+    gateway.stop().await;
 }

@@ -4,37 +4,14 @@
 //! no token, title, body, session token or fingerprint (beyond 4 characters) reaches a span or log.
 //! A binary of its own: the tracing subscriber is global.
 
-use std::io::Write as _;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opentelemetry::trace::TraceId;
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use opentelemetry_sdk::trace::SpanData;
 use orca_push_host::HostKey;
-use orca_push_tests::mock_apns::MockApns;
-use orca_push_tests::{Raw, bearer};
+use orca_push_tests::bearer;
+use orca_push_tests::traced::TracedGateway;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
-
-#[derive(Clone, Default)]
-struct LogBuffer(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for LogBuffer {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuffer {
-    type Writer = LogBuffer;
-    fn make_writer(&'a self) -> LogBuffer {
-        self.clone()
-    }
-}
 
 /// Sends made together per burst; bursts until one was batched.
 const SENDS: u64 = 16;
@@ -42,49 +19,8 @@ const BURSTS: u64 = 10;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batched_sends_keep_their_own_traces_and_leak_nothing() {
-    let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder()
-        .with_simple_exporter(exporter.clone())
-        .build();
-    let logs = LogBuffer::default();
-    let _telemetry = orca_push_telemetry::init_with_log_writer(
-        provider.clone(),
-        orca_push_telemetry::LogFormat::Text,
-        logs.clone(),
-    )
-    .unwrap();
-
-    let apns = MockApns::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let mut vars = apns.env();
-    vars.push((
-        "ORCA_PUSH_DATA_DIR".into(),
-        dir.path().display().to_string(),
-    ));
-    vars.push(("ORCA_PUSH_COALESCE_MS".into(), "0".into()));
-    vars.push(("ORCA_PUSH_INTERNAL_TRANSPORT".into(), "loopback".into()));
-    let config = orca_push::Config::from_lookup(|k| {
-        vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
-    })
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
-    let drain = CancellationToken::new();
-    let gateway = tokio::spawn(orca_push::topology::serve_all_in_one(
-        Arc::new(config),
-        listener,
-        drain.clone(),
-    ));
-    let raw = Raw {
-        http: reqwest::Client::new(),
-        base,
-    };
-    for _ in 0..100 {
-        if raw.get("/ready", &[]).await.status == 200 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let gateway = TracedGateway::start(&[("ORCA_PUSH_INTERNAL_TRANSPORT", "loopback")]).await;
+    let (raw, apns) = (&gateway.raw, &gateway.apns);
     let key = HostKey::generate();
     let session = raw.login(&key, &[]).await;
     let auth = bearer(&session);
@@ -117,8 +53,7 @@ async fn batched_sends_keep_their_own_traces_and_leak_nothing() {
             }
         });
         let sent = futures::future::join_all(sends).await;
-        provider.force_flush().unwrap();
-        let spans = exporter.get_finished_spans().unwrap();
+        let spans = gateway.spans();
         let in_trace = |trace: TraceId, name: &str| {
             spans
                 .iter()
@@ -154,8 +89,7 @@ async fn batched_sends_keep_their_own_traces_and_leak_nothing() {
     };
     let mut spans = Vec::new();
     for _ in 0..100 {
-        provider.force_flush().unwrap();
-        spans = exporter.get_finished_spans().unwrap();
+        spans = gateway.spans();
         if batched.iter().all(|trace| linked(&spans, *trace)) {
             break;
         }
@@ -175,14 +109,10 @@ async fn batched_sends_keep_their_own_traces_and_leak_nothing() {
     }
 
     // Nothing personal anywhere.
-    let everything = format!("{spans:?}");
-    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
     let fingerprint = key.fingerprint();
-    for secret in [token, title, body, session.as_str(), &fingerprint[..5]] {
-        assert!(!everything.contains(secret), "{secret} in a span");
-        assert!(!logged.contains(secret), "{secret} in the logs");
-    }
-    drain.cancel();
-    let _ = logs.0.lock().unwrap().flush();
-    let _ = tokio::time::timeout(Duration::from_secs(10), gateway).await;
+    gateway.assert_nothing_leaked(
+        &spans,
+        &[token, title, body, session.as_str(), &fingerprint[..5]],
+    );
+    gateway.stop().await;
 }

@@ -166,14 +166,15 @@ async fn admission_by_wrk(
             let figures =
                 crate::wrk::run(&target.base, connections, seconds, &hosts, first_seq, limit).await;
             let cpu = crate::procstat::children_cpu_seconds() - before;
-            *ran.lock().unwrap() = Some((figures, cpu));
+            *ran.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((figures, cpu));
             BTreeMap::new()
         },
     )
     .await;
     let (figures, wrk_cpu) = ran
         .into_inner()
-        .unwrap()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
         .ok_or_else(|| anyhow::anyhow!("wrk did not run"))?;
     let figures = figures?;
     // What each host spent, rounded up: every host got that many requests or one fewer.

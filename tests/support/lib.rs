@@ -4,6 +4,7 @@
 pub mod fault_proxy;
 pub mod mock_apns;
 pub mod mock_fcm;
+pub mod traced;
 pub mod world;
 
 use std::process::Stdio;
