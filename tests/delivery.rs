@@ -1,14 +1,14 @@
 //! Delivery end to end: a real gateway delivering to mock APNs (HTTP/2 over TLS, JWT checked) and
 //! mock FCM (OAuth assertion checked), on SQLite and on PostgreSQL where storage matters.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use orca_push_host::HostKey;
 use orca_push_storage::Pool;
 use orca_push_tests::mock_apns::{Answer, MockApns};
 use orca_push_tests::mock_fcm::{FcmAnswer, MockFcm, fcm_error};
 use orca_push_tests::world::{WAIT, World, alert};
-use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends};
+use orca_push_tests::{Backend, Gateway, Raw, bearer, on_both_backends, scrape_sum};
 use serde_json::{Value, json};
 
 const IOS: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f90";
@@ -18,6 +18,7 @@ on_both_backends!(
     an_alert_reaches_both_providers_exactly_as_the_contract_says,
     a_burst_reaches_each_phone_as_one_summary,
     dead_tokens_of_every_class_are_marked_and_answered_dead,
+    a_split_sender_keeps_the_phones_it_looked_up_and_hears_a_new_token,
 );
 
 async fn an_alert_reaches_both_providers_exactly_as_the_contract_says(backend: Backend) {
@@ -529,4 +530,66 @@ async fn the_device_is_re_read_before_every_attempt() {
         w.apns.calls_for("dd01").is_empty(),
         "the deleted device gets nothing"
     );
+}
+
+/// Split mode: the sender keeps the phones its lanes looked up while the registry's device watch
+/// vouches for them (otherwise a call across a socket per claim), and still delivers to what the
+/// registry holds: a phone given a new token gets the next alerts at it once the watch brings the
+/// change (milliseconds), well within the ten seconds an entry is kept at most.
+async fn a_split_sender_keeps_the_phones_it_looked_up_and_hears_a_new_token(backend: Backend) {
+    let mut w = World::start_split(backend, "0").await;
+    let phone = w.register_ios("iphone", "aa01").await;
+    let mut seq = 0;
+    let kept_since = Instant::now();
+    loop {
+        seq += 1;
+        assert_eq!(w.send(&[&phone], alert(seq)).await, ["queued"]);
+        w.apns.wait_for("aa01", seq as usize, WAIT).await;
+        if sender_lookups(&mut w.gateway, "memory").await >= 1.0 {
+            break;
+        }
+        assert!(
+            kept_since.elapsed() < Duration::from_secs(10),
+            "no look-up was answered from the sender's copy"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    w.register_ios("iphone", "bb02").await;
+    let changed_at = Instant::now();
+    loop {
+        seq += 1;
+        assert_eq!(w.send(&[&phone], alert(seq)).await, ["queued"]);
+        let delivered = Instant::now();
+        while w.apns.calls_for("aa01").len() + w.apns.calls_for("bb02").len() < seq as usize {
+            assert!(delivered.elapsed() < WAIT, "alert {seq} not delivered");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if !w.apns.calls_for("bb02").is_empty() {
+            break;
+        }
+        assert!(
+            changed_at.elapsed() < Duration::from_secs(2),
+            "the sender still delivers to the replaced token"
+        );
+    }
+    let to_old = w.apns.calls_for("aa01").len();
+    // From then on the new token gets everything, from the sender's copy again once settled.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let kept_before = sender_lookups(&mut w.gateway, "memory").await;
+    for _ in 0..2 {
+        seq += 1;
+        assert_eq!(w.send(&[&phone], alert(seq)).await, ["queued"]);
+        w.apns.wait_for("bb02", seq as usize - to_old, WAIT).await;
+    }
+    assert_eq!(w.apns.calls_for("aa01").len(), to_old);
+    assert!(sender_lookups(&mut w.gateway, "memory").await > kept_before);
+}
+
+async fn sender_lookups(gateway: &mut Gateway, source: &str) -> f64 {
+    scrape_sum(
+        &gateway.process("sender").metrics_url(),
+        "orca_push_sender_device_lookups_total",
+        &[("source", source)],
+    )
+    .await
 }

@@ -4,55 +4,32 @@
 //! call, skipping the in-process call still saved 6-8% of the gateway's CPU per send on SQLite
 //! (docs/benchmarks.md, round 29).
 //!
-//! The facade follows the registry's `WatchDevices` stream: a host whose registrations change is
-//! dropped as the news arrives, and entries are served only while the stream's heartbeat was heard
-//! within [`WATCH_SILENCE`] (the registry sends one every 200 ms, after every change it relayed
-//! before), and only those read under the stream open now. A read that raced a change is never
-//! kept: every change bumps a generation, and a read is kept only if none arrived since it began.
-//! A register or delete through this facade drops its host as the registry answers, before the host
-//! hears back.
-//!
-//! With several registry replicas, a resolve may be answered by one that has not heard a write yet,
-//! after the news of it reached this facade through another. So a read of a host that began within
-//! [`CHANGE_SETTLES_IN`] of news of it is not kept, and an entry is served for at most
-//! [`TRUST_FOR`] whatever happens.
+//! The facade follows the registry's `WatchDevices` stream, under the rules of
+//! [`orca_push_registry::watched`] (served while the watch's heartbeat is heard, never a read that
+//! raced a change, at most [`TRUST_FOR`], news from several replicas left to settle for
+//! [`CHANGE_SETTLES_IN`]). A register or delete through this facade drops its host as the registry
+//! answers, before the host hears back.
 //!
 //! Only ids the host owns are kept (a host owns at most 64): a send naming another id asks the
 //! registry. It holds no push token (a resolve carries none) and logs no host.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use orca_push_proto::registry::v1 as pb;
+use orca_push_registry::watched::{RegistryClient, WatchedHosts};
 use tokio_util::sync::CancellationToken;
 
-/// How long a kept answer is served at most (see the module's documentation).
-pub const TRUST_FOR: Duration = Duration::from_secs(10);
-/// Entries are served only while the watch's heartbeat was heard this recently.
-pub const WATCH_SILENCE: Duration = Duration::from_millis(600);
-/// How long to wait before opening the watch again after it ended or was refused.
-const WATCH_RETRY: Duration = Duration::from_secs(1);
-/// How long to wait before asking again a registry that does not offer the watch.
-const WATCH_UNOFFERED_RETRY: Duration = Duration::from_secs(60);
-/// How often entries past [`TRUST_FOR`] are swept.
-const SWEEP_EVERY: Duration = Duration::from_secs(10);
+pub use orca_push_registry::watched::{CHANGE_SETTLES_IN, TRUST_FOR, WATCH_SILENCE};
+
 /// Hosts kept at most; when full, the cache starts again empty.
 pub const MAX_CACHED_HOSTS: usize = 50_000;
 /// What the kept answers may take (ids, hosts and a share of the maps); past it the cache starts
 /// again empty.
 pub const MAX_CACHED_BYTES: usize = 16 << 20;
-/// A read of a host that began this soon after news of a change to it is not kept: another registry
-/// replica may not have heard the change yet (relays take milliseconds).
-pub const CHANGE_SETTLES_IN: Duration = Duration::from_secs(1);
 /// What a kept id takes besides its text: its answer and its place in the map (an estimate; it only
 /// bounds the cache).
 const ID_OVERHEAD: usize = 64;
-
-type RegistryClient =
-    pb::registry_service_client::RegistryServiceClient<orca_push_internal_auth::InternalChannel>;
 
 /// What an id resolved to, when the host owns it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,63 +38,9 @@ struct Owned {
     dead: bool,
 }
 
-struct HostEntry {
-    /// The host's ids asked for, and what each resolved to.
-    ids: HashMap<String, Owned>,
-    /// When the oldest read in it began.
-    read_at: Instant,
-    /// The watch stream it was read under.
-    stream: u64,
-    bytes: usize,
-}
-
-impl HostEntry {
-    fn fresh(&self, stream: u64) -> bool {
-        self.stream == stream && self.read_at.elapsed() < TRUST_FOR
-    }
-}
-
-#[derive(Default)]
-struct Kept {
-    hosts: HashMap<String, HostEntry>,
-    bytes: usize,
-    /// When news of a change to each host last arrived (for [`CHANGE_SETTLES_IN`]).
-    changed_at: HashMap<String, Instant>,
-}
-
-impl Kept {
-    fn clear(&mut self) {
-        self.hosts.clear();
-        self.bytes = 0;
-    }
-
-    /// Whether news of a change to `host` arrived less than [`CHANGE_SETTLES_IN`] before `read_at`
-    /// (or after it).
-    fn settling(&self, host: &str, read_at: Instant) -> bool {
-        self.changed_at
-            .get(host)
-            .is_some_and(|at| read_at.saturating_duration_since(*at) < CHANGE_SETTLES_IN)
-    }
-
-    fn remove(&mut self, host: &str) {
-        if let Some(entry) = self.hosts.remove(host) {
-            self.bytes = self.bytes.saturating_sub(entry.bytes);
-        }
-    }
-}
-
 /// The resolves this facade kept, and what it knows of the registry's device watch.
 pub struct ResolvedHosts {
-    kept: Mutex<Kept>,
-    /// Bumped by every change heard, before its host is dropped.
-    generation: AtomicU64,
-    /// Which stream is open (0: none yet); every new stream takes the next number.
-    stream: AtomicU64,
-    /// When it was last heard from, in nanoseconds after `epoch` (0: not since it opened).
-    heard_at: AtomicU64,
-    epoch: Instant,
-    max_hosts: usize,
-    max_bytes: usize,
+    hosts: Arc<WatchedHosts<Owned>>,
 }
 
 impl Default for ResolvedHosts {
@@ -129,71 +52,29 @@ impl Default for ResolvedHosts {
 impl ResolvedHosts {
     pub fn with_limits(max_hosts: usize, max_bytes: usize) -> Self {
         Self {
-            kept: Mutex::default(),
-            generation: AtomicU64::new(0),
-            stream: AtomicU64::new(0),
-            heard_at: AtomicU64::new(0),
-            epoch: Instant::now(),
-            max_hosts,
-            max_bytes,
+            hosts: Arc::new(WatchedHosts::with_limits("facade", max_hosts, max_bytes)),
         }
-    }
-
-    fn kept(&self) -> MutexGuard<'_, Kept> {
-        // No code that can panic runs between a change to the map and to its byte count.
-        self.kept.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn nanos(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_nanos())
-            .unwrap_or(u64::MAX)
-            .max(1)
-    }
-
-    /// The stream that vouches now, if one does.
-    fn live(&self) -> Option<u64> {
-        let stream = self.stream.load(Ordering::SeqCst);
-        let heard = self.heard_at.load(Ordering::SeqCst);
-        let silence = u64::try_from(WATCH_SILENCE.as_nanos()).unwrap_or(u64::MAX);
-        (stream != 0 && heard != 0 && self.nanos().saturating_sub(heard) < silence)
-            .then_some(stream)
     }
 
     /// A new stream opened: nothing kept before it is served.
     pub fn opened(&self) {
-        self.heard_at.store(0, Ordering::SeqCst);
-        self.stream.fetch_add(1, Ordering::SeqCst);
-        self.kept().clear();
+        self.hosts.opened();
     }
 
     /// The stream ended: nothing is served until another opens and is heard from.
     pub fn closed(&self) {
-        self.heard_at.store(0, Ordering::SeqCst);
-        self.kept().clear();
+        self.hosts.closed();
     }
 
-    /// News from the stream: a heartbeat, or a host whose registrations changed. Only a heartbeat
-    /// proves the stream current: the registry tells its own writes at once, whether or not its
-    /// relay of the other replicas' still works.
+    /// News from the stream (see [`WatchedHosts::heard`]).
     pub fn heard(&self, event: &pb::DeviceEvent) {
-        if event.changed_host_fingerprint.is_empty() {
-            self.heard_at.store(self.nanos(), Ordering::SeqCst);
-        } else {
-            self.changed(&event.changed_host_fingerprint);
-        }
+        self.hosts.heard(event);
     }
 
     /// What `host` resolves to may have changed: its entry goes, and reads under way, or begun
     /// within [`CHANGE_SETTLES_IN`], are not kept.
     pub fn changed(&self, host: &str) {
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        let mut kept = self.kept();
-        kept.remove(host);
-        if kept.changed_at.len() >= self.max_hosts {
-            kept.changed_at
-                .retain(|_, at| at.elapsed() < CHANGE_SETTLES_IN);
-        }
-        kept.changed_at.insert(host.to_owned(), Instant::now());
+        self.hosts.changed(host);
     }
 
     /// What `ids` of `host` resolve to: kept answers while the watch vouches for them, else
@@ -208,184 +89,69 @@ impl ResolvedHosts {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Vec<pb::ResolvedRegistration>, E>>,
     {
-        let live = self.live();
-        if let Some(stream) = live
-            && let Some(answer) = self.answer(host, ids, stream)
-        {
-            metrics::counter!("orca_push_facade_resolves_total", "source" => "memory").increment(1);
-            tracing::Span::current().record("orca.resolve.source", "memory");
-            return Ok(answer);
+        let began = self.hosts.begin();
+        if let Some(began) = &began {
+            let asked: Vec<&str> = ids.iter().map(String::as_str).collect();
+            if let Some(owned) = self.hosts.answer(host, &asked, began) {
+                metrics::counter!("orca_push_facade_resolves_total", "source" => "memory")
+                    .increment(1);
+                tracing::Span::current().record("orca.resolve.source", "memory");
+                return Ok(ids
+                    .iter()
+                    .zip(owned)
+                    .map(|(id, owned)| pb::ResolvedRegistration {
+                        registration_id: id.clone(),
+                        platform: owned.platform,
+                        dead: owned.dead,
+                    })
+                    .collect());
+            }
         }
         metrics::counter!("orca_push_facade_resolves_total", "source" => "registry").increment(1);
         tracing::Span::current().record("orca.resolve.source", "registry");
-        let began = self.generation.load(Ordering::SeqCst);
-        let read_at = Instant::now();
         let registrations = read().await?;
-        if let Some(stream) = live {
-            self.keep(host, ids, &registrations, stream, began, read_at);
+        if let Some(began) = &began {
+            // Only what the host owns: the registry answers only ids asked, and a host owns at
+            // most 64.
+            let owned = registrations
+                .iter()
+                .filter(|r| ids.contains(&r.registration_id))
+                .map(|r| {
+                    let owned = Owned {
+                        platform: r.platform,
+                        dead: r.dead,
+                    };
+                    (r.registration_id.clone(), owned, ID_OVERHEAD)
+                });
+            self.hosts.keep(host, began, owned);
         }
         Ok(registrations)
     }
 
-    /// The kept answer for every one of `ids`, or `None` if any is not kept.
-    fn answer(
-        &self,
-        host: &str,
-        ids: &[String],
-        stream: u64,
-    ) -> Option<Vec<pb::ResolvedRegistration>> {
-        let kept = self.kept();
-        let entry = kept.hosts.get(host).filter(|e| e.fresh(stream))?;
-        ids.iter()
-            .map(|id| {
-                let owned = entry.ids.get(id)?;
-                Some(pb::ResolvedRegistration {
-                    registration_id: id.clone(),
-                    platform: owned.platform,
-                    dead: owned.dead,
-                })
-            })
-            .collect()
-    }
-
-    fn keep(
-        &self,
-        host: &str,
-        ids: &[String],
-        registrations: &[pb::ResolvedRegistration],
-        stream: u64,
-        began: u64,
-        read_at: Instant,
-    ) {
-        let mut kept = self.kept();
-        // Checked under the lock that `changed` takes after bumping: a change heard after this read
-        // began either shows here or drops the entry after it is inserted.
-        if self.generation.load(Ordering::SeqCst) != began
-            || self.stream.load(Ordering::SeqCst) != stream
-            || kept.settling(host, read_at)
-        {
-            return;
-        }
-        let kept = &mut *kept;
-        let mut entry = match kept.hosts.remove(host) {
-            // Both reads hold: no change to the host was heard since the older began.
-            Some(older) if older.fresh(stream) => {
-                kept.bytes = kept.bytes.saturating_sub(older.bytes);
-                older
-            }
-            older => {
-                if let Some(older) = older {
-                    kept.bytes = kept.bytes.saturating_sub(older.bytes);
-                }
-                HostEntry {
-                    ids: HashMap::with_capacity(registrations.len()),
-                    read_at,
-                    stream,
-                    bytes: host.len() + ID_OVERHEAD,
-                }
-            }
-        };
-        // Only what the host owns: the registry answers only ids asked, and a host owns at most 64.
-        for r in registrations
-            .iter()
-            .filter(|r| ids.contains(&r.registration_id))
-        {
-            let owned = Owned {
-                platform: r.platform,
-                dead: r.dead,
-            };
-            if entry.ids.insert(r.registration_id.clone(), owned).is_none() {
-                entry.bytes += r.registration_id.len() + ID_OVERHEAD;
-            }
-        }
-        if entry.ids.is_empty() {
-            return;
-        }
-        if kept.hosts.len() >= self.max_hosts || kept.bytes + entry.bytes > self.max_bytes {
-            kept.clear();
-        }
-        if entry.bytes <= self.max_bytes {
-            kept.bytes += entry.bytes;
-            kept.hosts.insert(host.to_owned(), entry);
-        }
-    }
-
     /// Drops entries no longer served.
     pub fn sweep(&self) {
-        let mut kept = self.kept();
-        let stream = self.stream.load(Ordering::SeqCst);
-        kept.hosts.retain(|_, entry| entry.fresh(stream));
-        kept.bytes = kept.hosts.values().map(|e| e.bytes).sum();
-        kept.hosts.shrink_to_fit();
-        kept.changed_at
-            .retain(|_, at| at.elapsed() < CHANGE_SETTLES_IN);
-        kept.changed_at.shrink_to_fit();
+        self.hosts.sweep();
     }
 
     pub fn len(&self) -> usize {
-        self.kept().hosts.len()
+        self.hosts.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.hosts.is_empty()
     }
 
-    /// Follows the registry's device watch until `shutdown`, opening it again whenever it ends,
-    /// and sweeps now and then. A registry that does not offer it (an older one) is asked again
-    /// each minute; meanwhile every send asks the registry.
+    /// Follows the registry's device watch until `shutdown` (see [`WatchedHosts::follow`]);
+    /// meanwhile every send asks the registry.
     pub async fn follow(self: Arc<Self>, registry: RegistryClient, shutdown: CancellationToken) {
-        use futures::StreamExt as _;
-        let mut sweeps = tokio::time::interval(SWEEP_EVERY);
-        loop {
-            let mut client = registry.clone();
-            let opened = tokio::select! {
-                () = shutdown.cancelled() => return,
-                opened = client.watch_devices(pb::WatchDevicesRequest {}) => opened,
-            };
-            let wait = match opened {
-                Ok(response) => {
-                    let mut events = response.into_inner();
-                    self.opened();
-                    tracing::debug!("following the registry's device watch");
-                    let ended = loop {
-                        tokio::select! {
-                            () = shutdown.cancelled() => {
-                                self.closed();
-                                return;
-                            }
-                            _ = sweeps.tick() => self.sweep(),
-                            event = events.next() => match event {
-                                Some(Ok(event)) => self.heard(&event),
-                                Some(Err(status)) => break Some(status),
-                                None => break None,
-                            },
-                        }
-                    };
-                    self.closed();
-                    if let Some(status) = ended {
-                        tracing::info!(code = ?status.code(), "the registry's device watch ended; opening it again");
-                    }
-                    WATCH_RETRY
-                }
-                Err(status) if status.code() == tonic::Code::Unimplemented => {
-                    tracing::info!("the registry offers no device watch: every send asks it");
-                    WATCH_UNOFFERED_RETRY
-                }
-                Err(status) => {
-                    tracing::info!(code = ?status.code(), "the registry's device watch not opened; retrying");
-                    WATCH_RETRY
-                }
-            };
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(wait) => {}
-            }
-        }
+        self.hosts.clone().follow(registry, shutdown).await;
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
     use super::*;
 
     fn owned(id: &str, dead: bool) -> pb::ResolvedRegistration {
@@ -415,20 +181,6 @@ mod tests {
         cache.opened();
         cache.heard(&heartbeat());
         cache
-    }
-
-    /// As if news of `host` had arrived longer ago than it takes a change to settle.
-    fn settled(cache: &ResolvedHosts, host: &str) {
-        let long_ago = Instant::now().checked_sub(CHANGE_SETTLES_IN * 2);
-        let mut kept = cache.kept();
-        match long_ago {
-            Some(at) => {
-                kept.changed_at.insert(host.to_owned(), at);
-            }
-            None => {
-                kept.changed_at.remove(host);
-            }
-        }
     }
 
     /// Resolves through the cache, counting the reads it makes.
@@ -463,13 +215,24 @@ mod tests {
         let with_b = resolve(&cache, "h", &["a", "b"], vec![owned("a", false)], &reads).await;
         assert_eq!(with_b, vec![owned("a", false)]);
         assert_eq!(reads.load(Ordering::SeqCst), 3);
+        // Nor is an id the registry answered for beside those asked.
+        resolve(
+            &cache,
+            "h",
+            &["d"],
+            vec![owned("d", false), owned("e", false)],
+            &reads,
+        )
+        .await;
+        resolve(&cache, "h", &["e"], vec![owned("e", false)], &reads).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 5);
         // A host that owns none of what it asked for is not kept at all.
         resolve(&cache, "g", &["x"], vec![], &reads).await;
-        assert!(!cache.kept().hosts.contains_key("g"));
+        assert_eq!(cache.len(), 1);
     }
 
     #[tokio::test]
-    async fn a_change_heard_drops_its_host_only_and_settles_before_it_is_kept_again() {
+    async fn a_change_heard_or_made_here_drops_its_host_only() {
         let cache = watched();
         let reads = AtomicU64::new(0);
         resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
@@ -477,20 +240,13 @@ mod tests {
         cache.heard(&change("h"));
         resolve(&cache, "g", &["c"], vec![], &reads).await;
         assert_eq!(reads.load(Ordering::SeqCst), 2);
-        // Read, but not kept while another replica may not have heard the change.
-        for _ in 0..2 {
-            let now = resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
-            assert_eq!(now, vec![owned("a", true)]);
-        }
-        assert_eq!(reads.load(Ordering::SeqCst), 4);
-        settled(&cache, "h");
-        resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
-        resolve(&cache, "h", &["a"], vec![], &reads).await;
-        assert_eq!(reads.load(Ordering::SeqCst), 5);
+        let now = resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
+        assert_eq!(now, vec![owned("a", true)]);
+        assert_eq!(reads.load(Ordering::SeqCst), 3);
         // A change made through this facade drops the host as well.
-        cache.changed("h");
-        resolve(&cache, "h", &["a"], vec![owned("a", true)], &reads).await;
-        assert_eq!(reads.load(Ordering::SeqCst), 6);
+        cache.changed("g");
+        resolve(&cache, "g", &["c"], vec![owned("c", false)], &reads).await;
+        assert_eq!(reads.load(Ordering::SeqCst), 4);
     }
 
     #[tokio::test]
@@ -499,9 +255,8 @@ mod tests {
         let reads = AtomicU64::new(0);
         let stale = cache
             .resolve("h", &ids(&["a"]), || async {
-                // The registry answered from before the write; its news arrives meanwhile.
-                cache.heard(&change("h"));
-                settled(&cache, "h");
+                // News of a write arrives while the registry answers.
+                cache.heard(&change("g"));
                 Ok::<_, ()>(vec![owned("a", false)])
             })
             .await
@@ -540,42 +295,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_watch_whose_heartbeats_stop_vouches_for_nothing() {
-        let cache = watched();
-        let reads = AtomicU64::new(0);
-        resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
-        std::thread::sleep(WATCH_SILENCE);
-        // The registry's own writes still come through, but prove nothing of its relay.
-        cache.heard(&change("g"));
-        resolve(&cache, "h", &["a"], vec![owned("a", false)], &reads).await;
-        assert_eq!(reads.load(Ordering::SeqCst), 2);
-        cache.heard(&heartbeat());
-        resolve(&cache, "h", &["a"], vec![], &reads).await;
-        assert_eq!(reads.load(Ordering::SeqCst), 2);
-    }
-
-    #[test]
-    fn an_entry_is_served_for_trust_for_at_most() {
-        let Some(long_ago) = Instant::now().checked_sub(TRUST_FOR) else {
-            return;
-        };
-        let entry = HostEntry {
-            ids: HashMap::new(),
-            read_at: long_ago,
-            stream: 1,
-            bytes: 0,
-        };
-        assert!(!entry.fresh(1));
-        let entry = HostEntry {
-            read_at: Instant::now(),
-            ..entry
-        };
-        assert!(entry.fresh(1));
-        assert!(!entry.fresh(2));
-    }
-
-    #[tokio::test]
-    async fn the_cache_is_bounded_by_hosts_and_bytes() {
+    async fn the_cache_is_bounded_by_hosts() {
         let reads = AtomicU64::new(0);
         let cache = ResolvedHosts::with_limits(2, MAX_CACHED_BYTES);
         cache.opened();
@@ -588,17 +308,5 @@ mod tests {
             1,
             "full at two hosts: started again with the third"
         );
-        let cache = ResolvedHosts::with_limits(100, 200);
-        cache.opened();
-        cache.heard(&heartbeat());
-        for host in ["h", "g", "f"] {
-            resolve(&cache, host, &["a"], vec![owned("a", false)], &reads).await;
-            let kept = cache.kept();
-            assert!(kept.bytes <= 200, "{}", kept.bytes);
-            assert_eq!(
-                kept.bytes,
-                kept.hosts.values().map(|e| e.bytes).sum::<usize>()
-            );
-        }
     }
 }

@@ -34,6 +34,13 @@ impl World {
         Self::start_around(backend, coalesce_ms, extra, apns, fcm).await
     }
 
+    /// The split topology (`Gateway::start_split`), each process given the mocks.
+    pub async fn start_split(backend: Backend, coalesce_ms: &str) -> Self {
+        let apns = MockApns::start().await;
+        let fcm = MockFcm::start().await;
+        Self::start_in(backend, coalesce_ms, &[], apns, fcm, true).await
+    }
+
     /// Around mocks already started (e.g. with a fault proxy in front of one: `extra` comes last,
     /// so its `ORCA_PUSH_APNS_URL` wins).
     pub async fn start_around(
@@ -42,6 +49,17 @@ impl World {
         extra: &[(&str, &str)],
         apns: MockApns,
         fcm: MockFcm,
+    ) -> Self {
+        Self::start_in(backend, coalesce_ms, extra, apns, fcm, false).await
+    }
+
+    async fn start_in(
+        backend: Backend,
+        coalesce_ms: &str,
+        extra: &[(&str, &str)],
+        apns: MockApns,
+        fcm: MockFcm,
+        split: bool,
     ) -> Self {
         let mut env = apns.env();
         env.extend(fcm.env());
@@ -52,7 +70,11 @@ impl World {
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
         );
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        let gateway = Gateway::start_with(backend, &env).await;
+        let gateway = if split {
+            Gateway::start_split_with(backend, &env).await
+        } else {
+            Gateway::start_with(backend, &env).await
+        };
         let raw = Raw::new(&gateway);
         let auth = bearer(&raw.login(&HostKey::from_secret([7u8; 32]), &[]).await);
         Self {

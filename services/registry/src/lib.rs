@@ -10,6 +10,7 @@ mod registry;
 mod relay;
 pub mod resolve_cache;
 pub mod store;
+pub mod watched;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,5 +1,6 @@
-//! Delivery lanes: claim due batches under a lease, re-read their devices (one registry call per
-//! claim), call each device's provider, report the outcomes (grouped, see [`crate::report`]). A
+//! Delivery lanes: claim due batches under a lease, re-read their devices (kept while the
+//! registry's device watch vouches for them, else one registry call per claim), call each device's
+//! provider, report the outcomes (grouped, see [`crate::report`]). A
 //! lane renews the lease of every batch it holds; if the process dies, the leases lapse and another
 //! lane delivers.
 
@@ -11,6 +12,7 @@ use std::time::Duration;
 use orca_push_internal_auth::InternalChannel;
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
+use orca_push_registry::watched::WatchedHosts;
 use orca_push_storage::Clock;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -25,6 +27,26 @@ use crate::verdict::Backoff;
 pub type QueueClient = queue_pb::queue_service_client::QueueServiceClient<InternalChannel>;
 pub type RegistryClient =
     registry_pb::registry_service_client::RegistryServiceClient<InternalChannel>;
+
+/// The phones of hosts this sender delivered to, by host, as the registry's look-up answered them
+/// (see [`orca_push_registry::watched`]).
+pub type Devices = WatchedHosts<registry_pb::DeliveryDevice>;
+/// Hosts whose phones are kept at most; when full, the copy starts again empty.
+pub const MAX_KEPT_HOSTS: usize = 50_000;
+/// What the kept phones may take (ids, hosts, tokens and a share of the maps): a host may register
+/// 64 phones with tokens of up to 4 KiB, so a count of hosts alone would not bound it.
+pub const MAX_KEPT_BYTES: usize = 32 << 20;
+/// What a kept phone takes besides its strings (an estimate; it only bounds the copy).
+const DEVICE_OVERHEAD: usize = 160;
+
+/// An empty copy of the phones lanes look up, within [`MAX_KEPT_HOSTS`] and [`MAX_KEPT_BYTES`].
+pub fn kept_devices() -> Arc<Devices> {
+    Arc::new(WatchedHosts::with_limits(
+        "sender",
+        MAX_KEPT_HOSTS,
+        MAX_KEPT_BYTES,
+    ))
+}
 
 /// Lanes per sender instance.
 pub const LANES: usize = 4;
@@ -91,6 +113,9 @@ pub struct Counters {
 pub struct Sender {
     pub queue: QueueClient,
     pub registry: RegistryClient,
+    /// The phones lanes looked up, kept while the registry's device watch vouches for them
+    /// ([`Sender::look_up`]).
+    pub devices: Arc<Devices>,
     pub providers: Providers,
     pub clock: Arc<dyn Clock>,
     pub counters: Counters,
@@ -335,20 +360,46 @@ impl Sender {
         }
     }
 
-    /// The devices of a claim's batches, by registration id, in one registry call. The registry is
-    /// the truth: a device deleted, marked dead or given a new token since admission is seen here,
-    /// just before the attempts (on PostgreSQL a replica's kept copy of a host follows another
-    /// replica's write by the time its relay takes to hear of it; a token the provider then
-    /// refuses is marked dead only while it is still the registration's).
+    /// The devices of a claim's batches, by registration id: those of hosts kept while the
+    /// registry's device watch vouches for them ([`Devices`]), the rest in one registry call. The
+    /// registry is the truth: a device deleted, marked dead or given a new token since admission
+    /// is seen here, just before the attempts, once the watch has told of it (within
+    /// milliseconds; on PostgreSQL a registry replica's copy follows another replica's write by
+    /// the time its relay takes to hear of it; a token the provider then refuses is marked dead
+    /// only while it is still the registration's).
     async fn look_up(
         &self,
         batches: &[queue_pb::ClaimedBatch],
     ) -> Result<HashMap<String, registry_pb::DeliveryDevice>, tonic::Code> {
+        let mut found = HashMap::with_capacity(batches.len());
         if batches.is_empty() {
-            return Ok(HashMap::new());
+            return Ok(found);
         }
-        let mut registration_ids: Vec<String> =
-            batches.iter().map(|b| b.registration_id.clone()).collect();
+        let began = self.devices.begin();
+        let mut by_host: HashMap<&str, Vec<&str>> = HashMap::new();
+        for batch in batches {
+            let ids = by_host.entry(batch.host_fingerprint.as_str()).or_default();
+            if !ids.contains(&batch.registration_id.as_str()) {
+                ids.push(batch.registration_id.as_str());
+            }
+        }
+        let mut registration_ids = Vec::new();
+        for (host, ids) in by_host {
+            match began.and_then(|read| self.devices.answer(host, &ids, &read)) {
+                Some(devices) => {
+                    found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)))
+                }
+                None => registration_ids.extend(ids.into_iter().map(str::to_owned)),
+            }
+        }
+        let source = |kept: bool| if kept { "memory" } else { "registry" };
+        metrics::counter!("orca_push_sender_device_lookups_total", "source" => source(true))
+            .increment(found.len() as u64);
+        metrics::counter!("orca_push_sender_device_lookups_total", "source" => source(false))
+            .increment(registration_ids.len() as u64);
+        if registration_ids.is_empty() {
+            return Ok(found);
+        }
         registration_ids.sort_unstable();
         registration_ids.dedup();
         let span = tracing::info_span!(
@@ -371,10 +422,22 @@ impl Sender {
         .map_err(|status| status.code())?
         .into_inner()
         .devices;
-        Ok(devices
-            .into_iter()
-            .map(|d| (d.registration_id.clone(), d))
-            .collect())
+        if let Some(read) = &began {
+            let mut read_of: HashMap<&str, Vec<(String, registry_pb::DeliveryDevice, usize)>> =
+                HashMap::new();
+            for d in &devices {
+                let bytes = d.host_fingerprint.len() + d.token.len() + DEVICE_OVERHEAD;
+                read_of
+                    .entry(d.host_fingerprint.as_str())
+                    .or_default()
+                    .push((d.registration_id.clone(), d.clone(), bytes));
+            }
+            for (host, devices) in read_of {
+                self.devices.keep(host, read, devices);
+            }
+        }
+        found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)));
+        Ok(found)
     }
 
     /// Gives claimed batches back untried (a stopping lane), so another lane can take them at

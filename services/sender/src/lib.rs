@@ -1,5 +1,6 @@
 //! The sender service: four delivery lanes per instance that claim due batches from the queue
-//! under renewed leases, re-read each device from the registry, and deliver through APNs (HTTP/2,
+//! under renewed leases, re-read each device from the registry (or its copy kept while the
+//! registry's device watch vouches for it), and deliver through APNs (HTTP/2,
 //! ES256 provider tokens) and FCM HTTP v1 (OAuth). It owns no tables.
 //!
 //! It must never log a push token, a title, a body, or more than 4 characters of a fingerprint.
@@ -88,13 +89,16 @@ pub fn start(
     drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(tonic::service::Routes, tokio::task::JoinHandle<()>), tonic::transport::Error> {
+    let registry_client = RegistryClient::new(orca_push_internal_auth::channel_to(
+        registry, key, "sender", "registry",
+    )?);
+    let devices = lane::kept_devices();
     let sender = Arc::new(Sender {
         queue: QueueClient::new(orca_push_internal_auth::channel_to(
             queue, key, "sender", "queue",
         )?),
-        registry: RegistryClient::new(orca_push_internal_auth::channel_to(
-            registry, key, "sender", "registry",
-        )?),
+        registry: registry_client.clone(),
+        devices: devices.clone(),
         providers,
         clock,
         counters: Default::default(),
@@ -114,8 +118,12 @@ pub fn start(
             hard_stop.cancel();
         });
     }
+    // The watch is followed until the lanes have drained: their look-ups use it until then.
+    let watching = CancellationToken::new();
+    tokio::spawn(devices.follow(registry_client, watching.clone()));
     let lanes = tokio::spawn(async move {
         sender.run(drain, hard_stop).await;
+        watching.cancel();
         // Drained: the services this process shares (all in one) may stop now.
         shutdown.cancel();
     });

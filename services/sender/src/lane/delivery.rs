@@ -264,6 +264,8 @@ impl Sender {
                 metrics::counter!("orca_push_dead_tokens_total", "provider" => provider)
                     .increment(1);
                 if let Some(target) = target {
+                    // Its next look-up asks the registry, which answers what this mark made it.
+                    self.devices.changed(&job.host_fingerprint);
                     self.registry
                         .clone()
                         .mark_dead(target.mark_dead_request(&job.registration_id))
