@@ -120,6 +120,18 @@ pub struct WatchedHosts<V> {
     client: &'static str,
 }
 
+/// Counts only: what is kept may hold push tokens.
+impl<V> std::fmt::Debug for WatchedHosts<V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        f.debug_struct("WatchedHosts")
+            .field("client", &self.client)
+            .field("hosts", &kept.hosts.len())
+            .field("bytes", &kept.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<V: Clone> WatchedHosts<V> {
     /// An empty copy of at most `max_hosts` hosts and about `max_bytes` (as [`WatchedHosts::keep`]
     /// is told each id takes), for `client` (named in log lines).
@@ -499,6 +511,18 @@ mod tests {
         };
         assert!(entry.fresh(1));
         assert!(!entry.fresh(2));
+    }
+
+    #[test]
+    fn its_debug_shows_counts_not_what_is_kept() {
+        let hosts = watched(10, 1 << 20);
+        let read = hosts.begin().unwrap();
+        hosts.keep("host-fingerprint", &read, found(&[("reg-id", 424_242)]));
+        let shown = format!("{hosts:?}");
+        assert!(shown.contains("hosts: 1"), "{shown}");
+        for secret in ["host-fingerprint", "reg-id", "424242"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
     }
 
     #[test]

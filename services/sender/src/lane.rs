@@ -39,7 +39,8 @@ pub const MAX_KEPT_BYTES: usize = 32 << 20;
 /// What a kept phone takes besides its strings (an estimate; it only bounds the copy).
 const DEVICE_OVERHEAD: usize = 160;
 
-/// An empty copy of the phones lanes look up, within [`MAX_KEPT_HOSTS`] and [`MAX_KEPT_BYTES`].
+/// An empty copy of the phones lanes look up, within [`MAX_KEPT_HOSTS`] and [`MAX_KEPT_BYTES`]:
+/// [`WatchedHosts::follow`] must follow the registry's watch for it to serve anything.
 pub fn kept_devices() -> Arc<Devices> {
     Arc::new(WatchedHosts::with_limits(
         "sender",
@@ -114,8 +115,9 @@ pub struct Sender {
     pub queue: QueueClient,
     pub registry: RegistryClient,
     /// The phones lanes looked up, kept while the registry's device watch vouches for them
-    /// ([`Sender::look_up`]).
-    pub devices: Arc<Devices>,
+    /// ([`Sender::look_up`]), when the registry is across a socket (`None` in one process, where
+    /// the registry's own cache answers the call exactly and skipping it measured no gain).
+    pub devices: Option<Arc<Devices>>,
     pub providers: Providers,
     pub clock: Arc<dyn Clock>,
     pub counters: Counters,
@@ -375,7 +377,8 @@ impl Sender {
         if batches.is_empty() {
             return Ok(found);
         }
-        let began = self.devices.begin();
+        let kept = self.devices.as_deref();
+        let began = kept.and_then(Devices::begin);
         let mut by_host: HashMap<&str, Vec<&str>> = HashMap::new();
         for batch in batches {
             let ids = by_host.entry(batch.host_fingerprint.as_str()).or_default();
@@ -385,7 +388,8 @@ impl Sender {
         }
         let mut registration_ids = Vec::new();
         for (host, ids) in by_host {
-            match began.and_then(|read| self.devices.answer(host, &ids, &read)) {
+            let answer = kept.zip(began.as_ref());
+            match answer.and_then(|(kept, read)| kept.answer(host, &ids, read)) {
                 Some(devices) => {
                     found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)))
                 }
@@ -422,7 +426,7 @@ impl Sender {
         .map_err(|status| status.code())?
         .into_inner()
         .devices;
-        if let Some(read) = &began {
+        if let Some((kept, read)) = kept.zip(began.as_ref()) {
             let mut read_of: HashMap<&str, Vec<(String, registry_pb::DeliveryDevice, usize)>> =
                 HashMap::new();
             for d in &devices {
@@ -433,7 +437,7 @@ impl Sender {
                     .push((d.registration_id.clone(), d.clone(), bytes));
             }
             for (host, devices) in read_of {
-                self.devices.keep(host, read, devices);
+                kept.keep(host, read, devices);
             }
         }
         found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)));

@@ -92,7 +92,8 @@ pub fn start(
     let registry_client = RegistryClient::new(orca_push_internal_auth::channel_to(
         registry, key, "sender", "registry",
     )?);
-    let devices = lane::kept_devices();
+    // Across a socket, lanes keep the phones they looked up (`Sender::look_up`).
+    let devices = matches!(registry, Target::Url(_)).then(lane::kept_devices);
     let sender = Arc::new(Sender {
         queue: QueueClient::new(orca_push_internal_auth::channel_to(
             queue, key, "sender", "queue",
@@ -118,12 +119,15 @@ pub fn start(
             hard_stop.cancel();
         });
     }
-    // The watch is followed until the lanes have drained: their look-ups use it until then.
+    // The watch is followed until the lanes have drained (their look-ups use it until then), or
+    // their task has ended some other way.
     let watching = CancellationToken::new();
-    tokio::spawn(devices.follow(registry_client, watching.clone()));
+    if let Some(devices) = devices {
+        tokio::spawn(devices.follow(registry_client, watching.clone()));
+    }
     let lanes = tokio::spawn(async move {
+        let _watching = watching.drop_guard();
         sender.run(drain, hard_stop).await;
-        watching.cancel();
         // Drained: the services this process shares (all in one) may stop now.
         shutdown.cancel();
     });

@@ -265,7 +265,9 @@ impl Sender {
                     .increment(1);
                 if let Some(target) = target {
                     // Its next look-up asks the registry, which answers what this mark made it.
-                    self.devices.changed(&job.host_fingerprint);
+                    if let Some(kept) = &self.devices {
+                        kept.changed(&job.host_fingerprint);
+                    }
                     self.registry
                         .clone()
                         .mark_dead(target.mark_dead_request(&job.registration_id))
