@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt as _;
 use orca_push_proto::registry::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +36,11 @@ pub const CHANGE_SETTLES_IN: Duration = Duration::from_secs(1);
 const WATCH_RETRY: Duration = Duration::from_secs(1);
 /// How long to wait before asking again a registry that does not offer the watch.
 const WATCH_UNOFFERED_RETRY: Duration = Duration::from_secs(60);
+/// A stream with no heartbeat for this long is opened again. The registry sends one every 200 ms
+/// while its news is complete; a replica whose relay has stopped sends none, and may keep the
+/// stream open meanwhile, when nothing would be served until it ended. Opened again, the stream
+/// may reach another replica.
+pub const REOPEN_AFTER_SILENCE: Duration = Duration::from_secs(3);
 /// How often entries past [`TRUST_FOR`] are swept.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
@@ -304,23 +310,38 @@ impl<V: Clone> WatchedHosts<V> {
         self.kept().bytes
     }
 
-    /// Follows the registry's device watch until `shutdown`, opening it again whenever it ends,
-    /// and sweeps now and then. A registry that does not offer it (an older one) is asked again
-    /// each minute; meanwhile nothing is served.
+    /// Follows the registry's device watch until `shutdown`, opening it again whenever it ends or
+    /// falls silent ([`REOPEN_AFTER_SILENCE`]), and sweeps now and then. A registry that does not
+    /// offer it (an older one) is asked again each minute; meanwhile nothing is served.
     pub async fn follow(self: Arc<Self>, registry: RegistryClient, shutdown: CancellationToken) {
+        let open = move || {
+            let mut registry = registry.clone();
+            async move {
+                let response = registry.watch_devices(pb::WatchDevicesRequest {}).await?;
+                Ok(response.into_inner().boxed())
+            }
+        };
+        self.follow_streams(open, shutdown).await;
+    }
+
+    /// [`WatchedHosts::follow`], with each stream opened by `open`.
+    async fn follow_streams<F, Fut>(self: Arc<Self>, mut open: F, shutdown: CancellationToken)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Events, tonic::Status>>,
+    {
         let client = self.client;
         let mut sweeps = tokio::time::interval(SWEEP_EVERY);
         loop {
-            let mut registry = registry.clone();
             let opened = tokio::select! {
                 () = shutdown.cancelled() => return,
-                opened = registry.watch_devices(pb::WatchDevicesRequest {}) => opened,
+                opened = open() => opened,
             };
             let wait = match opened {
-                Ok(response) => {
-                    let mut events = response.into_inner();
+                Ok(mut events) => {
                     self.opened();
                     tracing::debug!(client, "following the registry's device watch");
+                    let mut beat_at = tokio::time::Instant::now();
                     let ended = loop {
                         tokio::select! {
                             () = shutdown.cancelled() => {
@@ -328,16 +349,33 @@ impl<V: Clone> WatchedHosts<V> {
                                 return;
                             }
                             _ = sweeps.tick() => self.sweep(),
-                            event = events.message() => match event {
-                                Ok(Some(event)) => self.heard(&event),
-                                Ok(None) => break None,
-                                Err(status) => break Some(status),
+                            () = tokio::time::sleep_until(beat_at + REOPEN_AFTER_SILENCE) => {
+                                break Ended::Silent;
+                            }
+                            event = events.next() => match event {
+                                Some(Ok(event)) => {
+                                    if event.changed_host_fingerprint.is_empty() {
+                                        beat_at = tokio::time::Instant::now();
+                                    }
+                                    self.heard(&event);
+                                }
+                                Some(Err(status)) => break Ended::Refused(status.code()),
+                                None => break Ended::Closed,
                             },
                         }
                     };
                     self.closed();
-                    if let Some(status) = ended {
-                        tracing::info!(client, code = ?status.code(), "the registry's device watch ended; opening it again");
+                    match ended {
+                        Ended::Refused(code) => tracing::info!(
+                            client,
+                            ?code,
+                            "the registry's device watch ended; opening it again"
+                        ),
+                        Ended::Silent => tracing::info!(
+                            client,
+                            "no heartbeat on the registry's device watch; opening it again"
+                        ),
+                        Ended::Closed => {}
                     }
                     WATCH_RETRY
                 }
@@ -359,6 +397,16 @@ impl<V: Clone> WatchedHosts<V> {
             }
         }
     }
+}
+
+/// A watch's news, as [`WatchedHosts::follow`] reads it.
+type Events = futures::stream::BoxStream<'static, Result<pb::DeviceEvent, tonic::Status>>;
+
+/// How a watch stream ended.
+enum Ended {
+    Refused(tonic::Code),
+    Silent,
+    Closed,
 }
 
 /// What a host's entry takes besides its ids: its name and its place in the map (an estimate; it
@@ -511,6 +559,56 @@ mod tests {
         };
         assert!(entry.fresh(1));
         assert!(!entry.fresh(2));
+    }
+
+    /// Follows streams `stream` makes, counting how many were opened.
+    fn follow_counting(
+        stream: fn() -> Events,
+    ) -> (
+        Arc<WatchedHosts<u32>>,
+        Arc<std::sync::atomic::AtomicUsize>,
+        CancellationToken,
+    ) {
+        let hosts = Arc::new(WatchedHosts::with_limits("test", 10, 1 << 20));
+        let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let shutdown = CancellationToken::new();
+        let counted = opened.clone();
+        let open = move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async move { Ok::<_, tonic::Status>(stream()) }
+        };
+        tokio::spawn(hosts.clone().follow_streams(open, shutdown.clone()));
+        (hosts, opened, shutdown)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_that_falls_silent_is_opened_again() {
+        // One heartbeat, then silence with the stream still open.
+        let (hosts, opened, shutdown) = follow_counting(|| {
+            futures::stream::once(async { Ok(heartbeat()) })
+                .chain(futures::stream::pending())
+                .boxed()
+        });
+        tokio::time::sleep(REOPEN_AFTER_SILENCE - Duration::from_millis(100)).await;
+        assert_eq!(opened.load(Ordering::SeqCst), 1);
+        tokio::time::sleep(Duration::from_millis(200) + WATCH_RETRY).await;
+        assert_eq!(opened.load(Ordering::SeqCst), 2, "opened again");
+        assert!(hosts.is_empty());
+        shutdown.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_that_keeps_beating_stays_open() {
+        let (_hosts, opened, shutdown) = follow_counting(|| {
+            futures::stream::unfold((), |()| async {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Some((Ok(heartbeat()), ()))
+            })
+            .boxed()
+        });
+        tokio::time::sleep(REOPEN_AFTER_SILENCE * 4).await;
+        assert_eq!(opened.load(Ordering::SeqCst), 1);
+        shutdown.cancel();
     }
 
     #[test]
