@@ -12,7 +12,7 @@ use std::time::Duration;
 use orca_push_internal_auth::InternalChannel;
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
-use orca_push_registry::watched::WatchedHosts;
+use orca_push_registry::watched::{Read, WatchedHosts};
 use orca_push_storage::Clock;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -373,29 +373,13 @@ impl Sender {
         &self,
         batches: &[queue_pb::ClaimedBatch],
     ) -> Result<HashMap<String, registry_pb::DeliveryDevice>, tonic::Code> {
-        let mut found = HashMap::with_capacity(batches.len());
         if batches.is_empty() {
-            return Ok(found);
+            return Ok(HashMap::new());
         }
         let kept = self.devices.as_deref();
         let began = kept.and_then(Devices::begin);
-        let mut by_host: HashMap<&str, Vec<&str>> = HashMap::new();
-        for batch in batches {
-            let ids = by_host.entry(batch.host_fingerprint.as_str()).or_default();
-            if !ids.contains(&batch.registration_id.as_str()) {
-                ids.push(batch.registration_id.as_str());
-            }
-        }
-        let mut registration_ids = Vec::new();
-        for (host, ids) in by_host {
-            let answer = kept.zip(began.as_ref());
-            match answer.and_then(|(kept, read)| kept.answer(host, &ids, read)) {
-                Some(devices) => {
-                    found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)))
-                }
-                None => registration_ids.extend(ids.into_iter().map(str::to_owned)),
-            }
-        }
+        let kept = kept.zip(began.as_ref());
+        let (mut found, registration_ids) = from_kept(kept, batches);
         let source = |kept: bool| if kept { "memory" } else { "registry" };
         metrics::counter!("orca_push_sender_device_lookups_total", "source" => source(true))
             .increment(found.len() as u64);
@@ -404,8 +388,6 @@ impl Sender {
         if registration_ids.is_empty() {
             return Ok(found);
         }
-        registration_ids.sort_unstable();
-        registration_ids.dedup();
         let span = tracing::info_span!(
             "look up devices",
             otel.kind = "client",
@@ -426,19 +408,8 @@ impl Sender {
         .map_err(|status| status.code())?
         .into_inner()
         .devices;
-        if let Some((kept, read)) = kept.zip(began.as_ref()) {
-            let mut read_of: HashMap<&str, Vec<(String, registry_pb::DeliveryDevice, usize)>> =
-                HashMap::new();
-            for d in &devices {
-                let bytes = d.host_fingerprint.len() + d.token.len() + DEVICE_OVERHEAD;
-                read_of
-                    .entry(d.host_fingerprint.as_str())
-                    .or_default()
-                    .push((d.registration_id.clone(), d.clone(), bytes));
-            }
-            for (host, devices) in read_of {
-                kept.keep(host, read, devices);
-            }
+        if let Some((kept, read)) = kept {
+            keep_answered(kept, read, &devices);
         }
         found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)));
         Ok(found)
@@ -457,9 +428,124 @@ impl Sender {
     }
 }
 
+/// The phones of `batches` that `kept` answers under its read, by registration id, and the ids
+/// left to ask the registry (sorted, each once). A host's phones come from memory only if every
+/// one its batches name is kept.
+fn from_kept(
+    kept: Option<(&Devices, &Read)>,
+    batches: &[queue_pb::ClaimedBatch],
+) -> (HashMap<String, registry_pb::DeliveryDevice>, Vec<String>) {
+    let mut by_host: HashMap<&str, Vec<&str>> = HashMap::new();
+    for batch in batches {
+        let ids = by_host.entry(batch.host_fingerprint.as_str()).or_default();
+        if !ids.contains(&batch.registration_id.as_str()) {
+            ids.push(batch.registration_id.as_str());
+        }
+    }
+    let mut found = HashMap::with_capacity(batches.len());
+    let mut missing = Vec::new();
+    for (host, ids) in by_host {
+        match kept.and_then(|(kept, read)| kept.answer(host, &ids, read)) {
+            Some(devices) => {
+                found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)));
+            }
+            None => missing.extend(ids.into_iter().map(str::to_owned)),
+        }
+    }
+    missing.sort_unstable();
+    missing.dedup();
+    (found, missing)
+}
+
+/// Keeps what the registry answered a read that began at `read`, each phone under its own host
+/// (the one the registry's watch names when it changes).
+fn keep_answered(kept: &Devices, read: &Read, devices: &[registry_pb::DeliveryDevice]) {
+    let mut by_host: HashMap<&str, Vec<(String, registry_pb::DeliveryDevice, usize)>> =
+        HashMap::new();
+    for d in devices {
+        let bytes = d.host_fingerprint.len() + d.token.len() + DEVICE_OVERHEAD;
+        by_host
+            .entry(d.host_fingerprint.as_str())
+            .or_default()
+            .push((d.registration_id.clone(), d.clone(), bytes));
+    }
+    for (host, devices) in by_host {
+        kept.keep(host, read, devices);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn batch(host: &str, id: &str) -> queue_pb::ClaimedBatch {
+        queue_pb::ClaimedBatch {
+            host_fingerprint: host.into(),
+            registration_id: id.into(),
+            ..Default::default()
+        }
+    }
+
+    fn device(host: &str, id: &str) -> registry_pb::DeliveryDevice {
+        registry_pb::DeliveryDevice {
+            registration_id: id.into(),
+            host_fingerprint: host.into(),
+            token: format!("token-of-{id}"),
+            ..Default::default()
+        }
+    }
+
+    fn ids(found: &HashMap<String, registry_pb::DeliveryDevice>) -> Vec<&str> {
+        let mut ids: Vec<&str> = found.keys().map(String::as_str).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[test]
+    fn a_claim_takes_kept_hosts_from_memory_and_asks_for_the_rest_once_each() {
+        let kept = kept_devices();
+        kept.opened();
+        kept.heard(&registry_pb::DeviceEvent::default());
+        let read = kept.begin().unwrap();
+        // The registry answered for hosts a and b; each phone is kept under its own host.
+        keep_answered(
+            &kept,
+            &read,
+            &[device("a", "a1"), device("a", "a2"), device("b", "b1")],
+        );
+        let claim = [
+            batch("a", "a1"),
+            batch("c", "c2"),
+            batch("a", "a1"),
+            batch("c", "c1"),
+            batch("a", "a2"),
+            batch("c", "c2"),
+        ];
+        let (found, missing) = from_kept(Some((&kept, &read)), &claim);
+        assert_eq!(ids(&found), ["a1", "a2"]);
+        assert_eq!(found["a1"].token, "token-of-a1");
+        assert_eq!(missing, ["c1", "c2"], "sorted, each once");
+        // A host is served only whole: one phone not kept asks for all of its phones.
+        let (found, missing) =
+            from_kept(Some((&kept, &read)), &[batch("a", "a1"), batch("a", "a3")]);
+        assert!(found.is_empty());
+        assert_eq!(missing, ["a1", "a3"]);
+        // A batch naming another host than the phone's is not answered from memory.
+        let (found, missing) = from_kept(Some((&kept, &read)), &[batch("x", "b1")]);
+        assert!(found.is_empty());
+        assert_eq!(missing, ["b1"]);
+        // News of host a: its phones are asked for again; b's are still kept.
+        kept.changed("a");
+        let read = kept.begin().unwrap();
+        let (found, missing) =
+            from_kept(Some((&kept, &read)), &[batch("a", "a1"), batch("b", "b1")]);
+        assert_eq!(ids(&found), ["b1"]);
+        assert_eq!(missing, ["a1"]);
+        // Without a copy (one process), everything is asked for.
+        let (found, missing) = from_kept(None, &[batch("b", "b1")]);
+        assert!(found.is_empty());
+        assert_eq!(missing, ["b1"]);
+    }
 
     #[test]
     fn claims_grow_while_they_come_back_full_and_start_over_when_not() {
