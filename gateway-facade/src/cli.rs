@@ -15,10 +15,30 @@ use tokio_util::sync::CancellationToken;
 /// SIGTERM to exit, at most (the platform kills at 10 s).
 const HARD_DEADLINE: std::time::Duration = std::time::Duration::from_secs(9);
 
+/// `--version`: the package's version, and the commit it was built from when the build set
+/// `ORCA_PUSH_BUILD_REVISION` (`scripts/bench` does, so a benchmark's JSON names the build it
+/// measured; other builds leave it out rather than pay a rebuild on every commit).
+pub const BUILD_REVISION: &str = match option_env!("ORCA_PUSH_BUILD_REVISION") {
+    Some(revision) => revision,
+    None => "",
+};
+
+static VERSION_LINE: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| version_line(env!("CARGO_PKG_VERSION"), BUILD_REVISION));
+
+/// What `--version` prints after the name (the bench reads the revision back from it).
+fn version_line(package: &str, revision: &str) -> String {
+    if revision.is_empty() {
+        package.to_owned()
+    } else {
+        format!("{package} (revision {revision})")
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "orca-push",
-    version,
+    version = VERSION_LINE.as_str(),
     about = "The orca-push gateway: desktop hosts to their phones through APNs and FCM"
 )]
 pub struct Cli {
@@ -337,4 +357,22 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     tokio::time::sleep(HARD_DEADLINE).await;
     eprintln!("orca-push: shutdown did not finish within {HARD_DEADLINE:?}; exiting");
     std::process::exit(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_version_names_the_build_revision_when_the_build_set_one() {
+        assert_eq!(version_line("0.1.0", ""), "0.1.0");
+        assert_eq!(
+            version_line("0.1.0", "7246985-dirty"),
+            "0.1.0 (revision 7246985-dirty)"
+        );
+        use clap::CommandFactory as _;
+        let shown = Cli::command().render_version();
+        let expected = format!("orca-push {}", env!("CARGO_PKG_VERSION"));
+        assert!(shown.starts_with(&expected), "{shown}");
+    }
 }

@@ -366,6 +366,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         git_revision: git_revision(),
+        gateway_revision: gateway_revision(&binary),
         gateway_binary: binary.display().to_string(),
         machine: report::machine(),
         settings: serde_json::to_value(&args)?,
@@ -385,6 +386,25 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.json.display()
     );
     Ok(())
+}
+
+/// The commit the gateway binary was built from, as its `--version` says (`scripts/bench` builds
+/// with `ORCA_PUSH_BUILD_REVISION`), or "unknown" for a build that did not set it.
+fn gateway_revision(binary: &std::path::Path) -> String {
+    std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| revision_in(&String::from_utf8_lossy(&o.stdout)).map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The revision in a `--version` line (`orca-push 0.1.0 (revision 7246985)`), if it names one.
+fn revision_in(version: &str) -> Option<&str> {
+    let (_, rest) = version.split_once("(revision ")?;
+    let (revision, _) = rest.split_once(')')?;
+    (!revision.is_empty()).then_some(revision)
 }
 
 fn git_revision() -> String {
@@ -895,6 +915,20 @@ mod pg {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_gateways_revision_is_read_from_its_version_line() {
+        assert_eq!(
+            revision_in("orca-push 0.1.0 (revision 7246985)\n"),
+            Some("7246985")
+        );
+        assert_eq!(
+            revision_in("orca-push 0.1.0 (revision 7246985-dirty)"),
+            Some("7246985-dirty")
+        );
+        assert_eq!(revision_in("orca-push 0.1.0\n"), None);
+        assert_eq!(revision_in("orca-push 0.1.0 (revision )"), None);
+    }
 
     fn phase(scenario: &str, phase: &str, rate: f64) -> Phase {
         Phase {

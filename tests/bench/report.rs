@@ -65,7 +65,10 @@ pub struct Machine {
 pub struct Report {
     pub label: String,
     pub started_unix: u64,
+    /// The checkout the bench ran from.
     pub git_revision: String,
+    /// The commit the measured gateway was built from (its `--version`), or "unknown".
+    pub gateway_revision: String,
     pub gateway_binary: String,
     pub machine: Machine,
     pub settings: serde_json::Value,
