@@ -385,10 +385,12 @@ impl PgQueueStore {
     pub(super) const REPORTS_IN_ROUNDS: bool = false;
     /// Claims run beside the admissions on connections of their own, as reports do.
     pub(super) const CLAIMS_IN_ROUNDS: bool = false;
-    /// Not measured to pay here: with the server as the bound, two back-to-back pairs at 100 flows
-    /// gave 913 and 720 APNs deliveries/s with it against 916 and 898 without (FCM 751 and 750
-    /// against 966 and 1,001). Claims, which run beside admissions on their own connections, stay.
-    pub(super) const HANDS_OFF: bool = false;
+    /// New work due at once goes to waiting claims (`crate::handoff`), written already leased in
+    /// the admission round, so a waiting claim takes it without a transaction of its own (five
+    /// round trips). Measured against claims alone in round 39 (docs/benchmarks.md), ABBA: APNs
+    /// deliveries +3.4% at 100 flows, +7.6% at 1,000, split +8.5% at 100; admission even or
+    /// better. Rounds 7, 31, 34 and 35 had measured it even on the builds of their day.
+    pub(super) const HANDS_OFF: bool = true;
     /// The writers run on a thread of their own, over connections of their own opened there
     /// (`rounds`), so a statement's answer wakes that thread rather than waiting for the main
     /// runtime to reach the writer's task behind every ready request. A round is some eight round
