@@ -15,10 +15,10 @@ on_both_backends!(
     a_claim_is_not_handed_its_held_providers_work_nor_windows,
 );
 
-/// Both backends hand off (`HANDS_OFF`; PostgreSQL since round 39). Kept as a switch so that a
-/// backend that stops handing off is still checked to claim as before.
+/// PostgreSQL does not hand off (`PgQueueStore::HANDS_OFF`): its waiting claims are woken and claim
+/// as before. Elsewhere in this file, what each backend does with it.
 fn hands_off(backend: Backend) -> bool {
-    matches!(backend, Backend::Sqlite | Backend::Postgres)
+    matches!(backend, Backend::Sqlite)
 }
 
 async fn a_waiting_claim_is_handed_work_due_at_once(backend: Backend) {

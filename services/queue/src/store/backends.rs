@@ -385,12 +385,14 @@ impl PgQueueStore {
     pub(super) const REPORTS_IN_ROUNDS: bool = false;
     /// Claims run beside the admissions on connections of their own, as reports do.
     pub(super) const CLAIMS_IN_ROUNDS: bool = false;
-    /// New work due at once goes to waiting claims (`crate::handoff`), written already leased in
-    /// the admission round, so a waiting claim takes it without a transaction of its own (five
-    /// round trips). Measured against claims alone in round 39 (docs/benchmarks.md), ABBA: APNs
-    /// deliveries +3.4% at 100 flows, +7.6% at 1,000, split +8.5% at 100; admission even or
-    /// better. Rounds 7, 31, 34 and 35 had measured it even on the builds of their day.
-    pub(super) const HANDS_OFF: bool = true;
+    /// Off for now. Handing work due at once to waiting claims (`crate::handoff`) measured +3.4%
+    /// APNs deliveries at 100 flows, +7.6% at 1,000 and +8.5% in split mode in round 39
+    /// (docs/benchmarks.md; rounds 7, 31, 34 and 35 had measured it even), but a review found what
+    /// PostgreSQL adds to it: a commit whose answer is lost with its connection leaves a handed
+    /// batch leased to no lane until its lease lapses (a claim's would be due again at once);
+    /// orphans are given back from the writer's own runtime; and a round whose due work was all
+    /// handed still notifies. Turning it on needs those mended, with a test of the first.
+    pub(super) const HANDS_OFF: bool = false;
     /// The writers run on a thread of their own, over connections of their own opened there
     /// (`rounds`), so a statement's answer wakes that thread rather than waiting for the main
     /// runtime to reach the writer's task behind every ready request. A round is some eight round
