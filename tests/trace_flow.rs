@@ -8,7 +8,7 @@ use opentelemetry::trace::{SpanKind, TraceId};
 use opentelemetry_sdk::trace::SpanData;
 use orca_push_host::HostKey;
 use orca_push_tests::bearer;
-use orca_push_tests::traced::TracedGateway;
+use orca_push_tests::traced::{TracedGateway, marked_alert};
 use serde_json::json;
 
 fn attribute(span: &SpanData, key: &str) -> Option<String> {
@@ -35,9 +35,7 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
     let reply = raw
         .post(
             "/v1/send",
-            &json!({ "v": 1, "registrationIds": [id], "notification": {
-                "notificationId": "n-1", "notificationSeq": 1, "notificationEpoch": "e-1",
-                "source": "agent-task-complete", "agentState": "finished", "title": title, "body": body } }),
+            &marked_alert(&id, 1, title, body),
             &[("authorization", &auth), ("traceparent", traceparent)],
         )
         .await;
@@ -140,10 +138,7 @@ async fn one_alert_is_one_followable_trace_and_leaks_nothing() {
         let reply = raw
             .post(
                 "/v1/send",
-                &json!({ "v": 1, "registrationIds": [id], "notification": {
-                    "notificationId": format!("n-{seq}"), "notificationSeq": seq,
-                    "notificationEpoch": "e-1", "source": "agent-task-complete",
-                    "agentState": "finished", "title": title, "body": body } }),
+                &marked_alert(&id, seq, title, body),
                 &[("authorization", &auth)],
             )
             .await;

@@ -10,7 +10,7 @@ use opentelemetry::trace::TraceId;
 use opentelemetry_sdk::trace::SpanData;
 use orca_push_host::HostKey;
 use orca_push_tests::bearer;
-use orca_push_tests::traced::TracedGateway;
+use orca_push_tests::traced::{TracedGateway, marked_alert};
 use serde_json::json;
 
 /// Sends made together per burst; bursts until one was batched.
@@ -41,10 +41,7 @@ async fn batched_sends_keep_their_own_traces_and_leak_nothing() {
                 let reply = raw
                     .post(
                         "/v1/send",
-                        &json!({ "v": 1, "registrationIds": [id], "notification": {
-                            "notificationId": format!("n-{seq}"), "notificationSeq": seq,
-                            "notificationEpoch": "e-1", "source": "agent-task-complete",
-                            "agentState": "finished", "title": title, "body": body } }),
+                        &marked_alert(&id, seq, title, body),
                         &[("authorization", &auth), ("traceparent", &traceparent)],
                     )
                     .await;

@@ -139,3 +139,11 @@ impl TracedGateway {
         let _ = tokio::time::timeout(Duration::from_secs(10), self.gateway).await;
     }
 }
+
+/// The trace tests' send: one alert to `id` with the marker `title` and `body` (which must never
+/// reach a span or a log line), as sequence `seq` of one epoch.
+pub fn marked_alert(id: &str, seq: u64, title: &str, body: &str) -> serde_json::Value {
+    serde_json::json!({ "v": 1, "registrationIds": [id], "notification": {
+        "notificationId": format!("n-{seq}"), "notificationSeq": seq, "notificationEpoch": "e-1",
+        "source": "agent-task-complete", "agentState": "finished", "title": title, "body": body } })
+}
