@@ -435,6 +435,13 @@ fn from_kept(
     kept: Option<(&Devices, &Read)>,
     batches: &[queue_pb::ClaimedBatch],
 ) -> (HashMap<String, registry_pb::DeliveryDevice>, Vec<String>) {
+    let Some((kept, read)) = kept else {
+        // No copy (one process): every id is asked for, with nothing grouped.
+        let mut ids: Vec<String> = batches.iter().map(|b| b.registration_id.clone()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        return (HashMap::new(), ids);
+    };
     let mut by_host: HashMap<&str, Vec<&str>> = HashMap::new();
     for batch in batches {
         let ids = by_host.entry(batch.host_fingerprint.as_str()).or_default();
@@ -445,7 +452,7 @@ fn from_kept(
     let mut found = HashMap::with_capacity(batches.len());
     let mut missing = Vec::new();
     for (host, ids) in by_host {
-        match kept.and_then(|(kept, read)| kept.answer(host, &ids, read)) {
+        match kept.answer(host, &ids, read) {
             Some(devices) => {
                 found.extend(devices.into_iter().map(|d| (d.registration_id.clone(), d)));
             }
