@@ -370,18 +370,31 @@ pub fn record_lapsed_leases(batches: &[ClaimedBatch]) {
     }
 }
 
-/// `Orphans` that give the batches back to `store`, due again at once.
+/// `Orphans` that give the batches back to `store`, due again at once, on the runtime this is
+/// called on (the queue's): they are handed to it from wherever a group commits, which on
+/// PostgreSQL and SQLite is the writer's own thread, whose runtime serves its rounds and nothing
+/// else. Called where no runtime runs, the batches' leases lapse instead.
 pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>) -> Orphans {
+    let runtime = tokio::runtime::Handle::try_current().ok();
     Box::new(move |batches| {
         let store = store.clone();
         let wake = wake.clone();
         let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
-        tokio::spawn(async move { hand_back(&store, &wake, &batches, now).await });
+        let give = async move { hand_back(&store, &wake, &batches, now).await };
+        match runtime
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
+        {
+            Some(runtime) => drop(runtime.spawn(give)),
+            None => tracing::warn!("no runtime to hand batches back on; their leases will lapse"),
+        }
     })
 }
 
-/// Gives back batches leased for a claim whose caller went away: untried, so neither an attempt
-/// nor a retry, due again at once; the waiting claims hear of them (they last saw them leased).
+/// Gives back batches leased to no lane that will send them (a claim whose caller went away, or a
+/// round whose commit failed): untried, so neither an attempt nor a retry, due again at once; the
+/// waiting claims hear of them (they last saw them leased). A batch whose lease is not the one
+/// given (never committed, or taken since) is left as it is.
 pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[ClaimedBatch], now: i64) {
     if batches.is_empty() {
         return;
@@ -389,7 +402,7 @@ pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[Claimed
     let _woken = Woken(wake);
     tracing::info!(
         batches = batches.len(),
-        "the claiming lane went away; handing its batches back"
+        "handing back batches leased to no lane"
     );
     for batch in batches {
         if let Err(error) = store
@@ -601,6 +614,46 @@ mod tests {
         handoff.answer(taken.remove(0), vec![batch("b-2")]);
         drop(unread);
         assert_eq!(*orphaned.lock().unwrap(), vec!["b-1", "b-2"]);
+    }
+
+    #[test]
+    fn other_replicas_hear_only_of_work_not_handed() {
+        let (handoff, _) = recording();
+        let group = [
+            // Handed to the waiting claim.
+            alert(1, "phone-a", Provider::Fcm, None),
+            // A coalescing window, due later.
+            alert(2, "phone-b", Provider::Fcm, Some("n-2")),
+            // Its provider is held by the only waiting claim: left in the table.
+            alert(3, "phone-c", Provider::Apns, None),
+        ];
+        let refs: Vec<&Admission> = group.iter().collect();
+        let fresh = || plan(&refs, &[Seen::default(); 3], Vec::new(), NOW, 3000).unwrap();
+        let unhanded = fresh();
+        assert_eq!(
+            unhanded.due_for_others(&refs),
+            [(Provider::Fcm, NOW), (Provider::Apns, NOW)],
+            "nothing handed: all of it"
+        );
+        let _claim = handoff.wait("lane-7", 4, 30_000, APNS_HELD);
+        let mut plan = fresh();
+        assert_eq!(
+            lease_due_now(&mut plan, &handoff, &mut Vec::new(), NOW).len(),
+            1
+        );
+        assert_eq!(
+            plan.due_for_others(&refs),
+            [(Provider::Fcm, NOW + 3000), (Provider::Apns, NOW)]
+        );
+        // All of a group's due work handed: nothing to tell.
+        let _claim = handoff.wait("lane-8", 4, 30_000, Skip::default());
+        let mut plan =
+            crate::admission::plan(&refs[..1], &[Seen::default()], Vec::new(), NOW, 3000).unwrap();
+        assert_eq!(
+            lease_due_now(&mut plan, &handoff, &mut Vec::new(), NOW).len(),
+            1
+        );
+        assert!(plan.due_for_others(&refs[..1]).is_empty());
     }
 
     #[test]

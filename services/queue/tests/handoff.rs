@@ -13,12 +13,13 @@ use support::*;
 on_both_backends!(
     a_waiting_claim_is_handed_work_due_at_once,
     a_claim_is_not_handed_its_held_providers_work_nor_windows,
+    orphans_given_back_from_a_thread_without_a_runtime_are_due_again,
 );
 
-/// PostgreSQL does not hand off (`PgQueueStore::HANDS_OFF`): its waiting claims are woken and claim
-/// as before. Elsewhere in this file, what each backend does with it.
+/// Both backends hand off (`HANDS_OFF`; PostgreSQL since round 40). Kept as a switch so that a
+/// backend that stops handing off is still checked to claim as before.
 fn hands_off(backend: Backend) -> bool {
-    matches!(backend, Backend::Sqlite)
+    matches!(backend, Backend::Sqlite | Backend::Postgres)
 }
 
 async fn a_waiting_claim_is_handed_work_due_at_once(backend: Backend) {
@@ -118,4 +119,186 @@ async fn a_claim_is_not_handed_its_held_providers_work_nor_windows(backend: Back
     assert_eq!(claimed[0].registration_id, "phone-apns");
     h.clock.advance(WINDOW);
     assert_eq!(h.claim_all().await.len(), 1, "the window, once it ends");
+}
+
+/// Orphans are handed back on the runtime the queue was built on, whatever thread gives them:
+/// a group commits on the writer's own thread, whose runtime serves its rounds only.
+async fn orphans_given_back_from_a_thread_without_a_runtime_are_due_again(backend: Backend) {
+    let h = harness_with(backend, 0).await;
+    h.admit(&alert(1, &["phone-1"])).await;
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 1);
+    assert!(h.claim_all().await.is_empty(), "leased");
+    let orphans = orca_push_queue::handoff::give_back(
+        h.queue.store().clone(),
+        std::sync::Arc::new(h.clock.clone()),
+        h.wake.clone(),
+    );
+    std::thread::spawn(move || orphans(claimed))
+        .join()
+        .expect("given back from a thread with no runtime");
+    let again = tokio::time::timeout(
+        Duration::from_secs(5),
+        h.queue.claim("lane-again", 64, LEASE, 5_000),
+    )
+    .await
+    .expect("claimed within the wait")
+    .unwrap();
+    let phones: Vec<&str> = again.iter().map(|b| b.registration_id.as_str()).collect();
+    assert_eq!(
+        phones,
+        ["phone-1"],
+        "due again at once, not when the lease lapses"
+    );
+    assert_eq!(
+        (again[0].attempt, again[0].recovered),
+        (1, false),
+        "untried"
+    );
+}
+
+/// A round whose commit reached PostgreSQL but whose answer was lost with the connection gives
+/// back what it handed to a waiting claim: the batch is due again at once, not leased to no lane
+/// until its lease lapses (on the manual clock, never in this test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
+    use orca_push_queue::model::AdmissionStatus;
+    use orca_push_storage::DatabaseConfig;
+    use secrecy::ExposeSecret as _;
+
+    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
+    let DatabaseConfig::Postgres { url } = &config else {
+        unreachable!("a PostgreSQL database")
+    };
+    let cutter = CommitCutter::start(url.expose_secret()).await;
+    let proxied = DatabaseConfig::Postgres {
+        url: cutter.url.clone().into(),
+    };
+    let h = harness_on(proxied, guard, 0).await;
+    let queue = h.queue.clone();
+    let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, LEASE, 10_000).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cutter.arm();
+    let statuses = h.admit(&alert(1, &["phone-1"])).await;
+    assert_eq!(
+        statuses,
+        [AdmissionStatus::Queued],
+        "admitted again, found stored"
+    );
+    assert_eq!(
+        cutter.cuts(),
+        1,
+        "the round's commit was answered to no one"
+    );
+    let claimed = tokio::time::timeout(Duration::from_secs(8), waiting)
+        .await
+        .expect("the claim ends within its wait")
+        .unwrap()
+        .unwrap();
+    let phones: Vec<&str> = claimed.iter().map(|b| b.registration_id.as_str()).collect();
+    assert_eq!(phones, ["phone-1"], "given back, due again at once");
+    assert_eq!(claimed[0].members.len(), 1);
+    let record = h
+        .queue
+        .event_record(HOST, orca_push_queue::model::Kind::Alert, "epoch-1", 1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.recipients.len(), 1, "stored once");
+}
+
+/// A TCP proxy in front of PostgreSQL that, once armed, passes on the next `COMMIT` a client
+/// sends, waits for the server's word that it committed, and closes both ends without passing
+/// that word on: the commit stands, and its client hears only a broken connection.
+struct CommitCutter {
+    url: String,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cuts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// A simple-protocol `COMMIT` (sqlx's), and the server's `CommandComplete` for it.
+const COMMIT_QUERY: &[u8] = b"Q\0\0\0\x0bCOMMIT\0";
+const COMMITTED: &[u8] = b"C\0\0\0\x0bCOMMIT\0";
+
+impl CommitCutter {
+    /// A proxy for `url` (`postgres://user@host:port/db`); `self.url` reaches the same database
+    /// through it.
+    async fn start(url: &str) -> Self {
+        let (head, tail) = url.rsplit_once('@').expect("a URL with a user");
+        let (address, database) = tail.split_once('/').expect("a URL with a database");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cutter = Self {
+            url: format!("{head}@127.0.0.1:{port}/{database}"),
+            armed: Default::default(),
+            cuts: Default::default(),
+        };
+        let (armed, cuts, upstream) = (
+            cutter.armed.clone(),
+            cutter.cuts.clone(),
+            address.to_owned(),
+        );
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                tokio::spawn(pipe(client, server, armed.clone(), cuts.clone()));
+            }
+        });
+        cutter
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn cuts(&self) -> usize {
+        self.cuts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+async fn pipe(
+    mut client: tokio::net::TcpStream,
+    mut server: tokio::net::TcpStream,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cuts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let holds = |bytes: &[u8], part: &[u8]| bytes.windows(part.len()).any(|w| w == part);
+    let (mut up, mut down) = (vec![0_u8; 65_536], vec![0_u8; 65_536]);
+    loop {
+        tokio::select! {
+            read = client.read(&mut up) => {
+                let n = match read { Ok(0) | Err(_) => return, Ok(n) => n };
+                if server.write_all(&up[..n]).await.is_err() {
+                    return;
+                }
+                if holds(&up[..n], COMMIT_QUERY)
+                    && armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+                {
+                    let mut heard = Vec::new();
+                    while !holds(&heard, COMMITTED) {
+                        let read = tokio::time::timeout(
+                            Duration::from_secs(5),
+                            server.read(&mut down),
+                        )
+                        .await;
+                        match read {
+                            Ok(Ok(n)) if n > 0 => heard.extend_from_slice(&down[..n]),
+                            _ => return,
+                        }
+                    }
+                    cuts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                }
+            }
+            read = server.read(&mut down) => {
+                let n = match read { Ok(0) | Err(_) => return, Ok(n) => n };
+                if client.write_all(&down[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
 }

@@ -56,6 +56,8 @@ pub struct OpenWindow {
 #[derive(Debug)]
 pub struct NewEvent<'a> {
     pub admission: &'a Admission,
+    /// Its admission's place in the group (and in `Plan::results`).
+    pub admitted: usize,
     pub event_id: String,
     pub content_hash: String,
     pub deadline: i64,
@@ -147,6 +149,37 @@ impl Plan<'_> {
     pub fn makes_work_due(&self) -> bool {
         self.results.iter().any(|e| e.next_due_at.is_some())
     }
+
+    /// When the group's work falls due, per provider (`crate::wake::earliest_due`), for claims
+    /// other than this process's: an admission whose every batch is leased to a claim here
+    /// (`crate::handoff`) leaves nothing in the table for them.
+    pub fn due_for_others(&self, group: &[&Admission]) -> Vec<(Provider, i64)> {
+        let admitted = group.iter().copied().zip(&self.results);
+        let leased: HashSet<&str> = self
+            .batches
+            .iter()
+            .filter(|b| b.lease.is_some())
+            .map(|b| b.batch_id.as_str())
+            .collect();
+        if leased.is_empty() {
+            return crate::wake::earliest_due(admitted);
+        }
+        let mut left = vec![false; self.results.len()];
+        for r in &self.recipients {
+            if r.batch_id.as_deref().is_some_and(|id| !leased.contains(id))
+                && let Some(event) = self.events.get(r.event)
+                && let Some(left) = left.get_mut(event.admitted)
+            {
+                *left = true;
+            }
+        }
+        crate::wake::earliest_due(
+            admitted
+                .zip(left)
+                .filter(|(_, left)| *left)
+                .map(|(admitted, _)| admitted),
+        )
+    }
 }
 
 /// Whether `group` may take the batched path before anything is read: alerts only (a dismissal
@@ -209,6 +242,7 @@ pub fn plan<'a>(
         let event = plan.events.len();
         plan.events.push(NewEvent {
             admission: a,
+            admitted: plan.results.len(),
             event_id: ordered_id(),
             content_hash: a.content.hash(),
             deadline,

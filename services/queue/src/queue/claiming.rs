@@ -75,9 +75,9 @@ impl<S: QueueStore> DeliveryQueue<S> {
             // waiting lane, mostly for a window that is due seconds later. Claiming on each wake
             // put four empty write transactions per admission group in the one SQLite writer's
             // way; the read runs beside it. But news of work due at once says what the read
-            // would: the lanes it woke go straight to their turns (on PostgreSQL, where nothing
-            // hands such work over, the read was a round trip between a send's commit and its
-            // claim, and the server's most frequent statement).
+            // would: the lanes it woke go straight to their turns (on PostgreSQL, for work that no
+            // waiting claim was handed, or another replica's, the read was a round trip between a
+            // send's commit and its claim, and the server's most frequent statement).
             let until_due = if std::mem::take(&mut woken_due_now) {
                 Some(Duration::ZERO)
             } else {

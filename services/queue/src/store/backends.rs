@@ -385,14 +385,15 @@ impl PgQueueStore {
     pub(super) const REPORTS_IN_ROUNDS: bool = false;
     /// Claims run beside the admissions on connections of their own, as reports do.
     pub(super) const CLAIMS_IN_ROUNDS: bool = false;
-    /// Off for now. Handing work due at once to waiting claims (`crate::handoff`) measured +3.4%
-    /// APNs deliveries at 100 flows, +7.6% at 1,000 and +8.5% in split mode in round 39
-    /// (docs/benchmarks.md; rounds 7, 31, 34 and 35 had measured it even), but a review found what
-    /// PostgreSQL adds to it: a commit whose answer is lost with its connection leaves a handed
-    /// batch leased to no lane until its lease lapses (a claim's would be due again at once);
-    /// orphans are given back from the writer's own runtime; and a round whose due work was all
-    /// handed still notifies. Turning it on needs those mended, with a test of the first.
-    pub(super) const HANDS_OFF: bool = false;
+    /// New work due at once goes to waiting claims (`crate::handoff`): +3.4% APNs deliveries at
+    /// 100 flows, +7.6% at 1,000 and +8.5% in split mode in round 39 (docs/benchmarks.md; rounds
+    /// 7, 31, 34 and 35 had measured it even). What PostgreSQL adds to it: a commit whose answer
+    /// is lost with its connection may have committed batches leased to claims that will never
+    /// hear of them, so a failed commit gives them back under their tokens (`rounds`); orphans are
+    /// given back on the queue's runtime, not the writer's (`crate::handoff::give_back`); and a
+    /// round whose due work was all handed tells other replicas nothing
+    /// (`crate::admission::Plan::due_for_others`).
+    pub(super) const HANDS_OFF: bool = true;
     /// The writers run on a thread of their own, over connections of their own opened there
     /// (`rounds`), so a statement's answer wakes that thread rather than waiting for the main
     /// runtime to reach the writer's task behind every ready request. A round is some eight round

@@ -253,7 +253,30 @@ macro_rules! round_statements {
                         due
                     }
                 };
-                tx.commit().await?;
+                if let Err(error) = tx.commit().await {
+                    // The server may have committed before the answer was lost with the
+                    // connection (PostgreSQL): the batches leased to this round's claims would
+                    // then wait out their leases with no lane to send them. They are given back
+                    // under their tokens, due again at once, as a gone claim's are; if nothing
+                    // was committed, no row bears those tokens and the hand-back changes nothing.
+                    // The claims themselves get an empty answer and look again.
+                    if let Some(handoff) = handoff {
+                        let leased = handed
+                            .into_iter()
+                            .flat_map(|(_, batches)| batches)
+                            .chain(claimed.into_iter().flatten())
+                            .collect::<Vec<_>>();
+                        if !leased.is_empty() {
+                            tracing::warn!(
+                                %error,
+                                batches = leased.len(),
+                                "a round's commit failed; giving back what it leased to claims"
+                            );
+                            handoff.orphan(leased);
+                        }
+                    }
+                    return Err(error.into());
+                }
                 self.heard_told(&told);
                 if let Some(handoff) = handoff {
                     for (offer, batches) in handed {

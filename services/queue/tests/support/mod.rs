@@ -31,6 +31,11 @@ pub async fn harness(backend: Backend) -> Harness {
 
 pub async fn harness_with(backend: Backend, window: u64) -> Harness {
     let (config, guard) = fresh(backend).await;
+    harness_on(config, guard, window).await
+}
+
+/// A harness on a database of the caller's (for example one reached through a proxy).
+pub async fn harness_on(config: DatabaseConfig, guard: TestDbGuard, window: u64) -> Harness {
     let pool = open_and_migrate(&config).await.expect("open and migrate");
     let clock = ManualClock::new(T0);
     let wake = Arc::new(orca_push_queue::Wake::new());
