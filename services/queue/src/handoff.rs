@@ -31,6 +31,7 @@ pub struct Handoff {
     next_id: AtomicU64,
     /// Takes batches leased to a claim whose caller went away before it had them.
     orphans: Orphans,
+    given_back: AtomicU64,
 }
 
 /// What becomes of batches handed to a claim that is gone (see [`give_back`]).
@@ -71,6 +72,7 @@ impl Handoff {
             waiting: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(0),
             orphans,
+            given_back: AtomicU64::new(0),
         }
     }
 
@@ -78,15 +80,27 @@ impl Handoff {
     /// meanwhile gets nothing: its batches go to `orphans`.
     pub fn answer(&self, offer: Offer, batches: Vec<ClaimedBatch>) {
         if let Err(batches) = offer.answer.send(batches) {
-            (self.orphans)(batches);
+            self.give(batches);
         }
     }
 
-    /// Gives back batches leased to a claim whose caller went away before it had them.
+    /// Gives back batches leased to a claim whose caller went away before it had them, or that
+    /// a failed commit may have leased to claims that never heard of them.
     pub fn orphan(&self, batches: Vec<ClaimedBatch>) {
         if !batches.is_empty() {
-            (self.orphans)(batches);
+            self.give(batches);
         }
+    }
+
+    fn give(&self, batches: Vec<ClaimedBatch>) {
+        self.given_back
+            .fetch_add(batches.len() as u64, Ordering::Relaxed);
+        (self.orphans)(batches);
+    }
+
+    /// Batches given to `orphans` so far.
+    pub fn given_back(&self) -> u64 {
+        self.given_back.load(Ordering::Relaxed)
     }
 
     fn offers(&self) -> std::sync::MutexGuard<'_, Vec<Offer>> {
@@ -193,7 +207,8 @@ impl Handoff {
 
 /// Leases the plan's new batches that are due at once (not coalescing windows) to the round's
 /// claims and the waiting ones (`Handoff::take_for`), so that their inserts write them leased, and
-/// says what to answer each claim taken.
+/// says what to answer each claim taken. An admission whose work all went to claims leaves none
+/// due for any other (`Plan::leave_handed_undue`).
 pub fn lease_due_now(
     plan: &mut Plan<'_>,
     handoff: &Handoff,
@@ -255,6 +270,7 @@ pub fn lease_due_now(
             deadline: event.deadline,
         });
     }
+    plan.leave_handed_undue();
     offers.into_iter().zip(handed).collect()
 }
 
@@ -313,7 +329,7 @@ impl Drop for Ticket<'_> {
         if let Ok(batches) = self.answer.try_recv()
             && !batches.is_empty()
         {
-            (self.handoff.orphans)(batches);
+            self.handoff.give(batches);
         }
     }
 }
@@ -355,7 +371,7 @@ impl Drop for ClaimAnswer<'_> {
         if let Ok(Ok(batches)) = self.answer.try_recv()
             && !batches.is_empty()
         {
-            (self.handoff.orphans)(batches);
+            self.handoff.give(batches);
         }
     }
 }
@@ -376,6 +392,11 @@ pub fn record_lapsed_leases(batches: &[ClaimedBatch]) {
 /// else. Called where no runtime runs, the batches' leases lapse instead.
 pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>) -> Orphans {
     let runtime = tokio::runtime::Handle::try_current().ok();
+    if runtime.is_none() {
+        tracing::warn!(
+            "queue built outside a runtime: orphans go back on the runtime that gives them"
+        );
+    }
     Box::new(move |batches| {
         let store = store.clone();
         let wake = wake.clone();
@@ -405,21 +426,38 @@ pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[Claimed
         "handing back batches leased to no lane"
     );
     for batch in batches {
-        if let Err(error) = store
-            .retry(
-                &batch.batch_id,
-                &batch.lease_token,
-                now,
-                "caller_gone",
-                Retry::HandBack,
-                now,
-            )
-            .await
-        {
-            tracing::warn!(%error, "could not hand back a batch; its lease will lapse");
+        let mut pause = HAND_BACK_FIRST_PAUSE;
+        for attempt in 1..=HAND_BACK_ATTEMPTS {
+            let Err(error) = store
+                .retry(
+                    &batch.batch_id,
+                    &batch.lease_token,
+                    now,
+                    "caller_gone",
+                    Retry::HandBack,
+                    now,
+                )
+                .await
+            else {
+                break;
+            };
+            if attempt == HAND_BACK_ATTEMPTS {
+                tracing::warn!(%error, "could not hand back a batch; its lease will lapse");
+            } else {
+                // The database may be coming back (a restart that also failed the commit whose
+                // batches these are): a short wait costs less than a lease's.
+                tracing::debug!(%error, attempt, "could not hand back a batch yet; trying again");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
         }
     }
 }
+
+/// A hand-back that fails (the database unreachable) is tried this many times in all, the pause
+/// between two tries doubling from `HAND_BACK_FIRST_PAUSE`: some 7 s, then the lease lapses.
+const HAND_BACK_ATTEMPTS: u32 = 4;
+const HAND_BACK_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Wakes every waiting claim when dropped: after a hand-back, however it ended.
 struct Woken<'a>(&'a Wake);
@@ -617,7 +655,7 @@ mod tests {
     }
 
     #[test]
-    fn other_replicas_hear_only_of_work_not_handed() {
+    fn an_admission_whose_work_was_all_handed_leaves_nothing_due() {
         let (handoff, _) = recording();
         let group = [
             // Handed to the waiting claim.
@@ -629,9 +667,11 @@ mod tests {
         ];
         let refs: Vec<&Admission> = group.iter().collect();
         let fresh = || plan(&refs, &[Seen::default(); 3], Vec::new(), NOW, 3000).unwrap();
+        let due =
+            |plan: &Plan<'_>| crate::wake::earliest_due(refs.iter().copied().zip(&plan.results));
         let unhanded = fresh();
         assert_eq!(
-            unhanded.due_for_others(&refs),
+            due(&unhanded),
             [(Provider::Fcm, NOW), (Provider::Apns, NOW)],
             "nothing handed: all of it"
         );
@@ -641,19 +681,28 @@ mod tests {
             lease_due_now(&mut plan, &handoff, &mut Vec::new(), NOW).len(),
             1
         );
+        let next: Vec<Option<i64>> = plan.results.iter().map(|r| r.next_due_at).collect();
+        assert_eq!(next, [None, Some(NOW + 3000), Some(NOW)]);
         assert_eq!(
-            plan.due_for_others(&refs),
+            due(&plan),
             [(Provider::Fcm, NOW + 3000), (Provider::Apns, NOW)]
         );
-        // All of a group's due work handed: nothing to tell.
-        let _claim = handoff.wait("lane-8", 4, 30_000, Skip::default());
-        let mut plan =
-            crate::admission::plan(&refs[..1], &[Seen::default()], Vec::new(), NOW, 3000).unwrap();
-        assert_eq!(
-            lease_due_now(&mut plan, &handoff, &mut Vec::new(), NOW).len(),
-            1
-        );
-        assert!(plan.due_for_others(&refs[..1]).is_empty());
+    }
+
+    #[test]
+    fn an_admission_partly_handed_keeps_its_due_time() {
+        let (handoff, _) = recording();
+        // Two phones, one claim with room for one: the second phone's batch stays in the table.
+        let mut both = alert(1, "phone-a", Provider::Fcm, None);
+        let mut second = both.recipients[0].clone();
+        second.registration_id = "phone-b".into();
+        both.recipients.push(second);
+        let refs = [&both];
+        let _claim = handoff.wait("lane-1", 1, 30_000, Skip::default());
+        let mut plan = plan(&refs, &[Seen::default()], Vec::new(), NOW, 3000).unwrap();
+        let handed = lease_due_now(&mut plan, &handoff, &mut Vec::new(), NOW);
+        assert_eq!(handed[0].1.len(), 1);
+        assert_eq!(plan.results[0].next_due_at, Some(NOW));
     }
 
     #[test]

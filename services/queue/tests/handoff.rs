@@ -157,9 +157,10 @@ async fn orphans_given_back_from_a_thread_without_a_runtime_are_due_again(backen
     );
 }
 
-/// A round whose commit reached PostgreSQL but whose answer was lost with the connection gives
-/// back what it handed to a waiting claim: the batch is due again at once, not leased to no lane
-/// until its lease lapses (on the manual clock, never in this test).
+/// A round whose `COMMIT` reaches PostgreSQL only after its connection failed on the gateway's
+/// side (the answer lost, the commit still under way when the writer hears of the failure) gives
+/// back what it handed to a waiting claim once the commit has ended: the batch is due again at
+/// once, not leased to no lane until its lease lapses (on the manual clock, never in this test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
     use orca_push_queue::model::AdmissionStatus;
@@ -177,7 +178,17 @@ async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
     let h = harness_on(proxied, guard, 0).await;
     let queue = h.queue.clone();
     let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, LEASE, 10_000).await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    for _ in 0..100 {
+        if h.queue.waiting_claims() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        h.queue.waiting_claims(),
+        1,
+        "the lane waits to be handed work"
+    );
     cutter.arm();
     let statuses = h.admit(&alert(1, &["phone-1"])).await;
     assert_eq!(
@@ -190,6 +201,11 @@ async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
         1,
         "the round's commit was answered to no one"
     );
+    assert_eq!(
+        h.queue.given_back_batches(),
+        1,
+        "the handed batch was given back"
+    );
     let claimed = tokio::time::timeout(Duration::from_secs(8), waiting)
         .await
         .expect("the claim ends within its wait")
@@ -198,6 +214,11 @@ async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
     let phones: Vec<&str> = claimed.iter().map(|b| b.registration_id.as_str()).collect();
     assert_eq!(phones, ["phone-1"], "given back, due again at once");
     assert_eq!(claimed[0].members.len(), 1);
+    assert_eq!(
+        h.queue.handed_claims(),
+        0,
+        "the hand-off never reached the lane"
+    );
     let record = h
         .queue
         .event_record(HOST, orca_push_queue::model::Kind::Alert, "epoch-1", 1)
@@ -207,9 +228,10 @@ async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
     assert_eq!(record.recipients.len(), 1, "stored once");
 }
 
-/// A TCP proxy in front of PostgreSQL that, once armed, passes on the next `COMMIT` a client
-/// sends, waits for the server's word that it committed, and closes both ends without passing
-/// that word on: the commit stands, and its client hears only a broken connection.
+/// A TCP proxy in front of PostgreSQL that, once armed, cuts the connection of the next client
+/// to send a `COMMIT`: it closes the client's side at once, sends the `COMMIT` on to the server
+/// `COMMIT_LATE` later, and waits for the server's word that it committed, which it keeps. The
+/// commit stands, and its client heard only a broken connection, before the server had begun it.
 struct CommitCutter {
     url: String,
     armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -219,6 +241,7 @@ struct CommitCutter {
 /// A simple-protocol `COMMIT` (sqlx's), and the server's `CommandComplete` for it.
 const COMMIT_QUERY: &[u8] = b"Q\0\0\0\x0bCOMMIT\0";
 const COMMITTED: &[u8] = b"C\0\0\0\x0bCOMMIT\0";
+const COMMIT_LATE: Duration = Duration::from_millis(300);
 
 impl CommitCutter {
     /// A proxy for `url` (`postgres://user@host:port/db`); `self.url` reaches the same database
@@ -233,11 +256,8 @@ impl CommitCutter {
             armed: Default::default(),
             cuts: Default::default(),
         };
-        let (armed, cuts, upstream) = (
-            cutter.armed.clone(),
-            cutter.cuts.clone(),
-            address.to_owned(),
-        );
+        let (armed, cuts) = (cutter.armed.clone(), cutter.cuts.clone());
+        let upstream = address.to_owned();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
@@ -271,12 +291,15 @@ async fn pipe(
         tokio::select! {
             read = client.read(&mut up) => {
                 let n = match read { Ok(0) | Err(_) => return, Ok(n) => n };
-                if server.write_all(&up[..n]).await.is_err() {
-                    return;
-                }
                 if holds(&up[..n], COMMIT_QUERY)
                     && armed.swap(false, std::sync::atomic::Ordering::SeqCst)
                 {
+                    drop(client);
+                    cuts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::time::sleep(COMMIT_LATE).await;
+                    if server.write_all(&up[..n]).await.is_err() {
+                        return;
+                    }
                     let mut heard = Vec::new();
                     while !holds(&heard, COMMITTED) {
                         let read = tokio::time::timeout(
@@ -289,7 +312,9 @@ async fn pipe(
                             _ => return,
                         }
                     }
-                    cuts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                }
+                if server.write_all(&up[..n]).await.is_err() {
                     return;
                 }
             }

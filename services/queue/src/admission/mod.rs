@@ -150,11 +150,11 @@ impl Plan<'_> {
         self.results.iter().any(|e| e.next_due_at.is_some())
     }
 
-    /// When the group's work falls due, per provider (`crate::wake::earliest_due`), for claims
-    /// other than this process's: an admission whose every batch is leased to a claim here
-    /// (`crate::handoff`) leaves nothing in the table for them.
-    pub fn due_for_others(&self, group: &[&Admission]) -> Vec<(Provider, i64)> {
-        let admitted = group.iter().copied().zip(&self.results);
+    /// Marks the admissions whose every batch is leased to a claim here (`crate::handoff`) as
+    /// making nothing due (`Enqueued::next_due_at`): no other lane of this replica, nor any other
+    /// replica, has to look for that work. An admission with any batch left in the table keeps its
+    /// due time.
+    pub fn leave_handed_undue(&mut self) {
         let leased: HashSet<&str> = self
             .batches
             .iter()
@@ -162,7 +162,7 @@ impl Plan<'_> {
             .map(|b| b.batch_id.as_str())
             .collect();
         if leased.is_empty() {
-            return crate::wake::earliest_due(admitted);
+            return;
         }
         let mut left = vec![false; self.results.len()];
         for r in &self.recipients {
@@ -173,12 +173,11 @@ impl Plan<'_> {
                 *left = true;
             }
         }
-        crate::wake::earliest_due(
-            admitted
-                .zip(left)
-                .filter(|(_, left)| *left)
-                .map(|(admitted, _)| admitted),
-        )
+        for (result, left) in self.results.iter_mut().zip(left) {
+            if !left {
+                result.next_due_at = None;
+            }
+        }
     }
 }
 

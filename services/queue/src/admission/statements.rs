@@ -242,9 +242,14 @@ macro_rules! batched_admission {
                 // The wake-up of other replicas rides in the last recipients' statement: one
                 // round trip fewer in a round every admission in it waits for. Work due is
                 // always some recipient's, so a round that wakes has one.
-                // Work handed to this process's claims is none of theirs.
-                let news =
-                    Self::WAKES_IN_WRITES.then(|| told.news(&plan.due_for_others(group), now));
+                // Work handed to this process's claims is none of theirs
+                // (`Plan::leave_handed_undue`).
+                let news = Self::WAKES_IN_WRITES.then(|| {
+                    told.news(
+                        &$crate::wake::earliest_due(group.iter().copied().zip(&plan.results)),
+                        now,
+                    )
+                });
                 let wake = news
                     .as_deref()
                     .filter(|news| !news.is_empty())

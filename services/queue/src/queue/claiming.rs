@@ -190,6 +190,17 @@ impl<S: QueueStore> DeliveryQueue<S> {
         self.handed_claims.load(Ordering::Relaxed)
     }
 
+    /// Claims waiting now for an admission to hand them work.
+    pub fn waiting_claims(&self) -> usize {
+        self.handoff.waiting()
+    }
+
+    /// Batches given back so far because no lane would send them under the lease they were
+    /// given (`crate::handoff::Handoff::orphan`).
+    pub fn given_back_batches(&self) -> u64 {
+        self.handoff.given_back()
+    }
+
     /// When the next batch not skipped is due. Every lane woken by one commit asks at once; a read
     /// that began after `listening_since` (when the caller started listening for wakes) saw every
     /// commit the caller was not woken for, so lanes woken together share one read: on PostgreSQL

@@ -385,14 +385,14 @@ impl PgQueueStore {
     pub(super) const REPORTS_IN_ROUNDS: bool = false;
     /// Claims run beside the admissions on connections of their own, as reports do.
     pub(super) const CLAIMS_IN_ROUNDS: bool = false;
-    /// New work due at once goes to waiting claims (`crate::handoff`): +3.4% APNs deliveries at
-    /// 100 flows, +7.6% at 1,000 and +8.5% in split mode in round 39 (docs/benchmarks.md; rounds
-    /// 7, 31, 34 and 35 had measured it even). What PostgreSQL adds to it: a commit whose answer
-    /// is lost with its connection may have committed batches leased to claims that will never
-    /// hear of them, so a failed commit gives them back under their tokens (`rounds`); orphans are
-    /// given back on the queue's runtime, not the writer's (`crate::handoff::give_back`); and a
-    /// round whose due work was all handed tells other replicas nothing
-    /// (`crate::admission::Plan::due_for_others`).
+    /// New work due at once goes to waiting claims (`crate::handoff`): +4.4% APNs deliveries at
+    /// 100 flows and +6.4% in split mode in round 40, even at 1,000 flows (docs/benchmarks.md;
+    /// rounds 7, 31, 34 and 35 had measured it even, 39 +3-8%). What PostgreSQL adds to it: a
+    /// commit whose answer is lost with its connection may have committed (or still be committing)
+    /// batches leased to claims that will never hear of them, so a failed commit gives them back
+    /// under their tokens once its hosts are locked again (`rounds`); orphans are given back on the
+    /// queue's runtime, not the writer's (`crate::handoff::give_back`); and an admission whose work
+    /// was all handed wakes no one (`crate::admission::Plan::leave_handed_undue`).
     pub(super) const HANDS_OFF: bool = true;
     /// The writers run on a thread of their own, over connections of their own opened there
     /// (`rounds`), so a statement's answer wakes that thread rather than waiting for the main

@@ -9,7 +9,9 @@ use crate::model::{AdmissionStatus, Kind, Member, Provider};
 pub struct Enqueued {
     /// One status per requested recipient, in request order.
     pub statuses: Vec<(String, AdmissionStatus)>,
-    /// The earliest time a batch this admission touched becomes claimable.
+    /// The earliest time a batch this admission touched becomes claimable; `None` if it made
+    /// nothing claimable (refused, fenced, or all its work handed to waiting claims, which have
+    /// it at the commit).
     pub next_due_at: Option<i64>,
 }
 
