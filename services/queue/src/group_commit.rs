@@ -637,6 +637,9 @@ mod tests {
         ) -> Result<RetryResult, QueueError> {
             Err(ONLY_ADMITS)
         }
+        async fn settle_hosts(&self, _: &[&str]) -> Result<(), QueueError> {
+            Err(ONLY_ADMITS)
+        }
         async fn hold(&self, _: Provider, _: i64, _: i64) -> Result<u64, QueueError> {
             Err(ONLY_ADMITS)
         }

@@ -414,8 +414,11 @@ pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>
 
 /// Gives back batches leased to no lane that will send them (a claim whose caller went away, or a
 /// round whose commit failed): untried, so neither an attempt nor a retry, due again at once; the
-/// waiting claims hear of them (they last saw them leased). A batch whose lease is not the one
-/// given (never committed, or taken since) is left as it is.
+/// waiting claims hear of them (they last saw them leased). First it waits for their hosts' locks
+/// (`QueueStore::settle_hosts`): a round whose commit was still under way on the server when its
+/// connection failed holds them until its rows are there to be given back. A batch whose lease is
+/// not the one given (never committed, or taken since) is left as it is. What the database
+/// refuses is tried again, `HAND_BACK_ATTEMPTS` times in all.
 pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[ClaimedBatch], now: i64) {
     if batches.is_empty() {
         return;
@@ -425,39 +428,77 @@ pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[Claimed
         batches = batches.len(),
         "handing back batches leased to no lane"
     );
-    for batch in batches {
-        let mut pause = HAND_BACK_FIRST_PAUSE;
-        for attempt in 1..=HAND_BACK_ATTEMPTS {
-            let Err(error) = store
-                .retry(
-                    &batch.batch_id,
-                    &batch.lease_token,
-                    now,
-                    "caller_gone",
-                    Retry::HandBack,
-                    now,
-                )
-                .await
-            else {
-                break;
-            };
-            if attempt == HAND_BACK_ATTEMPTS {
-                tracing::warn!(%error, "could not hand back a batch; its lease will lapse");
-            } else {
-                // The database may be coming back (a restart that also failed the commit whose
-                // batches these are): a short wait costs less than a lease's.
-                tracing::debug!(%error, attempt, "could not hand back a batch yet; trying again");
-                tokio::time::sleep(pause).await;
-                pause *= 2;
+    let mut hosts: Vec<&str> = batches
+        .iter()
+        .map(|b| b.host_fingerprint.as_str())
+        .collect();
+    hosts.sort_unstable();
+    hosts.dedup();
+    let mut settled = false;
+    let mut left: Vec<&ClaimedBatch> = batches.iter().collect();
+    let mut pause = HAND_BACK_FIRST_PAUSE;
+    for attempt in 1..=HAND_BACK_ATTEMPTS {
+        let mut failure = None;
+        if !settled {
+            // A transaction the server keeps open for a client it has not yet found gone could
+            // hold the locks for long: past a lease's length, there is nothing left to save.
+            match tokio::time::timeout(SETTLE_AT_MOST, store.settle_hosts(&hosts)).await {
+                Ok(Ok(())) | Err(_) => settled = true,
+                Ok(Err(error)) => failure = Some(error),
             }
         }
+        if settled {
+            let mut refused = Vec::new();
+            for batch in left {
+                let given = store
+                    .retry(
+                        &batch.batch_id,
+                        &batch.lease_token,
+                        now,
+                        "caller_gone",
+                        Retry::HandBack,
+                        now,
+                    )
+                    .await;
+                if let Err(error) = given {
+                    failure = Some(error);
+                    refused.push(batch);
+                }
+            }
+            left = refused;
+        }
+        let Some(error) = failure.filter(|_| !left.is_empty()) else {
+            return;
+        };
+        if attempt == HAND_BACK_ATTEMPTS {
+            tracing::warn!(
+                %error,
+                batches = left.len(),
+                "could not hand batches back; their leases will lapse"
+            );
+            return;
+        }
+        // The database may be coming back (a restart that also failed the commit whose batches
+        // these are): a short wait costs less than a lease's. What went back meanwhile is due now.
+        tracing::debug!(
+            %error,
+            attempt,
+            batches = left.len(),
+            "could not hand batches back yet; trying again"
+        );
+        wake.any();
+        tokio::time::sleep(pause).await;
+        pause *= 2;
     }
 }
 
-/// A hand-back that fails (the database unreachable) is tried this many times in all, the pause
-/// between two tries doubling from `HAND_BACK_FIRST_PAUSE`: some 7 s, then the lease lapses.
+/// A hand-back the database refuses is tried this many times in all, the pause between two tries
+/// doubling from `HAND_BACK_FIRST_PAUSE`: some 7 s, then the leases lapse.
 const HAND_BACK_ATTEMPTS: u32 = 4;
 const HAND_BACK_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long a hand-back waits for its hosts' locks (`QueueStore::settle_hosts`) before it goes on
+/// regardless: the lanes' default lease.
+const SETTLE_AT_MOST: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Wakes every waiting claim when dropped: after a hand-back, however it ended.
 struct Woken<'a>(&'a Wake);

@@ -196,6 +196,9 @@ impl QueueStore for AnyQueueStore {
     ) -> Result<RetryResult, QueueError> {
         delegate!(self, s => s.retry(batch_id, token, at, reason, how, now))
     }
+    async fn settle_hosts(&self, hosts: &[&str]) -> Result<(), QueueError> {
+        delegate!(self, s => s.settle_hosts(hosts))
+    }
     async fn hold(
         &self,
         provider: Provider,

@@ -3,6 +3,7 @@
 //! sibling modules' macros.
 
 use super::WAKE_CHANNEL;
+use crate::error::QueueError;
 use crate::model::Admission;
 
 /// A lane's transaction on PostgreSQL (`PgQueueStore::begin_claim`): it plans by key.
@@ -187,6 +188,12 @@ impl SqliteQueueStore {
     pub(super) const WRITER_IO: bool = false;
     /// Its rounds keep the pool's writer connection from one to the next (`super::direct`).
     pub(super) const KEEPS_BETWEEN_ROUNDS: bool = true;
+
+    /// One writer, whose failed commit did not happen: nothing to wait for
+    /// (`QueueStore::settle_hosts`).
+    pub(super) async fn wait_for_host_locks(&self, _hosts: &[&str]) -> Result<(), QueueError> {
+        Ok(())
+    }
 
     /// A writer's round: on the writer's own connection where there is one.
     pub(super) async fn begin_group_write(
@@ -390,7 +397,8 @@ impl PgQueueStore {
     /// rounds 7, 31, 34 and 35 had measured it even, 39 +3-8%). What PostgreSQL adds to it: a
     /// commit whose answer is lost with its connection may have committed (or still be committing)
     /// batches leased to claims that will never hear of them, so a failed commit gives them back
-    /// under their tokens once its hosts are locked again (`rounds`); orphans are given back on the
+    /// under their tokens once their hosts' locks are free (`rounds`, `crate::handoff::hand_back`);
+    /// orphans are given back on the
     /// queue's runtime, not the writer's (`crate::handoff::give_back`); and an admission whose work
     /// was all handed wakes no one (`crate::admission::Plan::leave_handed_undue`).
     pub(super) const HANDS_OFF: bool = true;
@@ -463,6 +471,21 @@ impl PgQueueStore {
             .execute(&mut *tx)
             .await?;
         Ok(tx)
+    }
+
+    /// `QueueStore::settle_hosts`: takes the hosts' locks (`LOCK_HOSTS_SQL`), which wait for any
+    /// transaction holding them, and lets them go; nothing is written.
+    pub(super) async fn wait_for_host_locks(&self, hosts: &[&str]) -> Result<(), QueueError> {
+        if hosts.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(Self::LOCK_HOSTS_SQL)
+            .bind(hosts)
+            .execute(&mut *tx)
+            .await?;
+        tx.rollback().await?;
+        Ok(())
     }
 
     /// After a round's `BEGIN` that the server refused on a live connection: its locks failed (a

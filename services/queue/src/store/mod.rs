@@ -200,6 +200,11 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
         how: Retry,
         now: i64,
     ) -> impl Future<Output = Result<RetryResult, QueueError>> + Send;
+    /// Returns once no transaction begun before it holds a lock of `hosts` (every admission round
+    /// holds its hosts' locks until it ends): a round whose commit's answer was lost while the
+    /// server was still committing has then ended, and what it wrote can be seen. SQLite's one
+    /// writer has nothing to wait for: a commit that failed there did not happen.
+    fn settle_hosts(&self, hosts: &[&str]) -> impl Future<Output = Result<(), QueueError>> + Send;
     /// Moves the pending batches of `provider` due before `due_before` to `until`; how many it
     /// moved. Batches already held further out are not written again.
     fn hold(
@@ -323,6 +328,9 @@ macro_rules! queue_store {
             ) -> Result<RetryResult, QueueError> {
                 self.retry_leased(batch_id, token, at, reason, how, now)
                     .await
+            }
+            async fn settle_hosts(&self, hosts: &[&str]) -> Result<(), QueueError> {
+                self.wait_for_host_locks(hosts).await
             }
             async fn hold(
                 &self,

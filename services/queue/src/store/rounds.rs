@@ -26,10 +26,9 @@ macro_rules! round_statements {
                 handoff: Option<&$crate::handoff::Handoff>,
             ) -> (Vec<Result<Enqueued, QueueError>>, bool) {
                 let mut apart = false;
-                let mut stranded = Vec::new();
                 if group.len() > 1 {
                     match self
-                        .admit_together(group, &[], &[], now, coalesce_ms, handoff, &mut stranded)
+                        .admit_together(group, &[], &[], now, coalesce_ms, handoff)
                         .await
                     {
                         Ok(done) => return (done.admitted.into_iter().map(Ok).collect(), false),
@@ -46,7 +45,7 @@ macro_rules! round_statements {
                 let mut results = Vec::with_capacity(group.len());
                 for a in group {
                     let mut one = self
-                        .admit_together(&[a], &[], &[], now, coalesce_ms, handoff, &mut stranded)
+                        .admit_together(&[a], &[], &[], now, coalesce_ms, handoff)
                         .await;
                     // A connection the server closed since its last use (a restart, a fail-over,
                     // less than `PING_IDLE_AFTER` idle) fails the first statement sent on it, and
@@ -59,33 +58,13 @@ macro_rules! round_statements {
                         apart = true;
                         tracing::debug!("admission's connection lost; admitting it again");
                         one = self
-                            .admit_together(&[a], &[], &[], now, coalesce_ms, handoff, &mut stranded)
+                            .admit_together(&[a], &[], &[], now, coalesce_ms, handoff)
                             .await;
                     }
                     apart |= one.is_err();
                     results.push(one.map(|mut done| done.admitted.remove(0)));
                 }
-                Self::give_back_stranded(handoff, stranded);
                 (results, apart)
-            }
-
-            /// Gives back what a failed commit leased to claims (`admit_together`), once every
-            /// host of its group was locked again since: a commit the server was still finishing
-            /// when its connection failed has then ended, and its rows are there to be given
-            /// back. (Had it not committed, no row bears their lease tokens, and nothing changes.)
-            fn give_back_stranded(
-                handoff: Option<&$crate::handoff::Handoff>,
-                stranded: Vec<ClaimedBatch>,
-            ) {
-                if let Some(handoff) = handoff
-                    && !stranded.is_empty()
-                {
-                    tracing::warn!(
-                        batches = stranded.len(),
-                        "a round's commit failed; giving back what it leased to claims"
-                    );
-                    handoff.orphan(stranded);
-                }
             }
 
             /// `QueueStore::write_round`: the claims, the group and the reports in one
@@ -110,18 +89,9 @@ macro_rules! round_statements {
                     };
                 }
                 let mut failed = false;
-                let mut stranded = Vec::new();
                 if !reports.is_empty() || !claims.is_empty() {
                     match self
-                        .admit_together(
-                            group,
-                            reports,
-                            claims,
-                            now,
-                            coalesce_ms,
-                            handoff,
-                            &mut stranded,
-                        )
+                        .admit_together(group, reports, claims, now, coalesce_ms, handoff)
                         .await
                     {
                         Ok(done) => {
@@ -153,8 +123,6 @@ macro_rules! round_statements {
                     );
                 }
                 let (admitted, apart) = self.admit_group(group, now, coalesce_ms, handoff).await;
-                // After the group's host locks, taken again by its admissions.
-                Self::give_back_stranded(handoff, stranded);
                 let reported = self.complete_leased(reports, now).await;
                 Round {
                     admitted,
@@ -191,9 +159,8 @@ macro_rules! round_statements {
 
             /// Claims from the table, admits a group (its new work due at once leased to the
             /// claims' room left, then to waiting claims) and records `reports`, in one
-            /// transaction; or fails as a whole (nothing handed to a claim). If its commit failed,
-            /// it may still have written: what it leased to claims is added to `stranded`.
-            #[allow(clippy::too_many_arguments)]
+            /// transaction; or fails as a whole (nothing handed to a claim; if its commit failed,
+            /// what it leased to claims is given back, since the server may have committed it).
             async fn admit_together(
                 &self,
                 group: &[&Admission],
@@ -202,7 +169,6 @@ macro_rules! round_statements {
                 now: i64,
                 coalesce_ms: i64,
                 handoff: Option<&$crate::handoff::Handoff>,
-                stranded: &mut Vec<ClaimedBatch>,
             ) -> Result<Together, QueueError> {
                 use $crate::admission::Batched;
                 let mut tx = self.begin_group_write(group).await?;
@@ -292,16 +258,25 @@ macro_rules! round_statements {
                     // The server may have committed before the answer was lost with the
                     // connection (PostgreSQL), or may still be committing: the batches leased to
                     // this round's claims would then wait out their leases with no lane to send
-                    // them. They go to `stranded`, for the caller to give back once it has taken
-                    // this round's host locks again (`give_back_stranded`); the claims themselves
-                    // get an empty answer and look again.
-                    if handoff.is_some() {
-                        stranded.extend(
-                            handed
-                                .into_iter()
-                                .flat_map(|(_, batches)| batches)
-                                .chain(claimed.into_iter().flatten()),
-                        );
+                    // them. They are given back under their tokens, due again at once, as a gone
+                    // claim's are, once their hosts' locks are free (`hand_back`: a commit still
+                    // under way holds them); if nothing was committed, no row bears those tokens
+                    // and the hand-back changes nothing. The claims themselves get an empty answer
+                    // and look again.
+                    if let Some(handoff) = handoff {
+                        let leased = handed
+                            .into_iter()
+                            .flat_map(|(_, batches)| batches)
+                            .chain(claimed.into_iter().flatten())
+                            .collect::<Vec<_>>();
+                        if !leased.is_empty() {
+                            tracing::warn!(
+                                %error,
+                                batches = leased.len(),
+                                "a round's commit failed; giving back what it leased to claims"
+                            );
+                            handoff.orphan(leased);
+                        }
                     }
                     return Err(error.into());
                 }
