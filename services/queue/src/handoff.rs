@@ -31,6 +31,7 @@ pub struct Handoff {
     next_id: AtomicU64,
     /// Takes batches leased to a claim whose caller went away before it had them.
     orphans: Orphans,
+    /// Batches given to `orphans` so far.
     given_back: AtomicU64,
 }
 
