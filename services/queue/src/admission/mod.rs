@@ -145,11 +145,6 @@ pub struct Plan<'a> {
 }
 
 impl Plan<'_> {
-    /// Whether any batch the group wrote becomes claimable (other replicas are woken then).
-    pub fn makes_work_due(&self) -> bool {
-        self.results.iter().any(|e| e.next_due_at.is_some())
-    }
-
     /// Marks the admissions whose every batch is leased to a claim here (`crate::handoff`) as
     /// making nothing due (`Enqueued::next_due_at`): no other lane of this replica, nor any other
     /// replica, has to look for that work. An admission with any batch left in the table keeps its
