@@ -1,10 +1,10 @@
-//! What differs between the backends: how a transaction begins and locks, which statements read
-//! with row locks, and how other replicas are woken. Everything else is written once in the
-//! sibling modules' macros.
+//! PostgreSQL's side of `super`: rounds that lock their hosts in their `BEGIN`, lanes that plan by
+//! key, and notifications that wake other replicas.
 
-use super::WAKE_CHANNEL;
+use super::Backend;
 use crate::error::QueueError;
 use crate::model::Admission;
+use crate::store::WAKE_CHANNEL;
 
 /// A lane's transaction on PostgreSQL (`PgQueueStore::begin_claim`): it plans by key.
 macro_rules! begin_by_key {
@@ -78,208 +78,27 @@ fn begin_locking_hosts(hosts: &[&str]) -> Option<String> {
 /// Wakes every replica's waiting lanes once the transaction it runs in commits (PostgreSQL).
 const NOTIFY_SQL: &str = "SELECT pg_notify($1, $2)";
 
-/// What differs between the backends.
-pub trait Backend {
-    type Db: sqlx::Database;
-    type Tx;
-}
-
-/// SQLite: one writer at a time. `BEGIN IMMEDIATE` takes the write lock before the first read, so
-/// the quota count and the insert that follows it cannot interleave with another admission.
-#[derive(Debug, Clone)]
-pub struct SqliteQueueStore {
-    pub(super) pool: sqlx::SqlitePool,
-    pub(super) readers: sqlx::SqlitePool,
-    pub(super) row_by_row: bool,
-    /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
-    pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// Syncs the WAL for a writer that commits at NORMAL under full durability: a round is
-    /// answered after the sync that covers it, while the next one is written.
-    pub(super) wal_sync: Option<std::sync::Arc<orca_push_storage::WalSync>>,
-    /// The writer's own connection for its rounds (`super::direct`).
-    pub(super) direct: std::sync::Arc<super::direct::Direct>,
-    /// Where the clean-up's payload sweep ended.
-    pub(super) payload_sweep: std::sync::Arc<super::cleanup::PayloadSweep>,
-}
-
-impl Backend for SqliteQueueStore {
-    type Db = sqlx::Sqlite;
-    type Tx = super::direct::SqliteTx;
-}
-
-impl SqliteQueueStore {
-    pub(super) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
-         deadline, silent, attempts, retries, provider FROM push_delivery_batches \
-         WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
-         AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2";
-    /// One writer at a time: nothing to lock.
-    pub(super) const FOR_UPDATE: &'static str = "";
-    /// SQLite plans a statement when it prepares it, preferring an index where one applies: a
-    /// clean-up read runs beside the writer (`reader`).
-    pub(super) const PLANS_KEPT: bool = false;
-    /// Built statements' parameters are `?` (`sql::Stmt`).
-    pub(super) const NUMBERED: bool = false;
-    /// How a round's multi-row inserts and updates meet a constraint they break: the statement
-    /// stops with an error and keeps the rows it changed, where SQLite's default (`ABORT`) undoes
-    /// them. Nothing here goes on in a transaction after a statement fails (the round is rolled
-    /// back and its work done apart), so the two end the same; but only `ABORT` needs each such
-    /// statement to copy every page it changes into a statement journal first, which was 2.8% of
-    /// the gateway's samples at 1,000 end-to-end flows. The recipients' insert keeps `ABORT`: its
-    /// foreign key (checked at the statement's end) needs the journal either way.
-    pub(super) const OR_FAIL: &'static str = " OR FAIL";
-    /// Nothing: SQLite plans each statement as it prepares it, and of two lower bounds on the
-    /// quota index's time it seeks from the first it reads, so an always-true `>= 0` ahead of
-    /// the window's start would count every event the host kept for the day.
-    pub(super) const QUOTA_BY_TIME: &'static str = "";
-
-    pub fn new(pool: sqlx::SqlitePool) -> Self {
-        let readers = orca_push_storage::ReadPool::readers(&pool);
-        let wal_sync = orca_push_storage::wal_sync::for_writer(&pool).map(std::sync::Arc::new);
-        let direct = std::sync::Arc::default();
-        Self {
-            pool,
-            readers,
-            row_by_row: false,
-            batched_groups: Default::default(),
-            wal_sync,
-            direct,
-            payload_sweep: std::sync::Arc::default(),
-        }
-    }
-
-    /// Where reads outside a transaction go.
-    pub(super) fn reader(&self) -> &sqlx::SqlitePool {
-        &self.readers
-    }
-
-    /// A group's multi-row statements of up to this many rows stay prepared on the writer (whose
-    /// cache holds `orca_push_storage::SQLITE_WRITER_STATEMENTS`): preparing them again each round
-    /// was 7% of the queue writer's time. Larger ones are not kept: a group of 128 sends to 20
-    /// phones each inserts up to 1,000 recipients in one statement (some 500 KB compiled), and a
-    /// cache of those could hold hundreds of megabytes. A group's writes are one joined text
-    /// (`crate::admission::Writes`), kept per mix of row counts up to 128 rows in all: at some
-    /// 550 bytes compiled per row, the 1,024 texts the cache holds stay under about 70 MB however
-    /// the mixes vary (the benchmark's peak RSS rose by 2-5 MiB when they were joined).
-    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(128);
-    /// No other replica to wake (`wake_replicas`).
-    pub(super) const WAKES_IN_WRITES: bool = false;
-    /// One process owns a SQLite queue: no other replica to tell (`wake_replicas`).
-    pub(super) const TELLS_REPLICAS: bool = false;
-    /// One writer: a second group could only wait for it.
-    pub(super) const GROUP_WRITERS: usize = 1;
-    /// Reports share the admission writer's rounds: one transaction and one sync for both, and
-    /// their statements sent from the writer's own thread. Measured at 100 end-to-end flows, report
-    /// transactions of their own were 300/s and a third of the writer connection's time.
-    pub(super) const REPORTS_IN_ROUNDS: bool = true;
-    /// Claims share them too: a claim first takes what waited in the table, then the round's new
-    /// work due at once, written already leased to it (as a waiting claim's hand-off), so that
-    /// work is never read back. Measured at 1,000 end-to-end flows, claims of their own were a
-    /// quarter of the writer connection's statement time, and each waited for the writer behind
-    /// the rounds (docs/benchmarks.md, round 17).
-    pub(super) const CLAIMS_IN_ROUNDS: bool = true;
-    /// New work due at once goes to waiting claims (`crate::handoff`): a claim transaction per
-    /// such batch was a fifth of the one writer connection's time at 100 end-to-end flows.
-    pub(super) const HANDS_OFF: bool = true;
-    /// Its rounds run their statements on their own connection, on the writer's thread
-    /// (`super::direct`), and wait there for the disk rather than on a runtime serving requests
-    /// (only if that thread's runtime cannot be built does the writer share the main one).
-    pub(super) const WRITER_THREAD: bool = true;
-    /// Nothing on the writer's thread does I/O.
-    pub(super) const WRITER_IO: bool = false;
-    /// Its rounds keep the pool's writer connection from one to the next (`super::direct`).
-    pub(super) const KEEPS_BETWEEN_ROUNDS: bool = true;
-
-    /// One writer, whose failed commit did not happen: nothing to wait for
-    /// (`QueueStore::settle_hosts`).
-    pub(super) async fn wait_for_host_locks(&self, _hosts: &[&str]) -> Result<(), QueueError> {
-        Ok(())
-    }
-
-    /// A writer's round: on the writer's own connection where there is one.
-    pub(super) async fn begin_group_write(
-        &self,
-        _group: &[&Admission],
-    ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        if let Some(tx) = self.direct.begin(&self.pool).await? {
-            return Ok(super::direct::SqliteTx::Direct(tx));
-        }
-        self.begin_claim().await
-    }
-
-    /// While the writer is busy its rounds keep the pool's writer connection from one to the
-    /// next (`super::direct`).
-    pub(super) fn keep_between_rounds(&self, keep: bool) {
-        self.direct.keep(keep);
-    }
-
-    /// The pool for a write outside the rounds. The writer may keep the pool's writer connection
-    /// between rounds (`super::direct`): asked for it, a round gives it back at its end (on the
-    /// writer's own thread, a failed round's work done apart would otherwise wait for itself).
-    pub(super) fn writes(&self) -> &sqlx::SqlitePool {
-        self.direct.release();
-        &self.pool
-    }
-
-    pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        Ok(super::direct::SqliteTx::Pool(
-            self.writes().begin_with("BEGIN IMMEDIATE").await?,
-        ))
-    }
-
-    /// A claim outside the writer's rounds: a claim's transaction (the queue's other writes are
-    /// not synced on their own here either).
-    pub(super) async fn begin_lease(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
-        self.begin_claim().await
-    }
-
-    /// Nothing is notified (`wake_replicas`), so nothing is signed.
-    pub(super) fn origin(&self) -> &str {
-        ""
-    }
-
-    /// Nothing is notified, so everything would be news.
-    pub(super) fn told(&self) -> crate::wake::Told {
-        crate::wake::Told::default()
-    }
-
-    pub(super) fn heard_told(&self, _told: &[(crate::model::Provider, i64)]) {}
-
-    /// One process owns a SQLite queue: the in-process waker is enough.
-    pub(super) async fn wake_replicas(
-        _tx: &mut <Self as Backend>::Tx,
-        _providers: &str,
-    ) -> Result<(), sqlx::Error> {
-        Ok(())
-    }
-
-    pub(super) async fn wake_replicas_after_commit(
-        _pool: &sqlx::SqlitePool,
-    ) -> Result<(), sqlx::Error> {
-        Ok(())
-    }
-}
-
 /// PostgreSQL (READ COMMITTED), shared by every replica: admissions of one host serialise on a
 /// transaction advisory lock, claims skip rows another replica has locked, and a commit that makes
 /// work due notifies every replica's waiting lanes.
 #[derive(Debug, Clone)]
 pub struct PgQueueStore {
-    pub(super) pool: sqlx::PgPool,
+    pub(in crate::store) pool: sqlx::PgPool,
     /// The admission writer's connection (one per writer, at most `pool`'s bound), opened by the
     /// writer on its own thread (`WRITER_THREAD`), so that thread's runtime drives its socket.
     /// Beside `pool`, not out of it.
-    pub(super) rounds: sqlx::PgPool,
-    pub(super) readers: sqlx::PgPool,
-    pub(super) row_by_row: bool,
+    pub(in crate::store) rounds: sqlx::PgPool,
+    pub(in crate::store) readers: sqlx::PgPool,
+    pub(in crate::store) row_by_row: bool,
     /// Groups admitted on the batched path (see `AnyQueueStore::batched_groups`).
-    pub(super) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    pub(in crate::store) batched_groups: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Signs this replica's notifications, so that its listener skips their echo
     /// (`crate::wake::payload_from`).
-    pub(super) origin: std::sync::Arc<str>,
+    pub(in crate::store) origin: std::sync::Arc<str>,
     /// What its rounds have told other replicas (`crate::wake::Told`).
-    pub(super) told: std::sync::Arc<std::sync::Mutex<crate::wake::Told>>,
+    pub(in crate::store) told: std::sync::Arc<std::sync::Mutex<crate::wake::Told>>,
     /// Where the clean-up's payload sweep ended.
-    pub(super) payload_sweep: std::sync::Arc<super::cleanup::PayloadSweep>,
+    pub(in crate::store) payload_sweep: std::sync::Arc<crate::store::cleanup::PayloadSweep>,
 }
 
 impl Backend for PgQueueStore {
@@ -288,23 +107,23 @@ impl Backend for PgQueueStore {
 }
 
 impl PgQueueStore {
-    pub(super) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
+    pub(in crate::store) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
          deadline, silent, attempts, retries, provider FROM push_delivery_batches \
          WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
          AND available_at >= 0 \
          AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
     /// Row locks taken by a reading statement.
-    pub(super) const FOR_UPDATE: &'static str = " FOR UPDATE";
+    pub(in crate::store) const FOR_UPDATE: &'static str = " FOR UPDATE";
     /// A kept statement's generic plan is made once per connection, often on small tables: reads
     /// that must find their rows by key run in a transaction that plans so (`begin_claim`).
-    pub(super) const PLANS_KEPT: bool = true;
+    pub(in crate::store) const PLANS_KEPT: bool = true;
     /// Built statements' parameters are `$N` (`sql::Stmt`).
-    pub(super) const NUMBERED: bool = true;
+    pub(in crate::store) const NUMBERED: bool = true;
     /// PostgreSQL has no conflict clause: a failed statement fails its transaction.
-    pub(super) const OR_FAIL: &'static str = "";
+    pub(in crate::store) const OR_FAIL: &'static str = "";
     /// After the quota count's window start: the condition that opens `push_events_quota` to it
     /// (queue migration 0008), always true of a time.
-    pub(super) const QUOTA_BY_TIME: &'static str = " AND q.accepted_at >= 0";
+    pub(in crate::store) const QUOTA_BY_TIME: &'static str = " AND q.accepted_at >= 0";
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
@@ -323,7 +142,7 @@ impl PgQueueStore {
             readers,
             row_by_row: false,
             batched_groups: Default::default(),
-            origin: super::random_id().into(),
+            origin: crate::store::random_id().into(),
             told: std::sync::Arc::default(),
             payload_sweep: std::sync::Arc::default(),
         }
@@ -335,7 +154,7 @@ impl PgQueueStore {
     }
 
     /// What this replica's rounds have told other replicas, for the next round to tell only news.
-    pub(super) fn told(&self) -> crate::wake::Told {
+    pub(in crate::store) fn told(&self) -> crate::wake::Told {
         *self
             .told
             .lock()
@@ -343,7 +162,7 @@ impl PgQueueStore {
     }
 
     /// A round that told `told` has committed.
-    pub(super) fn heard_told(&self, told: &[(crate::model::Provider, i64)]) {
+    pub(in crate::store) fn heard_told(&self, told: &[(crate::model::Provider, i64)]) {
         if !told.is_empty() {
             self.told
                 .lock()
@@ -353,7 +172,7 @@ impl PgQueueStore {
     }
 
     /// Where reads outside a transaction go.
-    pub(super) fn reader(&self) -> &sqlx::PgPool {
+    pub(in crate::store) fn reader(&self) -> &sqlx::PgPool {
         &self.readers
     }
 
@@ -370,12 +189,12 @@ impl PgQueueStore {
     /// were kept (sqlx keeps 100 statements per connection and closes the least recently used
     /// past that), and the rest were parsed and planned on every run: at 100 end-to-end flows,
     /// planning was a fifth of the server's CPU (round 30, docs/benchmarks.md).
-    pub(super) const KEEP_ROWS_AT_MOST: Option<usize> = Some(usize::MAX);
+    pub(in crate::store) const KEEP_ROWS_AT_MOST: Option<usize> = Some(usize::MAX);
     /// A batched round's recipients' insert also notifies other replicas (`wake_replicas`'s
     /// `pg_notify`, sent with the commit all the same): one round trip fewer a round.
-    pub(super) const WAKES_IN_WRITES: bool = true;
+    pub(in crate::store) const WAKES_IN_WRITES: bool = true;
     /// Other replicas share the database and are told of new work (`wake_replicas`).
-    pub(super) const TELLS_REPLICAS: bool = true;
+    pub(in crate::store) const TELLS_REPLICAS: bool = true;
     /// One, on a thread of its own (`WRITER_THREAD`): its rounds follow each other, each taking
     /// everything waiting (up to `MAX_GROUP`), so every admission pays a share of one round's
     /// round trips. Other replicas' writers still commit beside it; a host's admissions serialise
@@ -385,13 +204,13 @@ impl PgQueueStore {
     /// 25% / 24% more admissions at 8 / 32 / 64 connections, 7% more deliveries at 1,000 flows,
     /// even at 100 (docs/benchmarks.md, round 33). Before the thread there were four, and rounds
     /// of fewer than 8 gathered while another committed (`crate::group_commit`).
-    pub(super) const GROUP_WRITERS: usize = 1;
+    pub(in crate::store) const GROUP_WRITERS: usize = 1;
     /// Reports keep transactions of their own: in a round they would take batch row locks after
     /// the round's host locks and a dismissal's batch locks, an order two rounds could each hold
     /// half of (every replica has a writer); and reports run beside the rounds.
-    pub(super) const REPORTS_IN_ROUNDS: bool = false;
+    pub(in crate::store) const REPORTS_IN_ROUNDS: bool = false;
     /// Claims run beside the admissions on connections of their own, as reports do.
-    pub(super) const CLAIMS_IN_ROUNDS: bool = false;
+    pub(in crate::store) const CLAIMS_IN_ROUNDS: bool = false;
     /// New work due at once goes to waiting claims (`crate::handoff`): +4.4% APNs deliveries at
     /// 100 flows and +6.4% in split mode in round 40, even at 1,000 flows (docs/benchmarks.md;
     /// rounds 7, 31, 34 and 35 had measured it even, 39 +3-8%). What PostgreSQL adds to it: a
@@ -401,22 +220,22 @@ impl PgQueueStore {
     /// orphans are given back on the
     /// queue's runtime, not the writer's (`crate::handoff::give_back`); and an admission whose work
     /// was all handed wakes no one (`crate::admission::Plan::leave_handed_undue`).
-    pub(super) const HANDS_OFF: bool = true;
+    pub(in crate::store) const HANDS_OFF: bool = true;
     /// The writers run on a thread of their own, over connections of their own opened there
     /// (`rounds`), so a statement's answer wakes that thread rather than waiting for the main
     /// runtime to reach the writer's task behind every ready request. A round is some eight round
     /// trips: on the main runtime, at 100 end-to-end flows, an admission took 10-12 ms to answer
     /// at the median, 7.5-8.5 ms on the thread (docs/benchmarks.md, round 33).
-    pub(super) const WRITER_THREAD: bool = true;
+    pub(in crate::store) const WRITER_THREAD: bool = true;
     /// The writers' thread drives the sockets of their connections (`rounds`).
-    pub(super) const WRITER_IO: bool = true;
-    pub(super) const KEEPS_BETWEEN_ROUNDS: bool = false;
+    pub(in crate::store) const WRITER_IO: bool = true;
+    pub(in crate::store) const KEEPS_BETWEEN_ROUNDS: bool = false;
 
     /// A round keeps nothing for the next.
-    pub(super) fn keep_between_rounds(&self, _keep: bool) {}
+    pub(in crate::store) fn keep_between_rounds(&self, _keep: bool) {}
 
     /// The pool for a write outside the rounds.
-    pub(super) fn writes(&self) -> &sqlx::PgPool {
+    pub(in crate::store) fn writes(&self) -> &sqlx::PgPool {
         &self.pool
     }
     /// Every host's transaction lock, in one order (the lock keys'), so two groups naming the same
@@ -441,7 +260,7 @@ impl PgQueueStore {
     /// A round's transaction, its hosts locked (`LOCK_HOSTS_SQL`). Fingerprints as the contract
     /// makes them go in `BEGIN`'s own round trip (`begin_locking_hosts`): a round is a chain of
     /// round trips that each admission in it waits for, one after another.
-    pub(super) async fn begin_group_write(
+    pub(in crate::store) async fn begin_group_write(
         &self,
         group: &[&Admission],
     ) -> Result<<Self as Backend>::Tx, sqlx::Error> {
@@ -475,7 +294,10 @@ impl PgQueueStore {
 
     /// `QueueStore::settle_hosts`: takes the hosts' locks (`LOCK_HOSTS_SQL`), which wait for any
     /// transaction holding them, and lets them go; nothing is written.
-    pub(super) async fn wait_for_host_locks(&self, hosts: &[&str]) -> Result<(), QueueError> {
+    pub(in crate::store) async fn wait_for_host_locks(
+        &self,
+        hosts: &[&str],
+    ) -> Result<(), QueueError> {
         if hosts.is_empty() {
             return Ok(());
         }
@@ -510,7 +332,7 @@ impl PgQueueStore {
     /// nearly empty tables of a fresh deployment and kept, scanned them whole: at 100 end-to-end
     /// flows a 3 s run read 1.2 million recipient rows in 724 sequential scans of a table of
     /// 3,556 (the payload clean-up's `NOT EXISTS`, 1.3-5 ms a call; round 29, docs/benchmarks.md).
-    pub(super) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+    pub(in crate::store) async fn begin_claim(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         self.pool.begin_with(Self::BEGIN_BY_KEY_SQL).await
     }
 
@@ -526,7 +348,7 @@ impl PgQueueStore {
     /// flush at `COMMIT` was what the server's busy connections did most; a claim's is in the path
     /// from a send's commit to its provider request. Unsynced leases gave 7-12% more deliveries at
     /// 1,000 flows, where claims are most numerous, and 2% at 100 (round 34, docs/benchmarks.md).
-    pub(super) async fn begin_lease(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
+    pub(in crate::store) async fn begin_lease(&self) -> Result<<Self as Backend>::Tx, sqlx::Error> {
         self.pool.begin_with(Self::BEGIN_LEASE_SQL).await
     }
 
@@ -541,13 +363,13 @@ impl PgQueueStore {
         concat!(begin_by_key!(), "; SET LOCAL synchronous_commit = off");
 
     /// `providers`: the payload naming whose work (`crate::wake::payload_naming`; empty: anyone's).
-    pub(super) async fn wake_replicas(
+    pub(in crate::store) async fn wake_replicas(
         tx: &mut <Self as Backend>::Tx,
         providers: &str,
     ) -> Result<(), sqlx::Error> {
-        use super::sql::Exec as _;
+        use crate::store::sql::Exec as _;
         tx.run(
-            super::sql::Stmt::new(NOTIFY_SQL)
+            crate::store::sql::Stmt::new(NOTIFY_SQL)
                 .bind(WAKE_CHANNEL)
                 .bind(providers),
         )
@@ -556,7 +378,9 @@ impl PgQueueStore {
     }
 
     /// `wake_replicas` for a write that committed on its own.
-    pub(super) async fn wake_replicas_after_commit(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    pub(in crate::store) async fn wake_replicas_after_commit(
+        pool: &sqlx::PgPool,
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(NOTIFY_SQL)
             .bind(WAKE_CHANNEL)
             .bind("")
