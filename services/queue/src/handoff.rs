@@ -444,7 +444,17 @@ pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[Claimed
             // A transaction the server keeps open for a client it has not yet found gone could
             // hold the locks for long: past a lease's length, there is nothing left to save.
             match tokio::time::timeout(SETTLE_AT_MOST, store.settle_hosts(&hosts)).await {
-                Ok(Ok(())) | Err(_) => settled = true,
+                Ok(Ok(())) => settled = true,
+                Err(_) => {
+                    // A commit that ends after this hand-back found no row leaves its batches to
+                    // their leases (`orca_push_lease_expiries_total` counts them then).
+                    tracing::warn!(
+                        batches = left.len(),
+                        waited_s = SETTLE_AT_MOST.as_secs(),
+                        "hosts' locks still held; handing batches back regardless"
+                    );
+                    settled = true;
+                }
                 Ok(Err(error)) => failure = Some(error),
             }
         }
