@@ -419,7 +419,8 @@ pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>
 /// (`QueueStore::settle_hosts`): a round whose commit was still under way on the server when its
 /// connection failed holds them until its rows are there to be given back. A batch whose lease is
 /// not the one given (never committed, or taken since) is left as it is. What the database
-/// refuses is tried again, `HAND_BACK_ATTEMPTS` times in all.
+/// refuses is tried again, `HAND_BACK_ATTEMPTS` times in all; the last try gives back even if it
+/// could not wait for the locks.
 pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[ClaimedBatch], now: i64) {
     if batches.is_empty() {
         return;
@@ -452,6 +453,17 @@ pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[Claimed
                         batches = left.len(),
                         waited_s = SETTLE_AT_MOST.as_secs(),
                         "hosts' locks still held; handing batches back regardless"
+                    );
+                    settled = true;
+                }
+                Ok(Err(error)) if attempt == HAND_BACK_ATTEMPTS => {
+                    // The last try gives back regardless: a commit still under way hides its rows
+                    // from it (nothing changes, they wait for their leases as they would have),
+                    // and a finished one's batches are due again.
+                    tracing::warn!(
+                        %error,
+                        batches = left.len(),
+                        "could not wait for the hosts' locks; handing batches back regardless"
                     );
                     settled = true;
                 }

@@ -157,6 +157,45 @@ async fn orphans_given_back_from_a_thread_without_a_runtime_are_due_again(backen
     );
 }
 
+/// A hand-back that cannot wait for its hosts' locks (the operator's `lock_timeout` ends every
+/// wait while another session holds them) still gives back on its last try, rather than leave
+/// the batch leased to no lane until its lease lapses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hand_back_that_cannot_wait_for_its_hosts_gives_back_on_its_last_try_postgres() {
+    use orca_push_storage::DatabaseConfig;
+    use secrecy::ExposeSecret as _;
+    use sqlx::Connection as _;
+
+    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
+    let DatabaseConfig::Postgres { url } = &config else {
+        unreachable!("a PostgreSQL database")
+    };
+    let url = url.expose_secret().to_owned();
+    let impatient = DatabaseConfig::Postgres {
+        url: format!("{url}?options=-c%20lock_timeout%3D100").into(),
+    };
+    let h = harness_on(impatient, guard, 0).await;
+    h.admit(&alert(1, &["phone-1"])).await;
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 1);
+    let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(hashtextextended('push_events:' || $1, 0))")
+        .bind(HOST)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let now = i64::try_from(T0).unwrap();
+    orca_push_queue::handoff::hand_back(h.queue.store(), &h.wake, &claimed, now).await;
+    holder.close().await.unwrap();
+    let phones: Vec<String> = h
+        .claim_all()
+        .await
+        .into_iter()
+        .map(|b| b.registration_id)
+        .collect();
+    assert_eq!(phones, ["phone-1"], "given back, due again at once");
+}
+
 /// A round whose `COMMIT` reaches PostgreSQL only after its connection failed on the gateway's
 /// side (the answer lost, the commit still under way when the writer hears of the failure) gives
 /// back what it handed to a waiting claim once the commit has ended: the batch is due again at
