@@ -274,6 +274,22 @@ async fn cli_keygen_and_login(backend: Backend) {
     let again = run(&["host", "keygen", "--key", key_arg]);
     assert!(!again.status.success());
     assert_eq!(HostKey::load(&key_path).unwrap().fingerprint(), fingerprint);
+    // For scripts: one JSON object naming the new key's fingerprint and file.
+    let other_path = dir.path().join("other.key");
+    let other = run(&[
+        "host",
+        "keygen",
+        "--json",
+        "--key",
+        other_path.to_str().unwrap(),
+    ]);
+    assert!(other.status.success(), "{other:?}");
+    let printed: serde_json::Value = serde_json::from_slice(&other.stdout).unwrap();
+    assert_eq!(
+        printed["hostFingerprint"],
+        HostKey::load(&other_path).unwrap().fingerprint()
+    );
+    assert_eq!(printed["keyFile"], other_path.to_str().unwrap());
     let login = run(&[
         "host",
         "login",

@@ -21,6 +21,9 @@ pub enum HostCommand {
         /// The key file to create.
         #[arg(long, env = "ORCA_PUSH_HOST_KEY", default_value_os_t = orca_push_host::default_key_path())]
         key: PathBuf,
+        /// Print JSON for scripts instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Get a session for the key, reusing the cached one while it is valid (so a running desktop
     /// keeps its session), and print it (never the token).
@@ -249,11 +252,20 @@ fn print(json_output: bool, value: serde_json::Value, text: impl FnOnce() -> Str
 
 pub async fn run(command: HostCommand) -> anyhow::Result<()> {
     match command {
-        HostCommand::Keygen { key } => {
+        HostCommand::Keygen { key, json } => {
             let host_key = HostKey::generate();
             host_key.save_new(&key)?;
-            println!("hostFingerprint {}", host_key.fingerprint());
-            println!("key written to {}", key.display());
+            let fingerprint = host_key.fingerprint();
+            print(
+                json,
+                json!({ "hostFingerprint": fingerprint, "keyFile": key.display().to_string() }),
+                || {
+                    format!(
+                        "hostFingerprint {fingerprint}\nkey written to {}",
+                        key.display()
+                    )
+                },
+            );
             Ok(())
         }
         HostCommand::Login { host, force } => {
@@ -502,6 +514,23 @@ fn outcome_text(outcome: &orca_push_host::Outcome) -> String {
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory as _;
+
+    /// Every `orca-push host` command takes `--json`, as the README says.
+    #[test]
+    fn every_host_command_prints_json_on_request() {
+        let mut cli = crate::cli::Cli::command();
+        cli.build();
+        let host = cli.find_subcommand("host").expect("host command");
+        for command in host.get_subcommands().filter(|c| c.get_name() != "help") {
+            assert!(
+                command
+                    .get_arguments()
+                    .any(|arg| arg.get_long() == Some("json")),
+                "host {} has no --json",
+                command.get_name()
+            );
+        }
+    }
 
     /// `orca-push host <command> --help` explains every argument.
     #[test]
