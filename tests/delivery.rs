@@ -18,6 +18,7 @@ on_both_backends!(
     an_alert_reaches_both_providers_exactly_as_the_contract_says,
     a_burst_reaches_each_phone_as_one_summary,
     dead_tokens_of_every_class_are_marked_and_answered_dead,
+    a_token_refused_after_the_phone_replaced_it_still_delivers_to_the_new_one,
     a_split_sender_keeps_the_phones_it_looked_up_and_hears_a_new_token,
 );
 
@@ -198,6 +199,40 @@ async fn dead_tokens_of_every_class_are_marked_and_answered_dead(backend: Backen
     // A token replaced after the send stays alive: re-registering revives the registration.
     w.register_ios("ios-0", "bb01").await;
     assert_eq!(w.send(&[&ids[0]], alert(3)).await, ["queued"]);
+}
+
+/// The provider refuses a token as dead after the phone registered a new one (a reinstall while
+/// the alert was on its way): the registration stays alive, and the alert goes to the new token
+/// rather than ending `dead`.
+async fn a_token_refused_after_the_phone_replaced_it_still_delivers_to_the_new_one(
+    backend: Backend,
+) {
+    let w = World::start(backend, "0").await;
+    let (old, new) = ("cc01", "cc02");
+    w.apns
+        .script(old, vec![Answer::status(410, Some("Unregistered"))]);
+    let id = w.register_ios("iphone", old).await;
+    // The refusal comes a while after the request: the phone re-registers meanwhile.
+    w.apns.set_latency(Duration::from_millis(1500));
+    assert_eq!(w.send(&[&id], alert(1)).await, ["queued"]);
+    w.apns.wait_for(old, 1, WAIT).await;
+    assert_eq!(
+        w.register_ios("iphone", new).await,
+        id,
+        "the same registration"
+    );
+    w.apns.set_latency(Duration::ZERO);
+    w.apns.wait_for(new, 1, WAIT).await;
+    w.wait_outcome(&id, "sent").await;
+    let devices = w
+        .raw
+        .get("/v1/devices", &[("authorization", &w.auth)])
+        .await;
+    assert_eq!(
+        devices.body["devices"][0]["dead"], false,
+        "{}",
+        devices.body
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -259,8 +259,6 @@ impl Sender {
                 complete(queue_pb::Outcome::Sent, "sent".into())
             }
             Outcome::Verdict(Verdict::Dead(reason), target) => {
-                c.dead.fetch_add(1, Ordering::Relaxed);
-                delivered("dead");
                 metrics::counter!("orca_push_dead_tokens_total", "provider" => provider)
                     .increment(1);
                 if let Some(target) = target {
@@ -268,11 +266,31 @@ impl Sender {
                     if let Some(kept) = &self.devices {
                         kept.changed(&job.host_fingerprint);
                     }
-                    self.registry
+                    let marked = self
+                        .registry
                         .clone()
                         .mark_dead(target.mark_dead_request(&job.registration_id))
-                        .await?;
+                        .await?
+                        .into_inner()
+                        .marked;
+                    if !marked {
+                        // The registration no longer holds what was sent to (the phone
+                        // registered a new token since the look-up, was removed, or another
+                        // lane marked it first): the provider refused a token the phone has left.
+                        // The batch goes back, due at once, and its next attempt looks the phone
+                        // up again, so a new token still gets the alert.
+                        if self
+                            .hand_back(job, now_ms(&*self.clock), "token_replaced")
+                            .await?
+                        {
+                            c.expired.fetch_add(1, Ordering::Relaxed);
+                            delivered("expired");
+                        }
+                        return Ok(());
+                    }
                 }
+                c.dead.fetch_add(1, Ordering::Relaxed);
+                delivered("dead");
                 complete(queue_pb::Outcome::Dead, reason)
             }
             Outcome::Verdict(Verdict::Failed(reason), _) => {
