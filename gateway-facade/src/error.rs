@@ -100,10 +100,17 @@ impl IntoResponse for ApiError {
             body,
         )
             .into_response();
-        if self == Self::Busy {
+        // When to come back: the busy look-ups clear within a second; an empty request bucket
+        // has a token again within 2 s (the slowest, 30 a minute, refills one every 2 s).
+        let retry_after = match self {
+            Self::Busy => Some("1"),
+            Self::RateLimited => Some("2"),
+            _ => None,
+        };
+        if let Some(seconds) = retry_after {
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(header::RETRY_AFTER, HeaderValue::from_static(seconds));
         }
         response
     }
@@ -152,6 +159,25 @@ mod tests {
     use super::*;
     use orca_push_proto::status_with_code;
     use tonic::Code;
+
+    /// What the OpenAPI document and the host SDK expect: every 429 and every `busy` says when to
+    /// come back; no other answer does.
+    #[test]
+    fn rate_limited_and_busy_answers_carry_retry_after() {
+        for error in ApiError::ALL {
+            let response = error.into_response();
+            let retry_after = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .map(|v| v.to_str().unwrap().to_owned());
+            let expected = match error {
+                ApiError::RateLimited => Some("2"),
+                ApiError::Busy => Some("1"),
+                _ => None,
+            };
+            assert_eq!(retry_after.as_deref(), expected, "{error:?}");
+        }
+    }
 
     #[test]
     fn every_api_code_is_answered_by_exactly_one_error() {

@@ -87,11 +87,21 @@ pub fn bucket_address(ip: IpAddr) -> IpAddr {
 /// The client address: the last `x-forwarded-for` hop after skipping `trusted_hops` appenders (a
 /// shorter header is not trusted at all), then `x-real-ip`, then the shared bucket. Everything left
 /// of the chosen hop is caller-supplied and never earns a bucket of its own.
+///
+/// A header with a value that is not visible ASCII is not trusted at all either: a proxy that
+/// appends the client to the caller's line would have its hop dropped with the caller's bytes, and
+/// the caller would pick its own bucket with `x-real-ip` (or with the hops of another line).
 pub fn client_key(headers: &HeaderMap, trusted_hops: usize) -> ClientKey {
-    let hops: Vec<&str> = headers
-        .get_all("x-forwarded-for")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
+    let values = headers.get_all("x-forwarded-for");
+    let mut readable = Vec::new();
+    for value in values.iter() {
+        match value.to_str() {
+            Ok(value) => readable.push(value),
+            Err(_) => return ClientKey::Shared,
+        }
+    }
+    let hops: Vec<&str> = readable
+        .into_iter()
         .flat_map(|v| v.split(','))
         .map(str::trim)
         .filter(|h| !h.is_empty())
@@ -187,8 +197,10 @@ impl<K: Hash + Eq + Clone> BoundedBuckets<K> {
 
 /// IPs whose forged-bearer budget ran out, refused before any session look-up until the budget
 /// has a token again (one token refills every 2 s at 30 per minute).
+#[derive(Default)]
 struct Penalties {
     until: dashmap::DashMap<ClientKey, Instant>,
+    sweeps: SweepSpacing,
 }
 
 const PENALTY: Duration = Duration::from_secs(2);
@@ -202,7 +214,9 @@ impl Penalties {
 
     fn penalise(&self, key: ClientKey) {
         if self.until.len() >= MAX_KEYS_PER_MAP {
-            self.sweep();
+            if self.sweeps.due() {
+                self.sweep();
+            }
             if self.until.len() >= MAX_KEYS_PER_MAP {
                 // Full of live penalties: the oldest-expiring are not worth tracking more than new
                 // ones; the invalid-bearer bucket still charges every look-up from this key.
@@ -251,9 +265,7 @@ impl Limits {
                 INVALID_BEARER_PER_MINUTE,
                 MAX_KEYS_PER_MAP,
             ),
-            penalties: Penalties {
-                until: dashmap::DashMap::new(),
-            },
+            penalties: Penalties::default(),
             lookups: Semaphore::new(LOOKUP_CONCURRENCY),
             waiting: AtomicUsize::new(0),
         })
@@ -383,6 +395,52 @@ mod tests {
     fn a_header_shorter_than_the_trusted_depth_is_not_trusted() {
         let h = headers(&[("x-forwarded-for", "1.2.3.4"), ("x-real-ip", "5.5.5.5")]);
         assert_eq!(client_key(&h, 1), ClientKey::Shared);
+    }
+
+    #[test]
+    fn a_header_that_is_not_visible_ascii_is_not_trusted() {
+        let mut h = HeaderMap::new();
+        h.append(
+            "x-forwarded-for",
+            HeaderValue::from_bytes(b"\xff, 1.2.3.4").unwrap(),
+        );
+        h.append("x-real-ip", HeaderValue::from_static("5.5.5.5"));
+        assert_eq!(
+            client_key(&h, 0),
+            ClientKey::Shared,
+            "x-real-ip does not rescue it"
+        );
+        // Nor do the hops of another line.
+        h.append("x-forwarded-for", HeaderValue::from_static("6.6.6.6"));
+        assert_eq!(client_key(&h, 0), ClientKey::Shared);
+    }
+
+    /// A map full of live penalties is swept at most once per `SweepSpacing`: a flood at the cap
+    /// must not make every refusal a scan of 100,000 keys.
+    #[test]
+    fn penalties_at_the_cap_are_swept_at_most_once_per_spacing() {
+        let penalties = Penalties::default();
+        let past = Instant::now() - Duration::from_secs(1);
+        let fill = |from: u32| {
+            for i in from..from + MAX_KEYS_PER_MAP as u32 {
+                penalties
+                    .until
+                    .insert(ClientKey::Ip(std::net::Ipv4Addr::from(i).into()), past);
+            }
+        };
+        fill(0);
+        let first = ip("203.0.113.1");
+        penalties.penalise(first);
+        assert!(penalties.is_penalised(&first), "swept, then kept");
+        fill(1 << 20);
+        // As if that sweep had just run, whatever the fill took.
+        *penalties.sweeps.last.lock().unwrap() = Some(Instant::now());
+        let second = ip("203.0.113.2");
+        penalties.penalise(second);
+        assert!(
+            !penalties.is_penalised(&second),
+            "no second sweep within the spacing: the map stays full"
+        );
     }
 
     #[test]

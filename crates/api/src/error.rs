@@ -53,8 +53,8 @@ error_codes! {
     InvalidRequest = "invalid_request", 400, "The body or a parameter breaks the contract's schema or bounds.";
     InvalidToken = "invalid_token", 401, "The bearer is not a session token the gateway knows.";
     SessionExpired = "session_expired", 401, "The session expired or was replaced: run the challenge again.";
-    InvalidChallenge = "invalid_challenge", 401, "The challenge is unknown, used or expired.";
-    InvalidProof = "invalid_proof", 401, "The proof does not answer the challenge.";
+    InvalidChallenge = "invalid_challenge", 401, "The challenge is unknown (or was pruned, 30 s after it expired).";
+    InvalidProof = "invalid_proof", 401, "The proof does not answer the challenge, or the challenge was used or has expired.";
     NotFound = "not_found", 404, "No such route, or no such registration of this host.";
     TooManyDevices = "too_many_devices", 409, "The host already holds 64 registrations.";
     RequestTooLarge = "request_too_large", 413, "The body is over 16 KiB.";

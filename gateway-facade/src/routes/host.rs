@@ -61,7 +61,7 @@ pub async fn challenge(
     responses(
         (status = 200, description = "The session; its token is the bearer of every other /v1 call", body = SessionReply),
         (status = 400, description = "`invalid_request`: the body breaks the contract's schema or bounds", body = ErrorBody),
-        (status = 401, description = "`invalid_challenge` (unknown, used or expired) or `invalid_proof`", body = ErrorBody),
+        (status = 401, description = "`invalid_challenge` (unknown, or pruned 30 s after it expired) or `invalid_proof` (a wrong proof, or a used or expired challenge)", body = ErrorBody),
         (status = 413, description = "`request_too_large`: the body is over 16 KiB", body = ErrorBody),
         (status = 429, description = "`rate_limited`: a request bucket is empty (Retry-After says when to come back)", body = ErrorBody),
         (status = 500, description = "`internal`", body = ErrorBody),
