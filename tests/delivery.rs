@@ -235,6 +235,37 @@ async fn a_token_refused_after_the_phone_replaced_it_still_delivers_to_the_new_o
     );
 }
 
+/// The providers' 4 KB holds for a summary whose latest event has the longest epoch the contract
+/// allows, each character a control character (six bytes escaped): the budget counts the epoch the
+/// summary names at the top level, so such an alert opens a batch of its own rather than join.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_summary_stays_within_4_kb_whatever_its_latest_epoch() {
+    let w = World::start(Backend::Sqlite, "800").await;
+    let id = w.register_ios("iphone", IOS).await;
+    let epoch = "\u{1}".repeat(128);
+    let first = json!({
+        "notificationId": "a", "notificationSeq": 1, "notificationEpoch": epoch,
+        "source": "agent-task-complete", "agentState": "finished",
+        "title": "Agent finished", "body": "Done",
+    });
+    let second = json!({
+        "notificationId": "n", "notificationSeq": 2, "notificationEpoch": epoch,
+        "source": "agent-task-complete", "agentState": "needs-input",
+        "title": "Agent waiting", "body": "Input needed", "worktreeId": "w".repeat(1376),
+    });
+    assert_eq!(w.send(&[&id], first).await, ["queued"]);
+    assert_eq!(w.send(&[&id], second).await, ["queued"]);
+    let until = Instant::now() + WAIT;
+    while w.outcome(&id).await != ["sent", "sent"] {
+        assert!(Instant::now() < until, "{:?}", w.outcome(&id).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for call in w.apns.calls_for(IOS) {
+        let bytes = serde_json::to_vec(&call.body).unwrap().len();
+        assert!(bytes <= 4096, "an APNs body of {bytes} bytes");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_alerts_and_dismissals_use_their_own_shapes() {
     let w = World::start(Backend::Sqlite, "0").await;

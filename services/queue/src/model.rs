@@ -100,9 +100,12 @@ impl Content {
 }
 
 fn json_len(value: &Option<String>) -> i64 {
-    value.as_ref().map_or(0, |v| {
-        serde_json::to_string(v).map_or(v.len(), |s| s.len()) as i64
-    })
+    value.as_deref().map_or(0, json_str_len)
+}
+
+/// A string's bytes as a JSON string: quotes and escapes included.
+fn json_str_len(value: &str) -> i64 {
+    serde_json::to_string(value).map_or(value.len(), |s| s.len()) as i64
 }
 
 /// Bytes one member adds to a summary's `summaryMembers`, exactly as FCM carries it (a JSON string
@@ -182,6 +185,14 @@ pub enum AdmissionStatus {
 
 /// The contract's bounds, checked again here because internal teams call this service directly.
 impl Admission {
+    /// Bytes this event's routing adds to a summary it is the latest of: its content's routing
+    /// fields and its epoch, which a summary names at the top level as well as in its members
+    /// (an epoch of 128 control characters is 770 bytes escaped, more than the whole envelope
+    /// reserve).
+    pub fn routing_bytes(&self) -> i64 {
+        self.content.routing_bytes() + json_str_len(&self.notification_epoch)
+    }
+
     pub fn validate(&self) -> Result<(), QueueError> {
         let bad = QueueError::InvalidRequest;
         if self.host_fingerprint.is_empty() || self.host_fingerprint.len() > 64 {

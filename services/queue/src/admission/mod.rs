@@ -266,7 +266,7 @@ pub fn plan<'a>(
                         window_ends_at: now,
                         member_count: 1,
                         members_bytes: 0,
-                        routing_bytes: a.content.routing_bytes(),
+                        routing_bytes: a.routing_bytes(),
                         deadline,
                         silent: recipient.silent,
                         provider: recipient.provider,
@@ -383,7 +383,7 @@ impl Windows {
     ) -> (String, i64) {
         let id = a.content.notification_id.as_deref().unwrap_or_default();
         let bytes = member_bytes(id, &a.notification_epoch);
-        let routing = a.content.routing_bytes();
+        let routing = a.routing_bytes();
         let key = (
             recipient.registration_id.clone(),
             a.host_fingerprint.clone(),

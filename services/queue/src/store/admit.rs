@@ -320,7 +320,7 @@ macro_rules! row_by_row_admission {
                     .bind(flag(coalescible))
                     .bind(window_ends_at)
                     .bind(members_bytes)
-                    .bind(a.content.routing_bytes())
+                    .bind(a.routing_bytes())
                     .bind(deadline)
                     .bind(flag(recipient.silent))
                     .bind(now)
@@ -344,7 +344,7 @@ macro_rules! row_by_row_admission {
                     (recipient.registration_id.as_str(), recipient.silent);
                 let id = a.content.notification_id.as_deref().unwrap_or_default();
                 let bytes = member_bytes(id, &a.notification_epoch);
-                let routing = a.content.routing_bytes();
+                let routing = a.routing_bytes();
                 let open = Stmt::new($crate::store::admit::OPEN_WINDOW_SQL)
                     .bind(registration_id)
                     .bind(&a.host_fingerprint)
