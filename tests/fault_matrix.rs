@@ -135,6 +135,46 @@ async fn apns_403_expired_provider_token_is_retried_once_with_a_new_token() {
     assert_eq!(w.batches(&ios).await[0].attempts, 2);
 }
 
+/// FCM refuses our OAuth token on every request that carried it (it went stale with several in
+/// flight): the first refusal refreshes it once, and the refusals of the old token that come back
+/// after the new one was fetched leave the new one alone, rather than each forcing another fetch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fcm_401s_of_one_stale_token_refresh_it_once() {
+    let w = fast_world().await;
+    let warm = w.register_android("pixel-warm", ANDROID).await;
+    w.send(&[&warm], alert(1)).await;
+    w.wait_outcome(&warm, "sent").await;
+    assert_eq!(w.fcm.token_requests(), 1);
+    // Each request waits 600 ms for its answer; the eight go out 60 ms apart, all with the first
+    // token, and their refusals come back 60 ms apart, while the retries (50 ms backoff base) fetch
+    // and use the next one.
+    w.fcm.set_latency(Duration::from_millis(600));
+    let stale = fcm_error(
+        401,
+        "UNAUTHENTICATED",
+        "",
+        "Request had invalid authentication credentials.",
+    );
+    let mut phones = Vec::new();
+    for i in 0..8 {
+        let token = format!("fcm-token:APA91bStaleOAuthBearerToken-{i:02}");
+        w.fcm.script(&token, vec![stale.clone()]);
+        phones.push(w.register_android(&format!("pixel-{i}"), &token).await);
+    }
+    for (i, phone) in phones.iter().enumerate() {
+        w.send(&[phone], alert(10 + i as u64)).await;
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    for phone in &phones {
+        w.wait_outcome(phone, "sent").await;
+    }
+    assert_eq!(
+        w.fcm.token_requests(),
+        2,
+        "the first token, then one refresh for all eight refusals"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fcm_403_sender_id_mismatch_fails_at_once() {
     let w = fast_world().await;

@@ -202,10 +202,16 @@ impl Fcm {
         Ok(bearer)
     }
 
-    /// FCM refused our bearer: the next send fetches a fresh one.
-    fn token_went_stale(&self) {
-        self.refresh.store(true, Ordering::Release);
-        self.cached.store(None);
+    /// FCM refused `bearer`, ours: if it is still the one cached, the next send fetches a fresh
+    /// one. A refusal of a bearer already replaced (a request in flight when it went stale) changes
+    /// nothing, so one stale token costs one refresh however many requests carried it.
+    fn token_went_stale(&self, bearer: &str) {
+        let cached = self.cached.load_full();
+        if cached.as_ref().is_some_and(|token| token.bearer == bearer) {
+            // Before the cache empties: a fetch that finds it empty must force a new token.
+            self.refresh.store(true, Ordering::Release);
+            self.cached.compare_and_swap(&cached, None);
+        }
     }
 
     /// Sends one message; `validate_only` asks FCM to check it without delivering.
@@ -223,7 +229,7 @@ impl Fcm {
         let response = match self
             .http
             .post(&self.send_url)
-            .bearer_auth(bearer)
+            .bearer_auth(&bearer)
             .json(&message)
             .send()
             .await
@@ -243,8 +249,8 @@ impl Fcm {
             .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
         let body = response.bytes().await.unwrap_or_default();
         let verdict = classify(status, retry_after, &body);
-        if status == 401 {
-            self.token_went_stale();
+        if refuses_our_token(status, &body) {
+            self.token_went_stale(&bearer);
         }
         verdict
     }
@@ -256,21 +262,18 @@ async fn read_key(path: &Path) -> Result<yup_oauth2::ServiceAccountKey, FcmError
         .map_err(|e| FcmError::Credentials(format!("{}: {e}", path.display())))
 }
 
-/// What an FCM answer means.
-pub fn classify(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
-    if status == 200 {
-        return Verdict::Sent;
-    }
+/// The parts of an FCM error body an answer is classified by: its gRPC status, message and
+/// `errorCode` (empty where absent).
+fn error_parts(body: &[u8]) -> (String, String, String) {
     let error = serde_json::from_slice::<Value>(body).ok();
     let error = error.as_ref().and_then(|v| v.get("error"));
-    let grpc_status = error
-        .and_then(|e| e.get("status"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    let message = error
-        .and_then(|e| e.get("message"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let text = |key: &str| {
+        error
+            .and_then(|e| e.get(key))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
     let error_code = error
         .and_then(|e| e.get("details"))
         .and_then(Value::as_array)
@@ -279,7 +282,36 @@ pub fn classify(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verd
                 .iter()
                 .find_map(|d| d.get("errorCode").and_then(Value::as_str))
         })
-        .unwrap_or("");
+        .unwrap_or("")
+        .to_owned();
+    (text("status"), text("message"), error_code)
+}
+
+/// Whether a 401 refuses our OAuth token, not the registration's credentials
+/// (`THIRD_PARTY_AUTH_ERROR`: the APNs certificate or web push key behind an FCM token).
+fn our_token_refused(status: u16, grpc_status: &str, error_code: &str) -> bool {
+    status == 401
+        && (error_code.is_empty()
+            || grpc_status == "UNAUTHENTICATED" && error_code != "THIRD_PARTY_AUTH_ERROR")
+}
+
+/// [`our_token_refused`] of a whole answer.
+fn refuses_our_token(status: u16, body: &[u8]) -> bool {
+    if status != 401 {
+        return false;
+    }
+    let (grpc_status, _, error_code) = error_parts(body);
+    our_token_refused(status, &grpc_status, &error_code)
+}
+
+/// What an FCM answer means.
+pub fn classify(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
+    if status == 200 {
+        return Verdict::Sent;
+    }
+    let (grpc_status, message, error_code) = error_parts(body);
+    let (grpc_status, message, error_code) =
+        (grpc_status.as_str(), message.as_str(), error_code.as_str());
     let reason = if !error_code.is_empty() {
         error_code.to_owned()
     } else if !grpc_status.is_empty() {
@@ -301,9 +333,7 @@ pub fn classify(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verd
             RetryClass::Transient,
         ),
         // Our OAuth token went stale: refreshed for the next attempt.
-        401 if error_code.is_empty()
-            || grpc_status == "UNAUTHENTICATED" && error_code != "THIRD_PARTY_AUTH_ERROR" =>
-        {
+        401 if our_token_refused(status, grpc_status, error_code) => {
             Verdict::answered_retry(reason, Duration::ZERO, RetryClass::Transient)
         }
         500..=599 => Verdict::answered_retry(
@@ -337,6 +367,26 @@ mod tests {
         serde_json::to_vec(&json!({ "error": { "code": 0, "message": message, "status": status,
             "details": [{ "@type": "type.googleapis.com/google.firebase.fcm.v1.FcmError", "errorCode": code }] } }))
         .unwrap()
+    }
+
+    /// Only a refusal of our OAuth token empties the token cache: a third party's credentials
+    /// (the APNs key behind an FCM token) say nothing of it, and every request that carried one
+    /// would otherwise force a refresh.
+    #[test]
+    fn only_a_refusal_of_our_token_refreshes_it() {
+        let bare = br#"{"error":{"code":401,"status":"UNAUTHENTICATED"}}"#;
+        assert!(refuses_our_token(401, bare));
+        assert!(refuses_our_token(401, b"not json"));
+        assert!(!refuses_our_token(
+            401,
+            &body(
+                "UNAUTHENTICATED",
+                "THIRD_PARTY_AUTH_ERROR",
+                "APNs certificate"
+            )
+        ));
+        assert!(!refuses_our_token(403, bare));
+        assert!(!refuses_our_token(200, b""));
     }
 
     #[test]
