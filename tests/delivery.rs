@@ -282,6 +282,7 @@ async fn silent_alerts_and_dismissals_use_their_own_shapes() {
         message["android"]["notification"]["channel_id"],
         "orca-desktop-silent"
     );
+    let alert_collapse_key = message["android"]["collapse_key"].clone();
 
     let mut dismissal = alert(2);
     dismissal["kind"] = json!("dismiss");
@@ -298,6 +299,8 @@ async fn silent_alerts_and_dismissals_use_their_own_shapes() {
     assert!(message.get("notification").is_none());
     assert!(message["android"].get("notification").is_none());
     assert_eq!(message["data"]["kind"], "dismiss");
+    // Its alert's collapse key: offline, the phone is kept only the dismissal.
+    assert_eq!(message["android"]["collapse_key"], alert_collapse_key);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

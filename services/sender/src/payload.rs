@@ -202,16 +202,18 @@ pub fn fcm_message(job: &Job, token: &str, now_ms: i64) -> Value {
     let mut android = Map::new();
     android.insert("priority".into(), json!("HIGH"));
     android.insert("ttl".into(), json!(format!("{remaining_s}s")));
+    // Every message, a dismissal too (the contract's shape; the original gateway's): a dismissal
+    // has its alert's collapse id, so FCM keeps only the dismissal for a phone that is offline.
+    android.insert(
+        "collapse_key".into(),
+        json!(fcm_collapse_key(&job.collapse_id)),
+    );
     let mut message = Map::new();
     message.insert("token".into(), json!(token));
     if !job.dismiss {
         message.insert(
             "notification".into(),
             json!({ "title": job.content.title, "body": job.content.body }),
-        );
-        android.insert(
-            "collapse_key".into(),
-            json!(fcm_collapse_key(&job.collapse_id)),
         );
         android.insert(
             "notification".into(),
@@ -402,6 +404,11 @@ mod tests {
         let d = fcm_message(&job(true, false, 1), "tok", now);
         assert!(d["message"].get("notification").is_none());
         assert!(d["message"]["android"].get("notification").is_none());
+        assert_eq!(
+            d["message"]["android"]["collapse_key"],
+            fcm_collapse_key(&job(true, false, 1).collapse_id),
+            "a dismissal keeps its collapse key"
+        );
         assert_eq!(d["message"]["data"]["kind"], "dismiss");
         // The lifetime is capped at 300 s and never negative.
         assert_eq!(
