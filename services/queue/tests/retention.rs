@@ -134,3 +134,49 @@ async fn one_pass_clears_a_backlog_far_beyond_one_round(backend: Backend) {
         assert_eq!(count(&pool, table).await, 1_000, "{table}");
     }
 }
+
+/// PostgreSQL: a fence raised again (a later dismissal of the same notification) while cleanup's
+/// delete of it, picked when it was old, waits for its row lock survives: its new `created_at`
+/// is checked again, and later alerts of that notification stay fenced for another 24 hours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fence_raised_again_while_cleanup_deletes_it_is_kept_postgres() {
+    let h = harness(Backend::Postgres).await;
+    let pool = orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+        .await
+        .unwrap();
+    let Pool::Postgres(pg) = &pool else {
+        unreachable!("a PostgreSQL pool")
+    };
+    let old = T0 as i64;
+    sqlx::query(
+        "INSERT INTO push_dismissed_events (host_fingerprint, notification_epoch, \
+         notification_id, dismissed_seq, created_at) VALUES ('hostAAAAAAAAAAAA', 'e', 'n', 5, $1)",
+    )
+    .bind(old)
+    .execute(pg)
+    .await
+    .unwrap();
+    let now = old + RETENTION_MS + 60_000;
+    h.clock.set(now as u64);
+    // The later dismissal's round, not yet committed, holds the fence's row.
+    let mut raising = pg.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE push_dismissed_events SET dismissed_seq = 9, created_at = $1 \
+         WHERE host_fingerprint = 'hostAAAAAAAAAAAA'",
+    )
+    .bind(now)
+    .execute(&mut *raising)
+    .await
+    .unwrap();
+    let queue = h.queue.clone();
+    let cleaning = tokio::spawn(async move { queue.cleanup().await });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    raising.commit().await.unwrap();
+    cleaning.await.unwrap().unwrap();
+    let kept: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT dismissed_seq, created_at FROM push_dismissed_events")
+            .fetch_all(pg)
+            .await
+            .unwrap();
+    assert_eq!(kept, [(9, now)], "the fence raised again is kept");
+}

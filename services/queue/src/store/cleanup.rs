@@ -10,8 +10,11 @@ pub(super) const DELETE_OLD_EVENTS: &str = "DELETE FROM push_events WHERE event_
 pub(super) const DELETE_OLD_BATCHES: &str = "DELETE FROM push_delivery_batches WHERE batch_id IN \
      (SELECT batch_id FROM push_delivery_batches WHERE created_at < $1 \
       AND state NOT IN ('open', 'pending', 'leased') ORDER BY created_at LIMIT $2)";
+/// The oldest dismissal fences past retention. The age is checked again outside the list: a fence is raised again in place (a later dismissal
+/// of the same notification sets its `created_at`), and PostgreSQL, finding a row another
+/// transaction changed while the delete waited for it, checks only the outer condition again.
 pub(super) const DELETE_OLD_FENCES: &str = "DELETE FROM push_dismissed_events \
-     WHERE (host_fingerprint, notification_epoch, notification_id) IN \
+     WHERE created_at < $1 AND (host_fingerprint, notification_epoch, notification_id) IN \
      (SELECT host_fingerprint, notification_epoch, notification_id FROM push_dismissed_events \
       WHERE created_at < $1 ORDER BY created_at LIMIT $2)";
 /// The oldest row any retention applies to (each read walks an index from its low end).
