@@ -103,6 +103,12 @@ async fn an_expired_provider_token_is_re_signed_once_however_many_requests_saw_i
         metric(&mut w, "orca_push_apns_tokens_signed_total").await,
         2.0
     );
+    // Our stale token says nothing of APNs: twelve refusals of it open no breaker (eight failures
+    // would), so no APNs work was held for them.
+    assert_eq!(
+        metric(&mut w, "orca_push_provider_circuit_opened_total").await,
+        0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -164,8 +164,13 @@ impl Sender {
         verdict: &Verdict,
     ) -> bool {
         let change = match verdict {
-            // APNs throttles one device token this way: that says nothing of the provider.
-            Verdict::Retry { reason, .. } if reason == "TooManyRequests" => return false,
+            // APNs throttles one device token this way, and refuses our own provider token once it
+            // is stale (re-signed at once for the retry): neither says anything of the provider.
+            Verdict::Retry { reason, .. }
+                if reason == "TooManyRequests" || reason == "ExpiredProviderToken" =>
+            {
+                return false;
+            }
             Verdict::Retry { .. } => breaker.failure(std::time::Instant::now()),
             // Not-configured failures say nothing of the provider.
             Verdict::Failed(reason) if reason.ends_with("_not_configured") => return false,
