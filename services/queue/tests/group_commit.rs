@@ -1501,3 +1501,78 @@ async fn sqlite_writes_the_next_round_while_a_busy_ones_sync_runs() {
         assert_eq!(statuses[0].1, AdmissionStatus::Queued);
     }
 }
+
+/// PostgreSQL: a group's dismissals lock their phones' batches all at once, in id order, as a
+/// report flush does. Locked a dismissal at a time, a group whose first dismissal's batch sorts
+/// after its second's held the first while waiting for the second, and a report holding the
+/// second while waiting for the first deadlocked with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_groups_dismissals_lock_their_batches_in_one_order_postgres() {
+    let h = harness_with(Backend::Postgres, 0).await;
+    let pool = orca_push_storage::open(&h.config, &orca_push_queue::STORAGE)
+        .await
+        .unwrap();
+    let Pool::Postgres(pg) = &pool else {
+        unreachable!("a PostgreSQL pool")
+    };
+    let other_host = "hostBBBBBBBBBBBB";
+    let first = alert(1, &["r1"]);
+    let mut second = alert(1, &["r2"]);
+    second.host_fingerprint = other_host.into();
+    h.admit(&first).await;
+    h.admit(&second).await;
+    let batch_of = |phone: &'static str| async move {
+        sqlx::query_scalar::<_, String>(
+            "SELECT batch_id FROM push_delivery_batches WHERE registration_id = $1",
+        )
+        .bind(phone)
+        .fetch_one(pg)
+        .await
+        .unwrap()
+    };
+    let (b1, b2) = (batch_of("r1").await, batch_of("r2").await);
+    let d1 = dismiss(&first, 2, &["r1"]);
+    let mut d2 = dismiss(&second, 2, &["r2"]);
+    d2.host_fingerprint = other_host.into();
+    // The group's first dismissal names the phone whose batch sorts last.
+    let (group, low, high) = if b1 > b2 {
+        ([d1, d2], b2, b1)
+    } else {
+        ([d2, d1], b1, b2)
+    };
+    // A report flush, in id order: it holds the lower batch...
+    let mut report = pg.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '500ms'")
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    sqlx::query("SELECT batch_id FROM push_delivery_batches WHERE batch_id = $1 FOR UPDATE")
+        .bind(&low)
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    let store = h.queue.store().clone();
+    let now = i64::try_from(T0).unwrap();
+    let round = tokio::spawn(async move {
+        let group: Vec<&orca_push_queue::model::Admission> = group.iter().collect();
+        store.write_round(&group, &[], &[], now, 0, None).await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // ...and takes the higher next, which the group must not be holding while it waits.
+    let higher =
+        sqlx::query("SELECT batch_id FROM push_delivery_batches WHERE batch_id = $1 FOR UPDATE")
+            .bind(&high)
+            .execute(&mut *report)
+            .await;
+    assert!(
+        higher.is_ok(),
+        "the group held the higher batch: {higher:?}"
+    );
+    report.commit().await.unwrap();
+    let round = round.await.unwrap();
+    assert!(
+        round.admitted.iter().all(Result::is_ok),
+        "{:?}",
+        round.admitted
+    );
+}

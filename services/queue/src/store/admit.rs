@@ -109,6 +109,7 @@ macro_rules! row_by_row_admission {
                 now: i64,
                 coalesce_ms: i64,
             ) -> Result<Vec<Enqueued>, QueueError> {
+                Self::lock_dismissed_batches(tx, group).await?;
                 let mut admitted = Vec::with_capacity(group.len());
                 for a in group {
                     admitted.push(Self::admit(tx, a, now, coalesce_ms).await?);
@@ -116,7 +117,40 @@ macro_rules! row_by_row_admission {
                 Ok(admitted)
             }
 
-            /// One admission inside the group's transaction, after the group's host locks.
+            /// A dismissal takes back pending alerts from batches a lane may be reporting. The
+            /// group's dismissals lock every named phone's active batches first, all of them in
+            /// one statement and one id order, as a report flush takes them, and before any event
+            /// row: locked a dismissal at a time, two dismissals of the group took their batches
+            /// in two runs of that order, and a report holding one batch of each waited on the
+            /// group while the group waited on it (PostgreSQL; SQLite has one writer).
+            async fn lock_dismissed_batches(
+                tx: &mut <$store as Backend>::Tx,
+                group: &[&Admission],
+            ) -> Result<(), sqlx::Error> {
+                if Self::FOR_UPDATE.is_empty() {
+                    return Ok(());
+                }
+                let phones: std::collections::BTreeSet<&str> = group
+                    .iter()
+                    .filter(|a| a.kind == Kind::Dismiss)
+                    .flat_map(|a| a.recipients.iter().map(|r| r.registration_id.as_str()))
+                    .collect();
+                if phones.is_empty() {
+                    return Ok(());
+                }
+                let mut lock = Stmt::build(
+                    $crate::store::admit::LOCK_ACTIVE_BATCHES_HEAD,
+                    Self::NUMBERED,
+                );
+                lock.push_in(phones.into_iter());
+                lock.push(" ORDER BY batch_id");
+                lock.push(Self::FOR_UPDATE);
+                lock.fetch_all(tx).await?;
+                Ok(())
+            }
+
+            /// One admission inside the group's transaction, after the group's host locks and its
+            /// dismissals' batch locks (`lock_dismissed_batches`).
             async fn admit(
                 tx: &mut <$store as Backend>::Tx,
                 a: &Admission,
@@ -131,20 +165,6 @@ macro_rules! row_by_row_admission {
                         .collect(),
                     next_due_at: None,
                 };
-                if a.kind == Kind::Dismiss && !Self::FOR_UPDATE.is_empty() {
-                    // A dismissal takes back pending alerts from batches a lane may be reporting. It
-                    // locks every named phone's active batches first, all in one id order, as a
-                    // report flush takes them, and before the event row: otherwise the two each
-                    // hold what the other waits for.
-                    let mut lock = Stmt::build(
-                        $crate::store::admit::LOCK_ACTIVE_BATCHES_HEAD,
-                        Self::NUMBERED,
-                    );
-                    lock.push_in(a.recipients.iter().map(|r| r.registration_id.as_str()));
-                    lock.push(" ORDER BY batch_id");
-                    lock.push(Self::FOR_UPDATE);
-                    lock.fetch_all(tx).await?;
-                }
                 let hash = a.content.hash();
                 // One read for what admission needs to know first: the event if it is a retry, the
                 // host's quota use, and the dismissal fence of the notification.
