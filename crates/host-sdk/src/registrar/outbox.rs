@@ -44,16 +44,21 @@ impl UnregisterOutbox {
     /// is an error rather than a silently emptied queue.
     pub fn open(dir: &Path) -> std::io::Result<Self> {
         let path = dir.join(OUTBOX_FILE);
-        let entries = match json_file::read::<FileBody>(&path)? {
-            Some(body) => {
-                json_file::check_version(body.v, &path)?;
-                body.pending
-            }
-            None => Vec::new(),
-        };
+        let entries = Self::read(&path)?;
         Ok(Self {
             path,
             entries: Mutex::new(entries),
+        })
+    }
+
+    /// What the file holds now.
+    fn read(path: &Path) -> std::io::Result<Vec<PendingDelete>> {
+        Ok(match json_file::read::<FileBody>(path)? {
+            Some(body) => {
+                json_file::check_version(body.v, path)?;
+                body.pending
+            }
+            None => Vec::new(),
         })
     }
 
@@ -138,20 +143,24 @@ impl UnregisterOutbox {
         })
     }
 
-    /// Applies `change` to a copy; writes and commits it if `change` says it changed anything.
+    /// Applies `change` to what the file holds now (another process may have changed it since this
+    /// one read it), under the host's lock of the file; writes it if `change` says it changed
+    /// anything. Memory takes the file's state either way.
     fn update(&self, change: impl FnOnce(&mut Vec<PendingDelete>) -> bool) -> std::io::Result<()> {
         let mut entries = self.lock();
-        let mut next = entries.clone();
-        if !change(&mut next) {
-            return Ok(());
-        }
-        let body = FileBody {
-            v: json_file::VERSION,
-            pending: next,
-        };
-        json_file::write(&self.path, &body)?;
-        *entries = body.pending;
-        Ok(())
+        json_file::locked(&self.path, || {
+            let mut next = Self::read(&self.path)?;
+            if change(&mut next) {
+                let body = FileBody {
+                    v: json_file::VERSION,
+                    pending: next,
+                };
+                json_file::write(&self.path, &body)?;
+                next = body.pending;
+            }
+            *entries = next;
+            Ok(())
+        })
     }
 }
 
@@ -193,6 +202,26 @@ mod tests {
         assert!(reopened.contains("r3") && !reopened.contains("r1"));
         let text = std::fs::read_to_string(reopened.path()).unwrap();
         assert!(text.contains("\"registrationId\"") && text.contains("\"queuedAt\""));
+    }
+
+    /// Two processes on one folder, each with the outbox open, queue deletes while the gateway is
+    /// down: both stay queued, and a failure one records keeps the other's entry.
+    #[test]
+    fn two_processes_keep_each_others_deletes() {
+        let dir = tempfile::tempdir().unwrap();
+        let desktop = UnregisterOutbox::open(dir.path()).unwrap();
+        let command = UnregisterOutbox::open(dir.path()).unwrap();
+        desktop.push("r1", "a", 10).unwrap();
+        command.push("r2", "b", 20).unwrap();
+        desktop.record_failure("r1").unwrap();
+        command.record_failure("r2").unwrap();
+        let reopened = UnregisterOutbox::open(dir.path()).unwrap();
+        let queued: Vec<(String, u32)> = reopened
+            .pending()
+            .into_iter()
+            .map(|p| (p.registration_id, p.attempts))
+            .collect();
+        assert_eq!(queued, [("r1".to_owned(), 1), ("r2".to_owned(), 1)]);
     }
 
     #[test]

@@ -37,19 +37,44 @@ impl RegistrationStore {
     /// registration it names at the gateway.
     pub fn open(dir: &Path) -> std::io::Result<Self> {
         let path = dir.join(REGISTRATIONS_FILE);
-        let mut records = BTreeMap::new();
-        if let Some(body) = json_file::read::<FileBody>(&path)? {
-            json_file::check_version(body.v, &path)?;
-            for registration in body.registrations {
-                let device_id = registration.device_id.clone();
-                if records.insert(device_id, registration).is_some() {
-                    return Err(json_file::corrupt(&path, "a device id appears twice"));
-                }
-            }
-        }
+        let records = Self::read(&path)?;
         Ok(Self {
             path,
             records: Mutex::new(records),
+        })
+    }
+
+    /// What the file holds now.
+    fn read(path: &Path) -> std::io::Result<BTreeMap<String, Registration>> {
+        let mut records = BTreeMap::new();
+        if let Some(body) = json_file::read::<FileBody>(path)? {
+            json_file::check_version(body.v, path)?;
+            for registration in body.registrations {
+                let device_id = registration.device_id.clone();
+                if records.insert(device_id, registration).is_some() {
+                    return Err(json_file::corrupt(path, "a device id appears twice"));
+                }
+            }
+        }
+        Ok(records)
+    }
+
+    /// Applies `change` to what the file holds now (another process may have changed it since
+    /// this one read it), under the host's lock of the file; writes and commits it to memory if
+    /// `change` says it changed anything. Memory takes the file's state either way.
+    fn update<R>(
+        &self,
+        change: impl FnOnce(&mut BTreeMap<String, Registration>) -> (bool, R),
+    ) -> std::io::Result<R> {
+        let mut records = self.lock();
+        json_file::locked(&self.path, || {
+            let mut next = Self::read(&self.path)?;
+            let (changed, result) = change(&mut next);
+            if changed {
+                self.write(&next)?;
+            }
+            *records = next;
+            Ok(result)
         })
     }
 
@@ -73,25 +98,18 @@ impl RegistrationStore {
 
     /// Stores `registration` as its device's only one, replacing any earlier record.
     pub fn put(&self, registration: Registration) -> std::io::Result<()> {
-        let mut records = self.lock();
-        let mut next = records.clone();
-        next.insert(registration.device_id.clone(), registration);
-        self.write(&next)?;
-        *records = next;
-        Ok(())
+        self.update(|records| {
+            records.insert(registration.device_id.clone(), registration);
+            (true, ())
+        })
     }
 
     /// Removes the device's record, returning it. Nothing to remove writes nothing.
     pub fn remove(&self, device_id: &str) -> std::io::Result<Option<Registration>> {
-        let mut records = self.lock();
-        if !records.contains_key(device_id) {
-            return Ok(None);
-        }
-        let mut next = records.clone();
-        let removed = next.remove(device_id);
-        self.write(&next)?;
-        *records = next;
-        Ok(removed)
+        self.update(|records| {
+            let removed = records.remove(device_id);
+            (removed.is_some(), removed)
+        })
     }
 
     fn write(&self, records: &BTreeMap<String, Registration>) -> std::io::Result<()> {
@@ -113,20 +131,17 @@ impl RegistrationSource for RegistrationStore {
     }
 
     fn drop_dead(&self, sent: &Registration) -> bool {
-        let mut records = self.lock();
-        if !records
-            .get(&sent.device_id)
-            .is_some_and(|stored| stored.same_target(sent))
-        {
-            return false;
-        }
-        let mut next = records.clone();
-        next.remove(&sent.device_id);
-        match self.write(&next) {
-            Ok(()) => {
-                *records = next;
-                true
+        let dropped = self.update(|records| {
+            let dead = records
+                .get(&sent.device_id)
+                .is_some_and(|stored| stored.same_target(sent));
+            if dead {
+                records.remove(&sent.device_id);
             }
+            (dead, dead)
+        });
+        match dropped {
+            Ok(dropped) => dropped,
             Err(error) => {
                 tracing::warn!(
                     device = super::short(&sent.device_id),
@@ -194,6 +209,37 @@ pub(super) mod tests {
         assert!(RegistrationStore::open(dir.path()).is_err());
     }
 
+    /// Two processes on one folder (the desktop and a `host` command, or two commands), each
+    /// with the store open: every change applies to what the file holds then, so neither writes
+    /// over the other's, and a record one removed is not brought back by the other.
+    #[test]
+    fn two_processes_keep_each_others_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let desktop = RegistrationStore::open(dir.path()).unwrap();
+        let command = RegistrationStore::open(dir.path()).unwrap();
+        desktop.put(registration("a", "r1", "aa", 1)).unwrap();
+        command.put(registration("b", "r2", "bb", 2)).unwrap();
+        assert_eq!(command.all().len(), 2, "it saw the other's record");
+        command.remove("a").unwrap();
+        desktop.put(registration("c", "r3", "cc", 3)).unwrap();
+        let ids = |store: &RegistrationStore| {
+            store
+                .all()
+                .into_iter()
+                .map(|r| r.device_id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(ids(&desktop), ["b", "c"]);
+        assert_eq!(
+            ids(&RegistrationStore::open(dir.path()).unwrap()),
+            ["b", "c"]
+        );
+        // A dead registration the other process already replaced is not dropped.
+        command.put(registration("b", "r2", "b2", 4)).unwrap();
+        assert!(!desktop.drop_dead(&registration("b", "r2", "bb", 2)));
+        assert_eq!(desktop.get("b").unwrap().token, "b2");
+    }
+
     #[test]
     fn a_failed_write_changes_nothing_in_memory() {
         let dir = tempfile::tempdir().unwrap();
@@ -255,11 +301,23 @@ pub(super) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = RegistrationStore::open(dir.path()).unwrap();
         store.put(registration("a", "r1", "aa", 1)).unwrap();
-        let names: Vec<_> = std::fs::read_dir(dir.path())
+        let mut names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name())
             .collect();
-        assert_eq!(names, [REGISTRATIONS_FILE]);
+        names.sort();
+        // No temporary file is left; the lock file stays, empty, for the next change.
+        assert_eq!(
+            names,
+            ["push-registrations.json", "push-registrations.lock"]
+        );
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let lock = std::fs::metadata(dir.path().join("push-registrations.lock")).unwrap();
+            assert_eq!(lock.permissions().mode() & 0o777, 0o600);
+            assert_eq!(lock.len(), 0);
+        }
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt as _;
