@@ -229,6 +229,8 @@ impl<V: Clone> WatchedHosts<V> {
                 }
             }
         };
+        // A slow read can end after a later one: the entry is trusted from the older start.
+        entry.read_at = entry.read_at.min(read.at);
         for (id, value, bytes) in found {
             let id_bytes = id.len() + bytes;
             if entry.ids.insert(id, value).is_none() {
@@ -487,6 +489,25 @@ mod tests {
         settled(&hosts, "h");
         hosts.keep("h", &read, found(&[("a", 2)]));
         assert_eq!(hosts.answer("h", &["a"], &read), Some(vec![2]));
+    }
+
+    /// A read that began before the one its host's entry was made from, and ended after it, adds
+    /// to that entry: the entry is then trusted from the older start, never for longer than
+    /// `TRUST_FOR` after its oldest answer was read.
+    #[test]
+    fn an_older_read_added_to_an_entry_is_trusted_from_its_own_start() {
+        let hosts = watched(10, 1 << 20);
+        let mut slow = hosts.begin().unwrap();
+        let Some(long_ago) = Instant::now().checked_sub(TRUST_FOR + Duration::from_secs(1)) else {
+            return; // A clock this close to its origin cannot say it.
+        };
+        slow.at = long_ago;
+        let quick = hosts.begin().unwrap();
+        hosts.keep("h", &quick, found(&[("a", 1)]));
+        hosts.keep("h", &slow, found(&[("b", 2)]));
+        let read = hosts.begin().unwrap();
+        assert_eq!(hosts.answer("h", &["a"], &read), None);
+        assert_eq!(hosts.answer("h", &["b"], &read), None);
     }
 
     #[test]
