@@ -94,6 +94,9 @@ impl FailureLog {
         let now = Instant::now();
         let due = state.last_logged.map(|at| at + self.interval);
         match due {
+            // A timer is about to log what is pending (its time has come, it has not run yet):
+            // logging here too would make two lines within the interval.
+            _ if state.flush_scheduled => {}
             Some(due) if due > now => {
                 if !state.flush_scheduled
                     && let Ok(runtime) = Handle::try_current()
@@ -157,5 +160,38 @@ fn emit(counts: &Counts, last: bool) {
         tracing::warn!(%failures, "push dispatch failures (final, on shutdown)");
     } else {
         tracing::warn!(%failures, "push dispatch failures since the last report");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A failure that comes when the interval is up but before the timer has logged leaves its
+    /// count to that timer: one line, not two within the interval.
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_as_the_timer_comes_due_waits_for_it() {
+        let (lines, _guard) = crate::dispatch::tests::capture::start();
+        let log = Arc::new(FailureLog::new(Duration::from_secs(60)));
+        log.record_one("a");
+        assert_eq!(lines.get().len(), 1);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        log.record_one("b");
+        // The interval is up, and the timer has not run yet.
+        {
+            let mut state = log.state();
+            assert!(state.flush_scheduled);
+            state.last_logged = Instant::now().checked_sub(Duration::from_secs(61));
+        }
+        log.record_one("c");
+        assert_eq!(lines.get().len(), 1, "left to the timer");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let got = lines.get();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(
+            got[1].contains("b=1") && got[1].contains("c=1"),
+            "{}",
+            got[1]
+        );
     }
 }
