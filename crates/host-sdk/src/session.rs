@@ -68,12 +68,16 @@ impl SessionFile {
             .filter(|s| s.host_fingerprint == fingerprint)
     }
 
-    /// Replaces `origin`'s session, keeping every other origin's.
+    /// Replaces `origin`'s session, keeping every other origin's: read and written under the
+    /// host's lock of the file (`crate::files::locked`), so two processes storing sessions of two
+    /// origins at once keep both.
     pub fn store(&self, origin: &str, session: &SessionInfo) -> std::io::Result<()> {
-        let mut all = self.read_all();
-        all.sessions.insert(origin.to_owned(), session.clone());
-        let body = serde_json::to_vec(&all).map_err(std::io::Error::other)?;
-        crate::files::replace(&self.path, &body)
+        crate::files::locked(&self.path, || {
+            let mut all = self.read_all();
+            all.sessions.insert(origin.to_owned(), session.clone());
+            let body = serde_json::to_vec(&all).map_err(std::io::Error::other)?;
+            crate::files::replace(&self.path, &body)
+        })
     }
 }
 
@@ -101,6 +105,31 @@ mod tests {
         assert_eq!(file.load("https://b", "fp"), Some(session("b")));
         assert_eq!(file.load("https://b", "another host"), None);
         assert_eq!(file.load("https://c", "fp"), None);
+    }
+
+    /// A store reads and writes the file under the host's lock of it: while another process holds
+    /// that lock (reading the file to change it), a store waits, so neither writes over the
+    /// other's origin.
+    #[test]
+    fn a_store_waits_for_another_process_changing_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("host.session");
+        let file = SessionFile::new(path.clone());
+        let (held, holding) = std::sync::mpsc::channel();
+        let other = std::thread::spawn(move || {
+            crate::files::locked(&path, || {
+                held.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                let mut all = CacheFile::default();
+                all.sessions.insert("https://b".into(), session("b"));
+                crate::files::replace(&path, &serde_json::to_vec(&all).unwrap())
+            })
+        });
+        holding.recv().unwrap();
+        file.store("https://a", &session("a")).unwrap();
+        other.join().unwrap().unwrap();
+        assert_eq!(file.load("https://a", "fp"), Some(session("a")));
+        assert_eq!(file.load("https://b", "fp"), Some(session("b")), "kept");
     }
 
     #[test]

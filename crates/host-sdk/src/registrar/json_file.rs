@@ -49,25 +49,5 @@ pub(super) fn write<T: Serialize>(path: &Path, body: &T) -> std::io::Result<()> 
     crate::files::replace(path, &bytes)
 }
 
-/// Runs `change` holding an exclusive lock shared by every process of the host: a file beside
-/// `path` (`.lock` for its extension, 0600), locked by the operating system and let go when
-/// `change` returns (or the process dies). A change re-reads the file under it, so two processes
-/// (the desktop and a `host` command, or two commands) never write over each other's changes.
-pub(super) fn locked<R>(
-    path: &Path,
-    change: impl FnOnce() -> std::io::Result<R>,
-) -> std::io::Result<R> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    let mut options = std::fs::OpenOptions::new();
-    options.read(true).write(true).create(true).truncate(false);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-    let lock = options.open(path.with_extension("lock"))?;
-    lock.lock()?;
-    let result = change();
-    // Closing the file lets the lock go too; unlocking first says so.
-    let _ = lock.unlock();
-    result
-}
+/// [`crate::files::locked`], for the registrar's files.
+pub(super) use crate::files::locked;
