@@ -128,6 +128,9 @@ pub enum Skip {
     Burst,
     /// A dismissal, and the gateway is too old to take one.
     DismissUnsupported,
+    /// A phone that wants no sound, and the event's silent form (`"sound": false`) alone is over
+    /// the contract's 3000 bytes: the phones that want sound still get it.
+    SilentTooLarge,
 }
 
 /// What became of one registration that was sent to.

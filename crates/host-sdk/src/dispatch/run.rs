@@ -65,10 +65,28 @@ impl<G: Gateway, R: RegistrationSource> Inner<G, R> {
         }
         let audible = select::notification(event, state, with_kind, false);
         let silent = select::notification(event, state, with_kind, true);
-        let needs_silent = with_kind && recipients.iter().any(select::is_silent);
-        if !select::is_valid(&audible) || (needs_silent && !select::is_valid(&silent)) {
+        if !select::is_valid(&audible) {
             invalid(report, tally);
             return;
+        }
+        let needs_silent = with_kind && recipients.iter().any(select::is_silent);
+        if needs_silent && !select::is_valid(&silent) {
+            // Only the silent variant's `"sound": false` takes it over the cap: the phones that
+            // want sound still get the event, and the silent ones are skipped, never sent a sound.
+            recipients.retain(|r| {
+                if select::is_silent(r) {
+                    report
+                        .skipped
+                        .insert(r.registration_id.clone(), Skip::SilentTooLarge);
+                    tally.add("silent_too_large");
+                    false
+                } else {
+                    true
+                }
+            });
+            if recipients.is_empty() {
+                return;
+            }
         }
         if event.kind != Kind::Dismiss {
             recipients = self.admit_burst(recipients, event.emitted_at.unwrap_or(now), report);

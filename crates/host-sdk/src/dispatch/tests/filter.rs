@@ -212,7 +212,22 @@ async fn an_event_only_the_full_notification_breaks_is_invalid_too() {
     ));
     let base = full(&e);
     assert_eq!(base.json_len(), 3000);
-    let report = h.dispatcher.dispatch(e).await;
-    assert!(report.invalid_event);
+    let report = h.dispatcher.dispatch(e.clone()).await;
+    assert!(!report.invalid_event, "valid for a phone that wants sound");
+    assert_eq!(report.skipped.get("reg-1"), Some(&Skip::SilentTooLarge));
     assert!(h.gateway.requests().is_empty());
+    // Beside a phone that wants sound, only the silent one misses it.
+    let silent = with_filter(1, |f| f.sound = Some(false));
+    let h = harness(vec![phone(0), silent], 2);
+    let report = h.dispatcher.dispatch(e).await;
+    assert!(!report.invalid_event);
+    assert_eq!(report.skipped.get("reg-1"), Some(&Skip::SilentTooLarge));
+    let requests = h.gateway.requests();
+    assert_eq!(requests.len(), 1);
+    assert_eq!(ids(&requests[0]), ["reg-0"]);
+    assert_eq!(
+        json(&requests[0]).get("sound"),
+        None,
+        "sent as it is, with sound"
+    );
 }
