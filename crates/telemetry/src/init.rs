@@ -326,6 +326,20 @@ impl LogsAndTracedSpans {
     fn traced(meta: &tracing::Metadata<'_>) -> bool {
         meta.is_span() && *meta.level() <= tracing::Level::INFO
     }
+
+    /// Lines below `INFO` from a library that writes secrets into them, whatever `RUST_LOG` says:
+    /// yup-oauth2 logs, at `DEBUG` through the `log` crate (which the subscriber takes in), the
+    /// signed assertion it sends the token endpoint and the access tokens it gets back. Neither
+    /// may reach a log line or an exported span event.
+    fn withheld(meta: &tracing::Metadata<'_>) -> bool {
+        const WRITES_SECRETS: [&str; 1] = ["yup_oauth2"];
+        *meta.level() > tracing::Level::INFO
+            && WRITES_SECRETS.iter().any(|crate_name| {
+                meta.target()
+                    .strip_prefix(crate_name)
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+            })
+    }
 }
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans {
@@ -335,7 +349,9 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
     ) -> tracing::subscriber::Interest {
         // Always asked first: it learns here which spans its span directives name.
         let logs = tracing_subscriber::Layer::<S>::register_callsite(&self.logs, meta);
-        if Self::traced(meta) {
+        if Self::withheld(meta) {
+            tracing::subscriber::Interest::never()
+        } else if Self::traced(meta) {
             tracing::subscriber::Interest::always()
         } else {
             logs
@@ -352,7 +368,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LogsAndTracedSpans
         meta: &tracing::Metadata<'_>,
         ctx: tracing_subscriber::layer::Context<'_, S>,
     ) -> bool {
-        Self::traced(meta) || self.logs.enabled(meta, ctx)
+        !Self::withheld(meta) && (Self::traced(meta) || self.logs.enabled(meta, ctx))
     }
 
     // EnvFilter follows the spans a request is in, for directives that name span fields.
@@ -529,6 +545,29 @@ mod tests {
         });
         let messages: Vec<&serde_json::Value> = lines.iter().map(|l| &l["message"]).collect();
         assert_eq!(messages, ["logged"], "{lines:?}");
+    }
+
+    /// yup-oauth2's debug lines (a signed assertion, access tokens) are never logged, even with
+    /// every target at `DEBUG` or that crate named; its warnings still are, and so is everything
+    /// else the filter asks for.
+    #[test]
+    fn a_library_that_logs_secrets_is_held_to_info() {
+        let provider = SdkTracerProvider::builder().build();
+        for filter in ["debug", "trace", "info,yup_oauth2=trace"] {
+            let ((), lines) = json_logged(&provider, filter, || {
+                tracing::debug!(target: "yup_oauth2::service_account", "assertion=SECRET");
+                tracing::debug!(target: "yup_oauth2", "access_token=SECRET");
+                tracing::warn!(target: "yup_oauth2::authenticator", "token endpoint refused");
+                tracing::debug!(target: "yup_oauth2_lookalike", "logged");
+                tracing::info!("logged too");
+            });
+            let messages: Vec<&serde_json::Value> = lines.iter().map(|l| &l["message"]).collect();
+            assert_eq!(
+                messages,
+                ["token endpoint refused", "logged", "logged too"],
+                "{filter}: {lines:?}"
+            );
+        }
     }
 
     /// Only a filter with a span directive follows spans; one without is not told of them.
