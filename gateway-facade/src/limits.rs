@@ -93,15 +93,12 @@ pub fn bucket_address(ip: IpAddr) -> IpAddr {
 /// the caller would pick its own bucket with `x-real-ip` (or with the hops of another line).
 pub fn client_key(headers: &HeaderMap, trusted_hops: usize) -> ClientKey {
     let values = headers.get_all("x-forwarded-for");
-    let mut readable = Vec::new();
-    for value in values.iter() {
-        match value.to_str() {
-            Ok(value) => readable.push(value),
-            Err(_) => return ClientKey::Shared,
-        }
+    if values.iter().any(|v| v.to_str().is_err()) {
+        return ClientKey::Shared;
     }
-    let hops: Vec<&str> = readable
-        .into_iter()
+    let hops: Vec<&str> = values
+        .iter()
+        .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(str::trim)
         .filter(|h| !h.is_empty())

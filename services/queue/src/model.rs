@@ -103,9 +103,18 @@ fn json_len(value: &Option<String>) -> i64 {
     value.as_deref().map_or(0, json_str_len)
 }
 
-/// A string's bytes as a JSON string: quotes and escapes included.
+/// A string's bytes as a JSON string, quotes and escapes included, as serde_json writes it
+/// (counted, not written: every admission measures several fields).
 fn json_str_len(value: &str) -> i64 {
-    serde_json::to_string(value).map_or(value.len(), |s| s.len()) as i64
+    let escaped: usize = value
+        .chars()
+        .map(|c| match c {
+            '"' | '\\' | '\u{8}' | '\u{c}' | '\n' | '\r' | '\t' => 2,
+            c if u32::from(c) < 0x20 => 6,
+            c => c.len_utf8(),
+        })
+        .sum();
+    (escaped + 2) as i64
 }
 
 /// Bytes one member adds to a summary's `summaryMembers`, exactly as FCM carries it (a JSON string
@@ -402,6 +411,25 @@ mod tests {
             },
             trace_parent: None,
             deadline: i64::MAX,
+        }
+    }
+
+    /// Counted exactly as serde_json writes the string, every kind of escape included.
+    #[test]
+    fn json_lengths_are_serde_jsons() {
+        for value in [
+            "",
+            "plain",
+            "quote \" and backslash \\",
+            "\u{8}\u{c}\n\r\t",
+            "\u{0}\u{1}\u{1f}\u{7f}",
+            "é, 漢字, 🦀",
+        ] {
+            assert_eq!(
+                json_str_len(value),
+                serde_json::to_string(value).unwrap().len() as i64,
+                "{value:?}"
+            );
         }
     }
 
