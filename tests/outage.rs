@@ -126,6 +126,23 @@ async fn an_idle_gateway_stops_at_once_and_exits_zero() {
     assert!(took < Duration::from_secs(4), "took {took:?}");
 }
 
+/// A split queue stops while the sender's lanes wait in its long-poll claims (up to 10 s each):
+/// those claims end at once, empty, so the queue exits within its grace, with status 0, rather
+/// than wait them out into the hard stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_stops_at_once_while_lanes_wait_in_its_claims() {
+    let mut gateway = Gateway::start_split(Backend::Sqlite).await;
+    // The lanes are in their long-poll claims.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (took, status) = gateway
+        .process("queue")
+        .terminate_with_status(Duration::from_secs(12))
+        .await
+        .expect("the queue exited");
+    assert!(status.success(), "{status:?}");
+    assert!(took < Duration::from_secs(4), "took {took:?}");
+}
+
 /// The sender stops while its lanes wait in long-poll claims: those claims end with it, so work
 /// admitted afterwards is not leased to a lane that is gone, and a new sender takes it at once
 /// instead of after the 30 s lease.

@@ -26,6 +26,25 @@ pub async fn follow_database<F, Fut>(
     F: Fn() -> Fut,
     Fut: Future<Output = ()>,
 {
+    follow_database_unless(pool, health, name, chore_every, chore, || None, shutdown).await;
+}
+
+/// [`follow_database`], reporting NOT_SERVING also while `broken` names why the service cannot
+/// serve though its database answers (the queue's SQLite WAL that could not be synced: every
+/// admission is refused until a restart).
+pub async fn follow_database_unless<F, Fut, B>(
+    pool: Pool,
+    health: HealthReporter,
+    name: &'static str,
+    chore_every: Duration,
+    chore: F,
+    broken: B,
+    shutdown: CancellationToken,
+) where
+    F: Fn() -> Fut,
+    Fut: Future<Output = ()>,
+    B: Fn() -> Option<&'static str>,
+{
     let mut ticker = tokio::time::interval(PING_EVERY);
     let mut last_chore = tokio::time::Instant::now();
     loop {
@@ -34,7 +53,13 @@ pub async fn follow_database<F, Fut>(
             _ = ticker.tick() => {}
         }
         let status = match pool.ping().await {
-            Ok(()) => ServingStatus::Serving,
+            Ok(()) => match broken() {
+                None => ServingStatus::Serving,
+                Some(reason) => {
+                    tracing::warn!(service = name, reason, "reporting not serving");
+                    ServingStatus::NotServing
+                }
+            },
             Err(error) => {
                 tracing::warn!(service = name, %error, "database unreachable; reporting not serving");
                 ServingStatus::NotServing
@@ -50,3 +75,60 @@ pub async fn follow_database<F, Fut>(
 
 /// For a service with no chore.
 pub async fn nothing() {}
+
+#[cfg(test)]
+mod tests {
+    use tonic_health::pb::health_server::Health as _;
+    use tonic_health::pb::{HealthCheckRequest, health_check_response};
+    use tonic_health::server::HealthService;
+
+    use super::*;
+
+    async fn status(health: &HealthService, name: &str) -> health_check_response::ServingStatus {
+        let request = tonic::Request::new(HealthCheckRequest {
+            service: name.into(),
+        });
+        let answer = health.check(request).await.unwrap().into_inner();
+        health_check_response::ServingStatus::try_from(answer.status).unwrap()
+    }
+
+    /// A database that answers does not make a broken service serving.
+    #[tokio::test]
+    async fn a_broken_service_is_not_serving_while_its_database_answers() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = crate::open_sqlite(&dir.path().join("h.db"), crate::SqliteDurability::Full)
+            .await
+            .unwrap();
+        let pool = Pool::Sqlite(writer);
+        for (broken, want) in [
+            (None, health_check_response::ServingStatus::Serving),
+            (
+                Some("the WAL could not be synced"),
+                health_check_response::ServingStatus::NotServing,
+            ),
+        ] {
+            let reporter = HealthReporter::new();
+            reporter
+                .set_service_status("svc", ServingStatus::Unknown)
+                .await;
+            let health = HealthService::from_health_reporter(reporter.clone());
+            let shutdown = CancellationToken::new();
+            let following = tokio::spawn(follow_database_unless(
+                pool.clone(),
+                reporter,
+                "svc",
+                Duration::from_secs(60),
+                nothing,
+                move || broken,
+                shutdown.clone(),
+            ));
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while status(&health, "svc").await != want {
+                assert!(tokio::time::Instant::now() < deadline, "{broken:?}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            shutdown.cancel();
+            following.await.unwrap();
+        }
+    }
+}

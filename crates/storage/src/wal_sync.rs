@@ -48,6 +48,8 @@ pub struct WalSync {
 struct State {
     sync: Mutex<Syncing>,
     syncs: AtomicU64,
+    /// `Syncing::failed` is set, readable without waiting for a sync under way.
+    failed: std::sync::atomic::AtomicBool,
 }
 
 struct Syncing {
@@ -71,6 +73,7 @@ impl State {
             metrics::counter!("orca_push_sqlite_wal_sync_failures_total").increment(1);
             let failed = SyncFailed(error.to_string().into());
             syncing.failed = Some(failed.clone());
+            self.failed.store(true, Ordering::Relaxed);
             return Err(failed);
         }
         Ok(())
@@ -100,6 +103,7 @@ impl WalSync {
         let state = Arc::new(State {
             sync: Mutex::new(Syncing { sync, failed: None }),
             syncs: AtomicU64::new(0),
+            failed: std::sync::atomic::AtomicBool::new(false),
         });
         let shared = state.clone();
         let thread = std::thread::Builder::new()
@@ -117,6 +121,11 @@ impl WalSync {
             requests: Mutex::new(requests),
             state,
         }
+    }
+
+    /// Whether a sync failed: from then on nothing is answered as durable until a restart.
+    pub fn has_failed(&self) -> bool {
+        self.state.failed.load(Ordering::Relaxed)
     }
 
     /// Syncs on this thread, now (blocking it for the sync): every commit made before this call

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use orca_push_proto::queue::v1 as pb;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
@@ -13,11 +14,14 @@ use crate::store::{AnyQueueStore, Completion, Outcome, Retry, RetryResult};
 
 pub struct QueueGrpc {
     queue: Arc<DeliveryQueue<AnyQueueStore>>,
+    /// Fired as the server stops: a claim still waiting for work ends then, empty, so the server
+    /// can finish its calls (a lane's claim waits up to 10 s) and its lanes ask another replica.
+    stopping: CancellationToken,
 }
 
 impl QueueGrpc {
-    pub fn new(queue: Arc<DeliveryQueue<AnyQueueStore>>) -> Self {
-        Self { queue }
+    pub fn new(queue: Arc<DeliveryQueue<AnyQueueStore>>, stopping: CancellationToken) -> Self {
+        Self { queue, stopping }
     }
 }
 
@@ -183,16 +187,19 @@ impl pb::queue_service_server::QueueService for QueueGrpc {
     ) -> Result<Response<pb::ClaimResponse>, Status> {
         let r = request.into_inner();
         let skip = crate::store::Skip::of(r.skip_providers.iter().copied().map(provider_from_wire));
-        let claimed = self
-            .queue
-            .claim_skipping(
-                &r.lane,
-                i64::from(r.max_batches),
-                i64::from(r.lease_ms),
-                u64::from(r.wait_ms),
-                skip,
-            )
-            .await?;
+        let claim = self.queue.claim_skipping(
+            &r.lane,
+            i64::from(r.max_batches),
+            i64::from(r.lease_ms),
+            u64::from(r.wait_ms),
+            skip,
+        );
+        // Ended unanswered, a claim gives back whatever it had leased (see `claim_once`), as when
+        // its caller goes away.
+        let claimed = tokio::select! {
+            claimed = claim => claimed?,
+            () = self.stopping.cancelled() => Vec::new(),
+        };
         let batches = claimed
             .into_iter()
             .filter_map(|batch| {

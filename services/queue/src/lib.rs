@@ -129,7 +129,8 @@ pub async fn routes(
         .await;
     {
         let queue = queue.clone();
-        tokio::spawn(orca_push_storage::health::follow_database(
+        let unsynced = queue.clone();
+        tokio::spawn(orca_push_storage::health::follow_database_unless(
             pool,
             health,
             HEALTH_NAME,
@@ -155,11 +156,12 @@ pub async fn routes(
                     }
                 }
             },
+            move || unsynced.broken(),
             shutdown.clone(),
         ));
     }
     orca_push_internal_auth::service_routes(health_service)
-        .add_service(QueueServiceServer::new(QueueGrpc::new(queue)))
+        .add_service(QueueServiceServer::new(QueueGrpc::new(queue, shutdown)))
 }
 
 /// Another replica committed work that may be due: wake this replica's waiting claims that the

@@ -242,6 +242,18 @@ impl Admission {
         if self.recipients.is_empty() || self.recipients.len() > limits::MAX_REGISTRATION_IDS {
             return Err(bad("1 to 20 recipients"));
         }
+        // Registration ids as the registry mints and the HTTP facade accepts them; a longer one
+        // would also pass PostgreSQL's limit on an index entry and fail the whole group.
+        if !self
+            .recipients
+            .iter()
+            .all(|r| limits::is_opaque_id(&r.registration_id))
+        {
+            return Err(bad("registrationId: 1 to 128 characters"));
+        }
+        if self.least_json_len() > limits::MAX_NOTIFICATION_BYTES as i64 {
+            return Err(bad("notification over 3000 bytes of JSON"));
+        }
         // PostgreSQL refuses U+0000 in text (SQLite would store it): refused here, before any SQL,
         // so both backends answer INVALID_ARGUMENT alike.
         let texts = [
@@ -255,15 +267,44 @@ impl Admission {
             c.worktree_id.as_ref(),
             self.trace_parent.as_ref(),
         ];
-        if texts.into_iter().flatten().any(|t| t.contains('\0'))
-            || self
-                .recipients
-                .iter()
-                .any(|r| r.registration_id.contains('\0'))
-        {
+        if texts.into_iter().flatten().any(|t| t.contains('\0')) {
             return Err(bad("NUL in a string"));
         }
         Ok(())
+    }
+
+    /// The fewest bytes of JSON this notification can have been sent as: the contract's
+    /// 3000-byte cap less the fields a caller may leave out (`expiresAt`, `sound`). Whatever the
+    /// HTTP facade admitted fits, since it measured the notification as sent; a direct caller's
+    /// that could never have been sent does not, and neither would it fit the providers' 4 KB.
+    fn least_json_len(&self) -> i64 {
+        let c = &self.content;
+        let (mut bytes, mut fields) = (2, 0);
+        let mut field = |key: &str, value: i64| {
+            // `"key":value`, and a comma before every field but the first.
+            bytes += key.len() as i64 + 3 + value;
+            fields += 1;
+        };
+        if let Some(id) = &c.notification_id {
+            field("notificationId", json_str_len(id));
+        }
+        let digits = self.notification_seq.checked_ilog10().map_or(1, |d| d + 1);
+        field("notificationSeq", i64::from(digits));
+        field("notificationEpoch", json_str_len(&self.notification_epoch));
+        field("source", json_str_len(&c.source));
+        field(
+            "agentState",
+            c.agent_state.as_deref().map_or(4, json_str_len),
+        );
+        field("title", json_str_len(&c.title));
+        field("body", json_str_len(&c.body));
+        if let Some(worktree) = &c.worktree_id {
+            field("worktreeId", json_str_len(worktree));
+        }
+        if self.kind == Kind::Dismiss {
+            field("kind", json_str_len("dismiss"));
+        }
+        bytes + fields - 1
     }
 }
 
@@ -499,9 +540,8 @@ mod tests {
         assert_eq!(a.hash(), a.clone().hash());
     }
 
-    #[test]
-    fn an_admission_with_nul_in_any_string_is_invalid() {
-        let valid = || Admission {
+    fn valid() -> Admission {
+        Admission {
             host_fingerprint: "hostAAAAAAAAAAAA".into(),
             kind: Kind::Alert,
             notification_epoch: "epoch-1".into(),
@@ -514,7 +554,78 @@ mod tests {
                 provider: Provider::Fcm,
             }],
             trace_parent: None,
-        };
+        }
+    }
+
+    /// The same notification as the HTTP facade reads it, with only the fields it needs.
+    fn as_sent(a: &Admission) -> orca_push_api::Notification {
+        let c = &a.content;
+        let mut v = serde_json::json!({
+            "notificationSeq": a.notification_seq, "notificationEpoch": a.notification_epoch,
+            "source": c.source, "agentState": c.agent_state, "title": c.title, "body": c.body,
+        });
+        if let Some(id) = &c.notification_id {
+            v["notificationId"] = id.as_str().into();
+        }
+        if let Some(w) = &c.worktree_id {
+            v["worktreeId"] = w.as_str().into();
+        }
+        if a.kind == Kind::Dismiss {
+            v["kind"] = "dismiss".into();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_least_json_length_is_the_notifications_as_sent() {
+        let cases: [fn(&mut Admission); 5] = [
+            |_| {},
+            |a| a.content.agent_state = None,
+            |a| {
+                a.content.notification_id = None;
+                a.content.worktree_id = None;
+                a.notification_seq = 0;
+            },
+            |a| {
+                a.kind = Kind::Dismiss;
+                a.notification_seq = MAX_SAFE_INTEGER;
+                a.content.title = "quote \" \\ \u{1} é 🦀".into();
+            },
+            |a| a.content.body = "\n\t\u{1f}".repeat(30),
+        ];
+        for (i, mutate) in cases.iter().enumerate() {
+            let mut a = valid();
+            mutate(&mut a);
+            assert_eq!(
+                a.least_json_len(),
+                as_sent(&a).json_len() as i64,
+                "case {i}"
+            );
+        }
+    }
+
+    /// 3000 bytes of JSON pass and one more is refused, as over HTTP; so are registration ids the
+    /// registry never mints.
+    #[test]
+    fn a_direct_caller_is_held_to_the_http_bounds() {
+        let mut a = valid();
+        a.content.notification_id = Some("n".repeat(2048));
+        a.content.worktree_id = Some(String::new());
+        let room = 3000 - a.least_json_len() as usize;
+        a.content.worktree_id = Some("w".repeat(room));
+        assert_eq!(as_sent(&a).json_len(), 3000);
+        assert!(a.validate().is_ok());
+        a.content.worktree_id = Some("w".repeat(room + 1));
+        assert!(matches!(a.validate(), Err(QueueError::InvalidRequest(_))));
+        for id in [String::new(), "r".repeat(129)] {
+            let mut a = valid();
+            a.recipients[0].registration_id = id;
+            assert!(matches!(a.validate(), Err(QueueError::InvalidRequest(_))));
+        }
+    }
+
+    #[test]
+    fn an_admission_with_nul_in_any_string_is_invalid() {
         assert!(valid().validate().is_ok());
         type Mutation = fn(&mut Admission);
         let cases: [Mutation; 9] = [

@@ -90,6 +90,16 @@ impl<S: QueueStore> DeliveryQueue<S> {
         &self.store
     }
 
+    /// Why the queue cannot admit though its database answers, if it cannot: its SQLite WAL
+    /// could not be synced, and every admission is refused until a restart (`WalSync`). Its
+    /// health then says NOT_SERVING, so `/ready` and probes see it.
+    pub fn broken(&self) -> Option<&'static str> {
+        self.store
+            .wal_sync()
+            .is_some_and(orca_push_storage::WalSync::has_failed)
+            .then_some("the SQLite WAL could not be synced")
+    }
+
     /// Admissions and reports waiting for the group commit's writer to take them.
     pub fn waiting_for_writer(&self) -> usize {
         self.admissions.waiting()
@@ -176,6 +186,11 @@ impl<S: QueueStore> DeliveryQueue<S> {
         how: Retry,
     ) -> Result<RetryResult, QueueError> {
         refuse_nul(&[batch_id, token])?;
+        // A time before 1970 is never due to a claim (claims ask for available_at >= 0): the batch
+        // would wait for its deadline instead.
+        if at < 0 {
+            return Err(QueueError::InvalidRequest("retry_at_ms: Unix milliseconds"));
+        }
         let result = self
             .store
             .retry(

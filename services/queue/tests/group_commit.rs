@@ -1402,12 +1402,15 @@ async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
     go.send(Ok(())).unwrap();
     let statuses = first.await.unwrap().expect("queued once synced").statuses;
     assert_eq!(statuses[0].1, AdmissionStatus::Queued);
+    assert_eq!(queue.broken(), None);
     // The next sync fails: committed, but never answered as queued; nor is anything after it.
     let second = admit(2);
     go.send(Err(std::io::Error::other("the disk went away")))
         .unwrap();
     assert!(second.await.unwrap().is_err());
     assert!(admit(3).await.unwrap().is_err());
+    // And its health says so (`routes` reports NOT_SERVING while this names a reason).
+    assert!(queue.broken().is_some());
 }
 
 /// The SQLite writer keeps the pool's writer connection from one round to the next, and gives it

@@ -360,3 +360,81 @@ async fn enqueue_many_admits_each_send_on_its_own_on_sqlite() {
 async fn enqueue_many_admits_each_send_on_its_own_on_postgresql() {
     enqueue_many_admits_each_send_on_its_own(Backend::Postgres).await;
 }
+
+/// A direct caller is held to the bounds the HTTP facade enforces: registration ids of 1 to 128
+/// characters (a longer one overflowed PostgreSQL's index entries and came back UNAVAILABLE) and
+/// a notification that fits 3000 bytes of JSON; and a retry time before 1970, which no claim
+/// would ever find due, is refused rather than strand the batch until its deadline.
+async fn direct_callers_are_held_to_the_http_bounds(backend: Backend) {
+    let (mut client, shutdown, _guard) = queue_over_grpc(backend).await;
+    let enqueue = |registration: String, worktree: usize| pb::EnqueueRequest {
+        host_fingerprint: "hostAAAAAAAAAAAA".into(),
+        notification: Some(pb::Notification {
+            notification_id: Some("n".repeat(2048)),
+            notification_seq: 1,
+            notification_epoch: "epoch".into(),
+            source: "terminal-bell".into(),
+            title: "Done".into(),
+            worktree_id: Some("w".repeat(worktree)),
+            kind: pb::Kind::Alert as i32,
+            ..Default::default()
+        }),
+        recipients: vec![pb::Recipient {
+            registration_id: registration,
+            silent: false,
+            provider: pb::Provider::Fcm as i32,
+        }],
+    };
+    let random_id: String = (0..3000)
+        .map(|i| char::from(b'a' + ((i * 7919 + i / 3) % 26) as u8))
+        .collect();
+    for (what, request) in [
+        ("an empty id", enqueue(String::new(), 10)),
+        ("a 3000-character id", enqueue(random_id, 10)),
+        ("2048 + 2048 characters", enqueue("r1".into(), 2048)),
+    ] {
+        let refused = client.enqueue(request).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{what}");
+    }
+    let depth = client
+        .get_queue_depth(pb::GetQueueDepthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(depth.due, 0, "nothing was stored");
+
+    let queued = client
+        .enqueue(enqueue("r1".into(), 10))
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(queued[0].status, pb::EnqueueStatus::Queued as i32);
+    let claimed = claim_due(&mut client).await;
+    let retry = |at: i64| pb::RetryRequest {
+        batch_id: claimed[0].batch_id.clone(),
+        lease_token: claimed[0].lease_token.clone(),
+        retry_at_ms: at,
+        reason: "test".into(),
+        ..Default::default()
+    };
+    let refused = client.retry(retry(-1)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    client.retry(retry(now)).await.unwrap();
+    assert_eq!(claim_due(&mut client).await.len(), 1, "due again at once");
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_callers_are_held_to_the_http_bounds_on_sqlite() {
+    direct_callers_are_held_to_the_http_bounds(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_callers_are_held_to_the_http_bounds_on_postgresql() {
+    direct_callers_are_held_to_the_http_bounds(Backend::Postgres).await;
+}
