@@ -197,3 +197,61 @@ async fn a_draining_gateway_refuses_new_work_and_recovers_the_rest_after_restart
     let calls = apns.wait_for(TOKEN, 2, Duration::from_secs(20)).await;
     assert_eq!(calls[1].body["orca"]["coalescedCount"], 3);
 }
+
+/// A deploy migrates before it moves traffic, so the previous build keeps running on the migrated
+/// database: it restarts, scales out, and is what a rollback starts again. Each service leaves
+/// migrations newer than it knows alone rather than refuse to start.
+async fn an_older_build_starts_on_a_database_a_newer_one_migrated(
+    backend: orca_push_storage::testing::Backend,
+) {
+    let (config, _guard) = orca_push_storage::testing::fresh(backend).await;
+    const NEWER: &str = "INSERT INTO _sqlx_migrations \
+        (version, description, success, checksum, execution_time) VALUES ($1, $2, TRUE, $3, 0)";
+    for service in ["auth", "registry", "queue"] {
+        let migrate = || async {
+            match service {
+                "auth" => orca_push_auth::open_and_migrate(&config).await,
+                "registry" => orca_push_registry::open_and_migrate(&config).await,
+                _ => orca_push_queue::open_and_migrate(&config).await,
+            }
+        };
+        let pool = migrate().await.unwrap();
+        let (version, description, checksum) = (99_999_i64, "from a newer build", vec![0u8; 48]);
+        match &pool {
+            Pool::Sqlite(p) => sqlx::query(NEWER)
+                .bind(version)
+                .bind(description)
+                .bind(checksum)
+                .execute(p)
+                .await
+                .map(drop),
+            Pool::Postgres(p) => sqlx::query(NEWER)
+                .bind(version)
+                .bind(description)
+                .bind(checksum)
+                .execute(p)
+                .await
+                .map(drop),
+        }
+        .unwrap();
+        migrate()
+            .await
+            .unwrap_or_else(|e| panic!("{service} refused a newer database: {e}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_build_starts_on_a_database_a_newer_one_migrated_on_sqlite() {
+    an_older_build_starts_on_a_database_a_newer_one_migrated(
+        orca_push_storage::testing::Backend::Sqlite,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_build_starts_on_a_database_a_newer_one_migrated_on_postgresql() {
+    an_older_build_starts_on_a_database_a_newer_one_migrated(
+        orca_push_storage::testing::Backend::Postgres,
+    )
+    .await;
+}

@@ -9,9 +9,16 @@ mod any;
 
 pub use any::AnyAuthStore;
 
-static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/auth/sqlite");
-static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator =
-    sqlx::migrate!("../../migrations/auth/postgres");
+/// Migrations a newer build applied are left alone (`ignore_missing`): the previous build keeps
+/// running on a migrated database until traffic moves, and is what a rollback starts again.
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../../migrations/auth/sqlite")
+};
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../../migrations/auth/postgres")
+};
 
 /// Applies the auth migrations for the pool's backend.
 pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {

@@ -18,10 +18,16 @@ mod backends;
 pub use any::AnyRegistryStore;
 pub use backends::{PgRegistryStore, SqliteRegistryStore};
 
-static SQLITE_MIGRATIONS: sqlx::migrate::Migrator =
-    sqlx::migrate!("../../migrations/registry/sqlite");
-static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator =
-    sqlx::migrate!("../../migrations/registry/postgres");
+/// Migrations a newer build applied are left alone (`ignore_missing`): the previous build keeps
+/// running on a migrated database until traffic moves, and is what a rollback starts again.
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../../migrations/registry/sqlite")
+};
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../../migrations/registry/postgres")
+};
 
 pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {
     match pool {

@@ -48,9 +48,16 @@ use crate::model::{
 };
 use rounds::Together;
 
-static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/queue/sqlite");
-static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator =
-    sqlx::migrate!("../../migrations/queue/postgres");
+/// Migrations a newer build applied are left alone (`ignore_missing`): the previous build keeps
+/// running on a migrated database until traffic moves, and is what a rollback starts again.
+static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../../migrations/queue/sqlite")
+};
+static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    ignore_missing: true,
+    ..sqlx::migrate!("../../migrations/queue/postgres")
+};
 
 pub async fn migrate(pool: &Pool) -> Result<(), sqlx::migrate::MigrateError> {
     match pool {
