@@ -17,12 +17,24 @@ pub enum QueueError {
     /// A writer's round failed for every report it carried.
     #[error("{0}")]
     Round(std::sync::Arc<QueueError>),
+    /// A claim's commit failed, and the server may have committed it all the same (PostgreSQL:
+    /// the answer lost with the connection): `leased` may be leased to no lane that will send
+    /// them. Whoever ran the claim gives them back (`handoff::hand_back`) and answers `error`.
+    #[error("{error}")]
+    ClaimNotCommitted {
+        leased: Vec<crate::store::ClaimedBatch>,
+        error: Box<QueueError>,
+    },
 }
 
 impl QueueError {
     /// Whether the database connection the work ran on was lost under it (`connection_lost`).
     pub fn connection_lost(&self) -> bool {
-        matches!(self, QueueError::Storage(error) if connection_lost(error))
+        match self {
+            QueueError::Storage(error) => connection_lost(error),
+            QueueError::ClaimNotCommitted { error, .. } => error.connection_lost(),
+            _ => false,
+        }
     }
 }
 
@@ -80,6 +92,7 @@ impl From<QueueError> for tonic::Status {
                 tracing::error!(%error, "queue: a writer's round failed");
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }
+            QueueError::ClaimNotCommitted { error, .. } => (*error).into(),
         }
     }
 }

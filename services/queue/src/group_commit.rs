@@ -637,7 +637,7 @@ mod tests {
         ) -> Result<RetryResult, QueueError> {
             Err(ONLY_ADMITS)
         }
-        async fn settle_hosts(&self, _: &[&str]) -> Result<(), QueueError> {
+        async fn settle(&self, _: &[&str], _: &[&str]) -> Result<(), QueueError> {
             Err(ONLY_ADMITS)
         }
         async fn hold(&self, _: Provider, _: i64, _: i64) -> Result<u64, QueueError> {

@@ -415,9 +415,10 @@ pub fn give_back<S: QueueStore>(store: S, clock: Arc<dyn Clock>, wake: Arc<Wake>
 
 /// Gives back batches leased to no lane that will send them (a claim whose caller went away, or a
 /// round whose commit failed): untried, so neither an attempt nor a retry, due again at once; the
-/// waiting claims hear of them (they last saw them leased). First it waits for their hosts' locks
-/// (`QueueStore::settle_hosts`): a round whose commit was still under way on the server when its
-/// connection failed holds them until its rows are there to be given back. A batch whose lease is
+/// waiting claims hear of them (they last saw them leased). First it waits for their hosts' and
+/// their rows' locks (`QueueStore::settle`): a round or a claim whose commit was still under way
+/// on the server when its connection failed holds them until its rows are there to be given back
+/// (a look before would find the rows as they were, and pass them by). A batch whose lease is
 /// not the one given (never committed, or taken since) is left as it is. What the database
 /// refuses is tried again, `HAND_BACK_ATTEMPTS` times in all; the last try gives back even if it
 /// could not wait for the locks.
@@ -444,7 +445,8 @@ pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[Claimed
         if !settled {
             // A transaction the server keeps open for a client it has not yet found gone could
             // hold the locks for long: past a lease's length, there is nothing left to save.
-            match tokio::time::timeout(SETTLE_AT_MOST, store.settle_hosts(&hosts)).await {
+            let ids: Vec<&str> = left.iter().map(|b| b.batch_id.as_str()).collect();
+            match tokio::time::timeout(SETTLE_AT_MOST, store.settle(&hosts, &ids)).await {
                 Ok(Ok(())) => settled = true,
                 Err(_) => {
                     // A commit that ends after this hand-back found no row leaves its batches to
@@ -519,7 +521,7 @@ pub async fn hand_back<S: QueueStore>(store: &S, wake: &Wake, batches: &[Claimed
 /// doubling from `HAND_BACK_FIRST_PAUSE`: some 7 s, then the leases lapse.
 const HAND_BACK_ATTEMPTS: u32 = 4;
 const HAND_BACK_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
-/// How long a hand-back waits for its hosts' locks (`QueueStore::settle_hosts`) before it goes on
+/// How long a hand-back waits for its hosts' and batches' locks (`QueueStore::settle`) before it goes on
 /// regardless: the lanes' default lease.
 const SETTLE_AT_MOST: std::time::Duration = std::time::Duration::from_secs(30);
 

@@ -267,6 +267,48 @@ async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
     assert_eq!(record.recipients.len(), 1, "stored once");
 }
 
+/// A claim's own `COMMIT` (PostgreSQL: a claim runs in a transaction of its own) that reaches the
+/// server only after the connection failed: the lane hears an error and will never send what the
+/// claim leased, so the batch is given back, due again at once, rather than leased to no lane
+/// until its lease lapses (on the manual clock, never in this test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_whose_commit_answer_is_lost_gives_back_what_it_leased_postgres() {
+    use orca_push_storage::DatabaseConfig;
+    use secrecy::ExposeSecret as _;
+
+    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
+    let DatabaseConfig::Postgres { url } = &config else {
+        unreachable!("a PostgreSQL database")
+    };
+    let cutter = CommitCutter::start(url.expose_secret()).await;
+    let proxied = DatabaseConfig::Postgres {
+        url: cutter.url.clone().into(),
+    };
+    let h = harness_on(proxied, guard, 0).await;
+    h.admit(&alert(1, &["phone-1"])).await;
+    cutter.arm();
+    let answer = h.queue.claim("lane-a", 64, LEASE, 0).await;
+    assert!(answer.is_err(), "the lane heard a failure: {answer:?}");
+    assert_eq!(
+        cutter.cuts(),
+        1,
+        "the claim's commit was answered to no one"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(8);
+    let claimed = loop {
+        let claimed = h.queue.claim("lane-b", 64, LEASE, 1_000).await.unwrap();
+        if !claimed.is_empty() {
+            break claimed;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the batch stays leased to a lane that never heard of it"
+        );
+    };
+    let phones: Vec<&str> = claimed.iter().map(|b| b.registration_id.as_str()).collect();
+    assert_eq!(phones, ["phone-1"], "given back, due again at once");
+}
+
 /// A TCP proxy in front of PostgreSQL that, once armed, cuts the connection of the next client
 /// to send a `COMMIT`: it closes the client's side at once, sends the `COMMIT` on to the server
 /// `COMMIT_LATE` later, and waits for the server's word that it committed, which it keeps. The

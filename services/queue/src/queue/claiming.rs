@@ -273,13 +273,25 @@ impl<S: QueueStore> DeliveryQueue<S> {
         tokio::spawn(
             async move {
                 let now = now(&*clock);
-                let claimed = store.claim(&lane, max, lease_ms, now, skip).await;
+                let (claimed, not_committed) =
+                    match store.claim(&lane, max, lease_ms, now, skip).await {
+                        Err(QueueError::ClaimNotCommitted { leased, error }) => {
+                            tracing::warn!(
+                                %error,
+                                batches = leased.len(),
+                                "a claim's commit failed; giving back what it leased"
+                            );
+                            (Err(*error), leased)
+                        }
+                        claimed => (claimed, Vec::new()),
+                    };
                 if let Ok(batches) = &claimed {
                     record_lapsed_leases(batches);
                 }
                 if let Err(Ok(batches)) = answer.send(claimed) {
                     hand_back(&store, &wake, &batches, now).await;
                 }
+                hand_back(&store, &wake, &not_committed, now).await;
             }
             .in_current_span(),
         );

@@ -196,8 +196,8 @@ impl QueueStore for AnyQueueStore {
     ) -> Result<RetryResult, QueueError> {
         delegate!(self, s => s.retry(batch_id, token, at, reason, how, now))
     }
-    async fn settle_hosts(&self, hosts: &[&str]) -> Result<(), QueueError> {
-        delegate!(self, s => s.settle_hosts(hosts))
+    async fn settle(&self, hosts: &[&str], batches: &[&str]) -> Result<(), QueueError> {
+        delegate!(self, s => s.settle(hosts, batches))
     }
     async fn hold(
         &self,

@@ -42,8 +42,14 @@ macro_rules! claim_statements {
             ) -> Result<Vec<ClaimedBatch>, QueueError> {
                 let mut tx = self.begin_lease().await?;
                 let (claimed, _) = Self::claim_in(&mut tx, lane, max, lease_ms, now, skip).await?;
-                tx.commit().await?;
-                Ok(claimed)
+                match tx.commit().await {
+                    Ok(()) => Ok(claimed),
+                    Err(error) if claimed.is_empty() => Err(error.into()),
+                    Err(error) => Err(QueueError::ClaimNotCommitted {
+                        leased: claimed,
+                        error: Box::new(error.into()),
+                    }),
+                }
             }
 
             /// Up to `max` due batches leased to `lane`, inside `tx` (a claim's own transaction or

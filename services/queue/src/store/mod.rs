@@ -208,10 +208,16 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
         now: i64,
     ) -> impl Future<Output = Result<RetryResult, QueueError>> + Send;
     /// Returns once no transaction begun before it holds a lock of `hosts` (every admission round
-    /// holds its hosts' locks until it ends): a round whose commit's answer was lost while the
-    /// server was still committing has then ended, and what it wrote can be seen. SQLite's one
-    /// writer has nothing to wait for: a commit that failed there did not happen.
-    fn settle_hosts(&self, hosts: &[&str]) -> impl Future<Output = Result<(), QueueError>> + Send;
+    /// holds its hosts' locks until it ends) or a row lock of `batches` (a claim holds its
+    /// batches'): a round or claim whose commit's answer was lost while the server was still
+    /// committing has then ended, and what it wrote can be seen (a statement that looked sooner
+    /// would see the rows as they were before, and pass them by). SQLite's one writer has nothing
+    /// to wait for: a commit that failed there did not happen.
+    fn settle(
+        &self,
+        hosts: &[&str],
+        batches: &[&str],
+    ) -> impl Future<Output = Result<(), QueueError>> + Send;
     /// Moves the pending batches of `provider` due before `due_before` to `until`; how many it
     /// moved. Batches already held further out are not written again.
     fn hold(
@@ -336,8 +342,8 @@ macro_rules! queue_store {
                 self.retry_leased(batch_id, token, at, reason, how, now)
                     .await
             }
-            async fn settle_hosts(&self, hosts: &[&str]) -> Result<(), QueueError> {
-                self.wait_for_host_locks(hosts).await
+            async fn settle(&self, hosts: &[&str], batches: &[&str]) -> Result<(), QueueError> {
+                self.wait_for_locks(hosts, batches).await
             }
             async fn hold(
                 &self,

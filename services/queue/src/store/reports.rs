@@ -391,7 +391,7 @@ macro_rules! report_statements {
                     .execute(self.writes())
                     .await?;
                 if scheduled.rows_affected() == 1 {
-                    Self::wake_replicas_after_commit(&self.pool).await?;
+                    Self::wake_replicas_after_commit(&self.pool).await;
                     return Ok(RetryResult::Scheduled);
                 }
                 let mut tx = self.begin_claim().await?;

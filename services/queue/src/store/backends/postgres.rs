@@ -294,21 +294,35 @@ impl PgQueueStore {
 
     /// `QueueStore::settle_hosts`: takes the hosts' locks (`LOCK_HOSTS_SQL`), which wait for any
     /// transaction holding them, and lets them go; nothing is written.
-    pub(in crate::store) async fn wait_for_host_locks(
+    pub(in crate::store) async fn wait_for_locks(
         &self,
         hosts: &[&str],
+        batches: &[&str],
     ) -> Result<(), QueueError> {
-        if hosts.is_empty() {
+        if hosts.is_empty() && batches.is_empty() {
             return Ok(());
         }
         let mut tx = self.pool.begin().await?;
-        sqlx::query(Self::LOCK_HOSTS_SQL)
-            .bind(hosts)
-            .execute(&mut *tx)
-            .await?;
+        if !hosts.is_empty() {
+            sqlx::query(Self::LOCK_HOSTS_SQL)
+                .bind(hosts)
+                .execute(&mut *tx)
+                .await?;
+        }
+        if !batches.is_empty() {
+            sqlx::query(Self::SHARE_BATCHES_SQL)
+                .bind(batches)
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.rollback().await?;
         Ok(())
     }
+
+    /// Waits for the transactions that hold the batches' rows (a claim's), then holds them
+    /// shared until the caller's transaction ends.
+    const SHARE_BATCHES_SQL: &'static str =
+        "SELECT 1 FROM push_delivery_batches WHERE batch_id = ANY($1) FOR SHARE";
 
     /// After a round's `BEGIN` that the server refused on a live connection: its locks failed (a
     /// `lock_timeout` or `statement_timeout` the operator set, a cancelled wait), or an earlier
@@ -378,15 +392,18 @@ impl PgQueueStore {
     }
 
     /// `wake_replicas` for a write that committed on its own.
-    pub(in crate::store) async fn wake_replicas_after_commit(
-        pool: &sqlx::PgPool,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(NOTIFY_SQL)
+    /// After a write that committed on its own: a failure here is logged, not returned, since
+    /// the write stands (its caller would otherwise take a committed retry for a failed one);
+    /// other replicas then find the work at their next look, within a claim's wait.
+    pub(in crate::store) async fn wake_replicas_after_commit(pool: &sqlx::PgPool) {
+        if let Err(error) = sqlx::query(NOTIFY_SQL)
             .bind(WAKE_CHANNEL)
             .bind("")
             .execute(pool)
-            .await?;
-        Ok(())
+            .await
+        {
+            tracing::warn!(%error, "could not tell the other replicas of work due");
+        }
     }
 }
 

@@ -111,9 +111,10 @@ impl SqliteQueueStore {
 
     /// One writer, whose failed commit did not happen: nothing to wait for
     /// (`QueueStore::settle_hosts`).
-    pub(in crate::store) async fn wait_for_host_locks(
+    pub(in crate::store) async fn wait_for_locks(
         &self,
         _hosts: &[&str],
+        _batches: &[&str],
     ) -> Result<(), QueueError> {
         Ok(())
     }
@@ -175,9 +176,5 @@ impl SqliteQueueStore {
         Ok(())
     }
 
-    pub(in crate::store) async fn wake_replicas_after_commit(
-        _pool: &sqlx::SqlitePool,
-    ) -> Result<(), sqlx::Error> {
-        Ok(())
-    }
+    pub(in crate::store) async fn wake_replicas_after_commit(_pool: &sqlx::SqlitePool) {}
 }
