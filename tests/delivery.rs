@@ -137,7 +137,7 @@ async fn a_burst_reaches_each_phone_as_one_summary(backend: Backend) {
 }
 
 async fn dead_tokens_of_every_class_are_marked_and_answered_dead(backend: Backend) {
-    let w = World::start(backend, "0").await;
+    let mut w = World::start(backend, "0").await;
     let apns_cases = [
         (Answer::status(410, Some("Unregistered")), "aa01"),
         (Answer::status(400, Some("BadDeviceToken")), "aa02"),
@@ -183,6 +183,9 @@ async fn dead_tokens_of_every_class_are_marked_and_answered_dead(backend: Backen
     for id in &ids {
         w.wait_outcome(id, "dead").await;
     }
+    let metrics = w.gateway.process("all").metrics_url();
+    let dead_tokens = scrape_sum(&metrics, "orca_push_dead_tokens_total", &[]);
+    assert_eq!(dead_tokens.await, ids.len() as f64);
     // The next send to any of them answers `dead`, and the host sees it.
     assert!(w.send(&id_refs, alert(2)).await.iter().all(|s| s == "dead"));
     let devices = w
@@ -207,7 +210,7 @@ async fn dead_tokens_of_every_class_are_marked_and_answered_dead(backend: Backen
 async fn a_token_refused_after_the_phone_replaced_it_still_delivers_to_the_new_one(
     backend: Backend,
 ) {
-    let w = World::start(backend, "0").await;
+    let mut w = World::start(backend, "0").await;
     let (old, new) = ("cc01", "cc02");
     w.apns
         .script(old, vec![Answer::status(410, Some("Unregistered"))]);
@@ -232,6 +235,13 @@ async fn a_token_refused_after_the_phone_replaced_it_still_delivers_to_the_new_o
         devices.body["devices"][0]["dead"], false,
         "{}",
         devices.body
+    );
+    let metrics = w.gateway.process("all").metrics_url();
+    let dead_tokens = scrape_sum(&metrics, "orca_push_dead_tokens_total", &[]);
+    assert_eq!(
+        dead_tokens.await,
+        0.0,
+        "a token the phone had left is no dead token"
     );
 }
 
@@ -400,7 +410,7 @@ async fn an_unconfigured_provider_fails_its_deliveries_and_not_the_others() {
     let fcm = MockFcm::start().await;
     let env: Vec<(String, String)> = fcm.env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let gateway = Gateway::start_with(Backend::Sqlite, &env).await;
+    let mut gateway = Gateway::start_with(Backend::Sqlite, &env).await;
     let raw = Raw::new(&gateway);
     let auth = bearer(&raw.login(&HostKey::generate(), &[]).await);
     let h = [("authorization", auth.as_str())];
@@ -444,6 +454,28 @@ async fn an_unconfigured_provider_fails_its_deliveries_and_not_the_others() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(gateway.logs().contains("APNs is not configured"));
+    // Provider latency counts requests made: FCM's one, and nothing for the APNs that never was.
+    let metrics = gateway.process("all").metrics_url();
+    let requests = |provider: &'static str| {
+        let metrics = metrics.clone();
+        async move {
+            scrape_sum(
+                &metrics,
+                "orca_push_provider_request_duration_seconds_count",
+                &[("provider", provider)],
+            )
+            .await
+        }
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    while requests("fcm").await < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "FCM's request is timed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(requests("apns").await, 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

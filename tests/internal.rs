@@ -9,6 +9,7 @@ use orca_push_internal_auth::{InternalKey, Scope, mint, mint_between};
 use orca_push_proto::auth::v1 as auth_pb;
 use orca_push_proto::queue::v1 as queue_pb;
 use orca_push_proto::registry::v1 as registry_pb;
+use orca_push_tests::world::{WAIT, World};
 use orca_push_tests::{Backend, Gateway, INTERNAL_KEY, free_port};
 use tonic::transport::Channel;
 use tonic_reflection::pb::v1::ServerReflectionRequest;
@@ -685,14 +686,7 @@ async fn the_all_in_one_listener_serves_every_service_behind_its_tokens() {
         ],
     )
     .await;
-    let logs = gateway.logs();
-    let port: u16 = logs
-        .lines()
-        .find(|line| line.contains("internal gRPC listening"))
-        .and_then(|line| line.split("addr=127.0.0.1:").nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|port| port.parse().ok())
-        .unwrap_or_else(|| panic!("the listener's address is logged: {logs}"));
+    let port = listener_port(&gateway);
     assert_eq!(health(port).await, 1, "health is open and SERVING");
     for service in ["auth", "registry", "queue"] {
         let (bad, good) = tokens(service);
@@ -728,6 +722,75 @@ async fn the_all_in_one_listener_serves_every_service_behind_its_tokens() {
     assert_eq!(refused.code(), tonic::Code::Unauthenticated);
     let refused = list_services_v1alpha(port, None).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+}
+
+/// The port the all-in-one listener logged.
+fn listener_port(gateway: &Gateway) -> u16 {
+    let logs = gateway.logs();
+    logs.lines()
+        .find(|line| line.contains("internal gRPC listening"))
+        .and_then(|line| line.split("addr=127.0.0.1:").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("the listener's address is logged: {logs}"))
+}
+
+/// A full-scope queue caller can name any registration id in `Enqueue`; the queue cannot tell
+/// whose it is (the registry owns the phones), so the sender refuses a phone of another host
+/// instead of sending it this host's text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_enqueue_never_reaches_another_hosts_phone() {
+    let w = World::start_with(
+        Backend::Sqlite,
+        "0",
+        &[
+            ("ORCA_PUSH_GRPC_ADDR", "127.0.0.1:0"),
+            ("ORCA_PUSH_INTERNAL_KEY", INTERNAL_KEY),
+        ],
+    )
+    .await;
+    let token = "dd01";
+    let id = w.register_ios("iphone", token).await;
+    let (_, full) = tokens("queue");
+    let mut queue = queue_pb::queue_service_client::QueueServiceClient::new(
+        channel(listener_port(&w.gateway)).await,
+    );
+    let other_host = orca_push_host::HostKey::from_secret([9u8; 32]).fingerprint();
+    let enqueue = |host: String, seq: u64| queue_pb::EnqueueRequest {
+        host_fingerprint: host,
+        notification: Some(queue_pb::Notification {
+            notification_id: Some("n-1".into()),
+            notification_seq: seq,
+            notification_epoch: "epoch".into(),
+            source: "terminal-bell".into(),
+            title: "Not yours".into(),
+            kind: queue_pb::Kind::Alert as i32,
+            ..Default::default()
+        }),
+        recipients: vec![queue_pb::Recipient {
+            registration_id: id.clone(),
+            silent: false,
+            provider: queue_pb::Provider::Apns as i32,
+        }],
+    };
+    let answer = queue
+        .enqueue(with_token(enqueue(other_host, 1), Some(&full)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        answer.results[0].status,
+        queue_pb::EnqueueStatus::Queued as i32
+    );
+    w.wait_outcome(&id, "failed").await;
+    assert!(w.apns.calls_for(token).is_empty(), "the phone got nothing");
+    // The phone's own host still reaches it the same way.
+    let own_host = orca_push_host::HostKey::from_secret([7u8; 32]).fingerprint();
+    queue
+        .enqueue(with_token(enqueue(own_host, 2), Some(&full)))
+        .await
+        .unwrap();
+    w.apns.wait_for(token, 1, WAIT).await;
 }
 
 /// Without a configured key nobody could mint a token for the listener: refused at start.

@@ -226,6 +226,7 @@ impl Fcm {
         if validate_only {
             message["validate_only"] = Value::Bool(true);
         }
+        let started = std::time::Instant::now();
         let response = match self
             .http
             .post(&self.send_url)
@@ -236,6 +237,7 @@ impl Fcm {
         {
             Ok(r) => r,
             Err(error) => {
+                crate::providers::record_latency("fcm", started);
                 tracing::warn!(error = %error.without_url(), "FCM request failed");
                 return Verdict::unanswered("connection");
             }
@@ -248,6 +250,7 @@ impl Fcm {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
         let body = response.bytes().await.unwrap_or_default();
+        crate::providers::record_latency("fcm", started);
         let verdict = classify(status, retry_after, &body);
         if refuses_our_token(status, &body) {
             self.token_went_stale(&bearer);

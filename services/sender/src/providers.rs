@@ -214,8 +214,7 @@ impl Providers {
         now: i64,
         counters: &Counters,
     ) -> Verdict {
-        let started = std::time::Instant::now();
-        let verdict = if target.platform == registry_pb::Platform::Ios as i32 {
+        if target.platform == registry_pb::Platform::Ios as i32 {
             self.send_apns(job, target, counters).await
         } else {
             let Some(fcm) = &self.fcm else {
@@ -226,10 +225,7 @@ impl Providers {
                 return Verdict::Failed("fcm_not_configured".into());
             };
             fcm.send(fcm_message(job, &target.token, now), false).await
-        };
-        metrics::histogram!("orca_push_provider_request_duration_seconds", "provider" => target.provider())
-            .record(started.elapsed().as_secs_f64());
-        verdict
+        }
     }
 
     /// Registers every delivery family at zero, so a scrape shows them before the first event.
@@ -268,7 +264,10 @@ impl Providers {
                 return Verdict::Failed("apns_provider_token".into());
             }
         };
-        match pool.send(&request, &bearer.token).await {
+        let started = std::time::Instant::now();
+        let answer = pool.send(&request, &bearer.token).await;
+        record_latency("apns", started);
+        match answer {
             Ok((status, headers, body)) => {
                 tracing::Span::current().record("http.response.status_code", status);
                 let verdict = crate::apns::classify(status, &headers, &body);
@@ -335,4 +334,11 @@ fn probe_job() -> Job {
         },
         member_traceparents: Vec::new(),
     }
+}
+
+/// A provider request's time, from sending it to its answer (or its failure): nothing is recorded
+/// for an attempt that never made one (a provider not configured, no provider or OAuth token).
+pub(crate) fn record_latency(provider: &'static str, started: std::time::Instant) {
+    metrics::histogram!("orca_push_provider_request_duration_seconds", "provider" => provider)
+        .record(started.elapsed().as_secs_f64());
 }

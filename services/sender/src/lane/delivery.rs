@@ -84,19 +84,18 @@ impl Sender {
         place: Option<OwnedSemaphorePermit>,
         reporter: &Reporter,
     ) {
-        let renewing = CancellationToken::new();
-        let renewer = tokio::spawn(renew_lease(
-            self.queue.clone(),
-            job.batch_id.clone(),
-            job.lease_token.clone(),
-            self.lease_ms,
-            job.deadline_ms,
-            self.clock.clone(),
-            renewing.clone(),
-        ));
-        let outcome = self.attempt(&job, device, place).await;
-        renewing.cancel();
-        let _ = renewer.await;
+        let renew = |done| {
+            renew_lease(
+                self.queue.clone(),
+                job.batch_id.clone(),
+                job.lease_token.clone(),
+                self.lease_ms,
+                job.deadline_ms,
+                self.clock.clone(),
+                done,
+            )
+        };
+        let outcome = while_renewing(renew, self.attempt(&job, device, place)).await;
         if let Err(status) = self.report(&job, outcome, reporter).await {
             // The lease lapses and another lane repeats the attempt.
             tracing::warn!(code = ?status.code(), "could not record a delivery outcome");
@@ -124,6 +123,11 @@ impl Sender {
         let Some(device) = device else {
             return Outcome::Gone("registration_deleted");
         };
+        // The queue takes its recipients as the facade resolved them for the host; a direct caller
+        // could name another host's phone, which would get this host's text.
+        if device.host_fingerprint != job.host_fingerprint {
+            return Outcome::Gone("registration_not_owned");
+        }
         if device.dead {
             return Outcome::Gone("dead");
         }
@@ -264,8 +268,6 @@ impl Sender {
                 complete(queue_pb::Outcome::Sent, "sent".into())
             }
             Outcome::Verdict(Verdict::Dead(reason), target) => {
-                metrics::counter!("orca_push_dead_tokens_total", "provider" => provider)
-                    .increment(1);
                 if let Some(target) = target {
                     // Its next look-up asks the registry, which answers what this mark made it.
                     if let Some(kept) = &self.devices {
@@ -294,6 +296,9 @@ impl Sender {
                         return Ok(());
                     }
                 }
+                // Counted once the registry took the mark: a token the phone had left is not.
+                metrics::counter!("orca_push_dead_tokens_total", "provider" => provider)
+                    .increment(1);
                 c.dead.fetch_add(1, Ordering::Relaxed);
                 delivered("dead");
                 complete(queue_pb::Outcome::Dead, reason)
@@ -358,6 +363,26 @@ impl Sender {
 
 /// Renews a batch's lease every third of it while its lane works on it, until `done` or the
 /// batch's deadline: past that, nothing will be sent, and the lease is left to lapse.
+/// Runs `work` while the task `renew` starts keeps its lease. The renewer stops when the work
+/// ends, and also when the work's future is dropped unfinished (its task aborted, or a panic
+/// unwinding through it): an abandoned lease then lapses and another lane takes the batch, where a
+/// renewer left running would hold it until its deadline.
+async fn while_renewing<T, R>(
+    renew: impl FnOnce(CancellationToken) -> R,
+    work: impl Future<Output = T>,
+) -> T
+where
+    R: Future<Output = ()> + Send + 'static,
+{
+    let done = CancellationToken::new();
+    let stop = done.clone().drop_guard();
+    let renewer = tokio::spawn(renew(done));
+    let outcome = work.await;
+    drop(stop);
+    let _ = renewer.await;
+    outcome
+}
+
 async fn renew_lease(
     queue: QueueClient,
     batch_id: String,
@@ -388,5 +413,75 @@ async fn renew_lease(
             tracing::warn!("lost the lease of a batch in flight");
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A renewer that counts its renewals every 10 ms until told to stop.
+    fn counting(renewals: Arc<AtomicUsize>) -> impl FnOnce(CancellationToken) -> BoxedRenewer {
+        move |done| {
+            Box::pin(async move {
+                loop {
+                    tokio::select! {
+                        _ = done.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                    }
+                    renewals.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        }
+    }
+
+    type BoxedRenewer = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+    async fn renewals_go_on(renewals: &AtomicUsize) -> bool {
+        let before = renewals.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        renewals.load(Ordering::Relaxed) > before
+    }
+
+    #[tokio::test]
+    async fn the_renewer_stops_with_its_work_however_that_ends() {
+        // The work ends.
+        let renewals = Arc::new(AtomicUsize::new(0));
+        let answer = while_renewing(
+            counting(renewals.clone()),
+            tokio::time::sleep(Duration::from_millis(50)),
+        )
+        .await;
+        assert_eq!(answer, ());
+        assert!(renewals.load(Ordering::Relaxed) > 0, "it renewed meanwhile");
+        assert!(!renewals_go_on(&renewals).await);
+
+        // The delivery's task is aborted mid-attempt (a lane stopping at once).
+        let renewals = Arc::new(AtomicUsize::new(0));
+        let delivery = tokio::spawn(while_renewing(
+            counting(renewals.clone()),
+            std::future::pending::<()>(),
+        ));
+        assert!(renewals_go_on(&renewals).await);
+        delivery.abort();
+        let _ = delivery.await;
+        assert!(
+            !renewals_go_on(&renewals).await,
+            "an aborted delivery's renewer stops"
+        );
+
+        // The attempt panics.
+        let renewals = Arc::new(AtomicUsize::new(0));
+        let delivery = tokio::spawn(while_renewing(counting(renewals.clone()), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            panic!("an attempt that panics");
+        }));
+        assert!(delivery.await.is_err());
+        assert!(
+            !renewals_go_on(&renewals).await,
+            "a panicked delivery's renewer stops"
+        );
     }
 }
