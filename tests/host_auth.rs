@@ -306,6 +306,32 @@ async fn cli_keygen_and_login(backend: Backend) {
     let cache: serde_json::Value = serde_json::from_str(&cache).unwrap();
     let token = &cache["sessions"][origin(&gateway.base)]["sessionToken"];
     assert!(!stdout.contains(token.as_str().unwrap()));
+    // A dismissal goes while the agent works again; an alert does not. (No phone of this host
+    // has that id: the gateway answers `error` for it, and the command has sent.)
+    let send = |extra: &[&str]| {
+        let mut args = vec!["host", "send", "--gateway", &gateway.base, "--key", key_arg];
+        args.extend_from_slice(&[
+            "--title",
+            "Done",
+            "--notification-id",
+            "n-1",
+            "--agent-state",
+            "working",
+            "--registration-id",
+            "not-a-phone-of-this-host",
+        ]);
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let dismissal = send(&["--dismiss"]);
+    assert!(dismissal.status.success(), "{dismissal:?}");
+    assert!(
+        String::from_utf8_lossy(&dismissal.stdout).contains("not-a-phone-of-this-host  error"),
+        "{dismissal:?}"
+    );
+    let alert = send(&[]);
+    assert!(!alert.status.success());
+    assert!(String::from_utf8_lossy(&alert.stderr).contains("still working"));
 }
 
 on_both_backends!(split_topology_serves_the_same_api);

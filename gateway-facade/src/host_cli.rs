@@ -102,7 +102,8 @@ pub enum HostCommand {
         #[arg(long, value_enum, default_value = "agent-task-complete")]
         source: SourceArg,
         /// The agent's state as the desktop knows it: blocked and waiting become needs-input;
-        /// working, running and busy send nothing; anything else becomes finished.
+        /// working, running and busy send no alert (a dismissal still goes, with no state);
+        /// anything else becomes finished.
         #[arg(long)]
         agent_state: Option<String>,
         /// The event's id (default: a new UUID). A dismissal names the alert it dismisses.
@@ -409,9 +410,12 @@ pub async fn run(command: HostCommand) -> anyhow::Result<()> {
             let epoch = epoch.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
             let kind = if dismiss { Kind::Dismiss } else { Kind::Alert };
             if !registration_ids.is_empty() {
-                let Some(agent_state) = orca_push_host::gateway_agent_state(agent_state.as_deref())
-                else {
-                    anyhow::bail!("the agent is still working: no push sent");
+                let agent_state = match orca_push_host::gateway_agent_state(agent_state.as_deref())
+                {
+                    Some(state) => state,
+                    // As the dispatcher does: a dismissal goes whatever the agent does now.
+                    None if dismiss => None,
+                    None => anyhow::bail!("the agent is still working: no push sent"),
                 };
                 let request = SendRequest::new(
                     registration_ids,

@@ -55,6 +55,11 @@ pub(super) fn check(
     if !filter.sources.contains(&event.source) {
         return Err(Skip::Source);
     }
+    // A dismissal withdraws an alert the phone may hold whatever the desktop's switches and the
+    // agent's state are now (an alert sent while it was blocked is dismissed once it is done).
+    if event.kind == orca_push_api::Kind::Dismiss {
+        return Ok(());
+    }
     // Absent means the legacy behaviour: the desktop's switches gate the phone too.
     if filter.follow_desktop != Some(false) && !event.desktop_allowed {
         return Err(Skip::DesktopDisabled);

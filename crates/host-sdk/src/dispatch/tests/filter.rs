@@ -66,6 +66,33 @@ async fn a_dismissal_goes_even_while_the_agent_works_again() {
     assert_eq!(sent.notification.agent_state, None);
 }
 
+/// A phone that takes only needs-input alerts got one while the agent was blocked; the dismissal
+/// comes once the agent is done, with the desktop's switches off by then: it still goes, or the
+/// stale alert would stay on the phone.
+#[tokio::test(start_paused = true)]
+async fn a_dismissal_passes_the_state_filter_and_the_desktops_switches() {
+    let needs_input = with_filter(0, |f| f.agent_states = vec![AgentState::NeedsInput]);
+    let h = harness(vec![needs_input], 2);
+    let mut e = event(0);
+    e.kind = Kind::Dismiss;
+    e.agent_state = Some("done".to_owned());
+    let report = h.dispatcher.dispatch(e.clone()).await;
+    assert_eq!(report.sent_ids(), ["reg-0"]);
+    e.desktop_allowed = false;
+    let report = h.dispatcher.dispatch(e.clone()).await;
+    assert_eq!(report.sent_ids(), ["reg-0"]);
+    // An alert of that state is still filtered, as is a dismissal of a source the phone never takes.
+    e.kind = Kind::Alert;
+    e.desktop_allowed = true;
+    let report = h.dispatcher.dispatch(e.clone()).await;
+    assert_eq!(report.skipped.get("reg-0"), Some(&Skip::AgentState));
+    let bells_only = with_filter(0, |f| f.sources = vec![Source::TerminalBell]);
+    let h = harness(vec![bells_only], 2);
+    e.kind = Kind::Dismiss;
+    let report = h.dispatcher.dispatch(e).await;
+    assert_eq!(report.skipped.get("reg-0"), Some(&Skip::Source));
+}
+
 #[tokio::test(start_paused = true)]
 async fn no_agent_state_is_sent_as_null_and_the_agent_state_filter_does_not_apply() {
     let no_states = with_filter(0, |f| f.agent_states.clear());
