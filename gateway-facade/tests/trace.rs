@@ -66,26 +66,58 @@ async fn one_trace_spans_the_http_request_and_the_grpc_call() {
 
     let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let body = format!(r#"{{"v":1,"hostPublicKeyB64":"{}"}}"#, "A".repeat(43) + "=");
-    let response = app
-        .oneshot(
-            Request::post("/v1/host/challenge")
-                .header("traceparent", incoming)
-                .body(Body::from(body))
-                .unwrap(),
-        )
+    let challenge = |traceparent: &str, tracestate: Option<String>| {
+        let mut request = Request::post("/v1/host/challenge").header("traceparent", traceparent);
+        if let Some(tracestate) = tracestate {
+            request = request.header("tracestate", tracestate);
+        }
+        app.clone()
+            .oneshot(request.body(Body::from(body.clone())).unwrap())
+    };
+    let response = challenge(incoming, Some("vendor=kept".into()))
         .await
         .unwrap();
+    assert_eq!(response.status(), 200);
+    // A caller's `tracestate` over 512 characters (here 300 KB) is not copied into every span.
+    let long_state = (0..600)
+        .map(|i| format!("k{i}={}", "v".repeat(500)))
+        .collect::<Vec<_>>()
+        .join(",");
+    let long = "00-5bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let response = challenge(long, Some(long_state)).await.unwrap();
     assert_eq!(response.status(), 200);
     provider.force_flush().unwrap();
     shutdown.cancel();
 
-    let trace_id = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
-    let spans: Vec<SpanData> = exporter
-        .get_finished_spans()
-        .unwrap()
-        .into_iter()
-        .filter(|s| s.span_context.trace_id() == trace_id)
-        .collect();
+    let finished = exporter.get_finished_spans().unwrap();
+    let of_trace = |hex: &str| {
+        let trace_id = TraceId::from_hex(hex).unwrap();
+        finished
+            .iter()
+            .filter(|s| s.span_context.trace_id() == trace_id)
+            .cloned()
+            .collect::<Vec<SpanData>>()
+    };
+    let spans = of_trace("4bf92f3577b34da6a3ce929d0e0e4736");
+    let long_spans = of_trace("5bf92f3577b34da6a3ce929d0e0e4736");
+    assert!(
+        !long_spans.is_empty(),
+        "the request with a long tracestate is traced"
+    );
+    for span in &long_spans {
+        assert_eq!(
+            span.span_context.trace_state().header(),
+            "",
+            "{}",
+            span.name
+        );
+    }
+    assert!(
+        spans
+            .iter()
+            .all(|s| s.span_context.trace_state().header() == "vendor=kept"),
+        "a short tracestate is continued"
+    );
     let find = |kind: SpanKind, name_part: &str| {
         spans
             .iter()

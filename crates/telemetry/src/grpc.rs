@@ -430,6 +430,33 @@ mod tests {
         }
     }
 
+    /// A caller's unsampled `traceparent` makes its span unsampled; a sampled one or none (the
+    /// SDK's default sampler, parent-based, always on) does not.
+    #[test]
+    fn a_span_under_an_unsampled_parent_is_not_sampled() {
+        let _callsites = callsites();
+        crate::install_propagator();
+        let provider = SdkTracerProvider::builder().build();
+        let subscriber = crate::init::subscriber(&provider, crate::LogFormat::Text, std::io::sink);
+        let _default = tracing::subscriber::set_default(subscriber);
+        let under = |traceparent: Option<&str>| {
+            let span = tracing::info_span!("request");
+            if let Some(traceparent) = traceparent {
+                let mut headers = http::HeaderMap::new();
+                headers.insert("traceparent", traceparent.parse().unwrap());
+                crate::set_parent_from_headers(&span, &headers);
+            }
+            crate::is_sampled(&span)
+        };
+        assert!(!under(Some(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+        )));
+        assert!(under(Some(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        )));
+        assert!(under(None));
+    }
+
     fn known(path: &str) -> bool {
         path == "/orca.push.auth.v1.AuthService/Authenticate"
     }

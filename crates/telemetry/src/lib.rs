@@ -23,9 +23,18 @@ use opentelemetry::propagation::{Extractor, Injector};
 /// Reads W3C headers out of an `http::HeaderMap` (HTTP requests and gRPC metadata alike).
 pub struct HeaderExtractor<'a>(pub &'a http::HeaderMap);
 
+/// The longest `tracestate` continued. W3C Trace Context allows 32 list members and asks
+/// propagators to keep at least 512 characters; a caller's longer one (a header may hold some
+/// 400 KB) would be copied into every span of its request, and is dropped whole instead.
+pub const MAX_TRACESTATE: usize = 512;
+
 impl Extractor for HeaderExtractor<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
+        let value = self.0.get(key).and_then(|v| v.to_str().ok())?;
+        if key == "tracestate" && value.len() > MAX_TRACESTATE {
+            return None;
+        }
+        Some(value)
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -104,6 +113,14 @@ pub fn span_context_from_traceparent(
     let context = extract_context(&headers);
     let span_context = context.span().span_context().clone();
     span_context.is_valid().then_some(span_context)
+}
+
+/// Whether `span` is sampled (its spans exported): not under a parent that says it is not, such
+/// as a caller's `traceparent` ending in `-00`.
+pub fn is_sampled(span: &tracing::Span) -> bool {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    span.context().span().span_context().is_sampled()
 }
 
 /// Links `span` to each trace named by `traceparents` (a delivery to the admissions it carries).

@@ -312,28 +312,42 @@ impl Drop for Committing<'_> {
     }
 }
 
+/// Which of a round's callers its span goes under: the first that is sampled, else the first.
+/// Under the first alone, a caller whose own trace is not sampled (its `traceparent` said `-00`)
+/// would leave the round and its SQL out of every other caller's trace too.
+fn parent_of<'a>(
+    callers: impl Iterator<Item = &'a tracing::Span>,
+    sampled: impl Fn(&tracing::Span) -> bool,
+) -> usize {
+    callers
+        .enumerate()
+        .find(|(_, span)| sampled(span))
+        .map_or(0, |(at, _)| at)
+}
+
 impl<S: QueueStore> Writer<S> {
     async fn run(self) {
         self.store.writers_busy(true);
         while let Some((batch, committing)) = self.next_round().await {
-            // Traced under the first caller's span (an admission's if any), linked from the
-            // others'.
-            let mut callers = batch
+            // Traced under the first sampled caller's span (an admission's if any), linked from
+            // the others'.
+            let callers = batch
                 .admissions
                 .iter()
                 .map(|w| &w.span)
                 .chain(batch.reports.iter().map(|r| &r.span))
                 .chain(batch.claims.iter().map(|c| &c.span));
-            let first = callers.next().cloned().unwrap_or_else(tracing::Span::none);
+            let parent_at = parent_of(callers.clone(), orca_push_telemetry::is_sampled);
+            let parent = callers.clone().nth(parent_at);
             let span = tracing::info_span!(
-                parent: &first,
+                parent: parent.cloned().unwrap_or_else(tracing::Span::none),
                 "queue.group_commit",
                 otel.kind = "internal",
                 admissions = batch.admissions.len(),
                 reports = batch.report_rows,
                 claims = batch.claims.len(),
             );
-            for other in callers {
+            for (_, other) in callers.enumerate().filter(|(at, _)| *at != parent_at) {
                 span.follows_from(other);
             }
             // A panic while committing (a bug, or a driver's) must not stop admission for good:
@@ -512,6 +526,24 @@ mod tests {
     use crate::store::{
         ClaimedBatch, Cleaned, Completion, Depth, EventRecord, Retry, RetryResult, Skip,
     };
+
+    /// A round goes under its first sampled caller, or its first when none is.
+    #[test]
+    fn a_round_goes_under_its_first_sampled_caller() {
+        let spans = [
+            tracing::Span::none(),
+            tracing::Span::none(),
+            tracing::Span::none(),
+        ];
+        let sampled_at = |at: Option<usize>| {
+            let spans = &spans;
+            move |span: &tracing::Span| at.is_some_and(|at| std::ptr::eq(span, &spans[at]))
+        };
+        assert_eq!(parent_of(spans.iter(), sampled_at(Some(1))), 1);
+        assert_eq!(parent_of(spans.iter(), sampled_at(Some(0))), 0);
+        assert_eq!(parent_of(spans.iter(), sampled_at(None)), 0);
+        assert_eq!(parent_of(std::iter::empty(), sampled_at(None)), 0);
+    }
 
     /// What the store answers to everything but admission, which is all a writer asks of it.
     const ONLY_ADMITS: QueueError = QueueError::InvalidRequest("this store only admits");
