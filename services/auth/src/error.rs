@@ -20,6 +20,9 @@ pub enum AuthError {
     DirectoryUnavailable,
     #[error("storage: {0}")]
     Storage(#[from] sqlx::Error),
+    /// The task that commits a session ended without an answer (it panicked).
+    #[error("the session's commit ended without an answer")]
+    CommitTask,
 }
 
 impl From<AuthError> for tonic::Status {
@@ -53,6 +56,10 @@ impl From<AuthError> for tonic::Status {
             AuthError::Storage(error) => {
                 // The detail stays in our logs; callers get no internals.
                 tracing::error!(%error, "auth: storage failure");
+                status_with_code(Code::Unavailable, "dependency_unavailable")
+            }
+            AuthError::CommitTask => {
+                tracing::error!("auth: a session's commit ended without an answer");
                 status_with_code(Code::Unavailable, "dependency_unavailable")
             }
         }

@@ -334,27 +334,47 @@ impl<S: AuthStore> HostAuth<S> {
             .mint()
             .ok_or(AuthError::CorruptSessionKey)?;
         let expires_at_ms = now + SESSION_TTL_MS;
-        let redeemed = self
-            .store
-            .redeem_challenge(&NewSession {
-                challenge_id,
-                host_fingerprint: &challenge.host_fingerprint,
-                host_public_key: &challenge.host_public_key,
-                token_hash: &sha256_hex(token.as_bytes()),
-                now_ms: now,
-                expires_at_ms,
-            })
-            .await?;
+        // The redemption and its announcement run to their end on a task of their own, even if
+        // this call is dropped while the group writer commits (its caller gone): a session that
+        // replaced the host's must be announced, or the facades would keep trusting the replaced
+        // bearer for as long as they trust a watched verdict.
+        let news = match (&self.news, self.announces) {
+            (Some(news), Announcer::ThisProcess) => Some(news.clone()),
+            _ => None,
+        };
+        let redeem = {
+            let store = self.store.clone();
+            let challenge_id = challenge_id.to_owned();
+            let host = challenge.host_fingerprint.clone();
+            let host_public_key = challenge.host_public_key.clone();
+            let token_hash = sha256_hex(token.as_bytes());
+            async move {
+                let redeemed = store
+                    .redeem_challenge(&NewSession {
+                        challenge_id: &challenge_id,
+                        host_fingerprint: &host,
+                        host_public_key: &host_public_key,
+                        token_hash: &token_hash,
+                        now_ms: now,
+                        expires_at_ms,
+                    })
+                    .await?;
+                if redeemed && let Some(news) = news {
+                    // No watcher is not an error: the facade may not have subscribed yet.
+                    let _ = news.send(SessionNews::Replaced(host));
+                }
+                Ok::<_, AuthError>(redeemed)
+            }
+        };
+        let redeemed = tokio::spawn(tracing::Instrument::in_current_span(redeem))
+            .await
+            .map_err(|_| AuthError::CommitTask)??;
         // Consumed now, by this proof or another: later proofs read the store.
         self.recent().remove(challenge_id);
         if !redeemed {
             return Err(AuthError::InvalidProof(
                 "challenge consumed by a concurrent proof",
             ));
-        }
-        if let (Some(news), Announcer::ThisProcess) = (&self.news, self.announces) {
-            // No watcher is not an error: the facade may not have subscribed yet.
-            let _ = news.send(SessionNews::Replaced(challenge.host_fingerprint.clone()));
         }
         tracing::info!(
             host = fingerprint_prefix(&challenge.host_fingerprint),

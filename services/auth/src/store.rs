@@ -71,7 +71,7 @@ pub struct Pruned {
 }
 
 /// Storage of challenges, hosts and sessions.
-pub trait AuthStore: Send + Sync + 'static {
+pub trait AuthStore: Clone + Send + Sync + 'static {
     /// The one session key: `candidate` is stored if none is yet (with the legacy window ending at
     /// `legacy_until_ms` if any session row exists, else 0), and whichever key won is returned, so
     /// racing replicas agree. Returns the key bytes and the legacy window's end.

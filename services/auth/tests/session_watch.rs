@@ -24,6 +24,13 @@ fn replica(store: AnyAuthStore, announcer: Announcer) -> Arc<HostAuth<AnyAuthSto
 
 /// Logs a host in through `auth`, as a host does.
 async fn log_in(auth: &HostAuth<AnyAuthStore>, seed: u8) -> String {
+    let (challenge_id, proof, host) = prove(auth, seed).await;
+    auth.create_session(&challenge_id, &proof).await.unwrap();
+    host
+}
+
+/// A challenge for the host of `seed` and its proof, not yet presented; and the host.
+async fn prove(auth: &HostAuth<AnyAuthStore>, seed: u8) -> (String, Vec<u8>, String) {
     let secret = [seed; 32];
     let public = hp::public_key(&secret);
     let issued = auth.issue_challenge(&public).await.unwrap();
@@ -36,10 +43,57 @@ async fn log_in(auth: &HostAuth<AnyAuthStore>, seed: u8) -> String {
     .unwrap();
     let (transcript, challenge_secret) = hp::parse_challenge_plaintext(&plaintext).unwrap();
     let proof = hp::proof(&challenge_secret, transcript);
-    auth.create_session(&issued.challenge_id, &proof)
+    (
+        issued.challenge_id,
+        proof.to_vec(),
+        hp::host_fingerprint(&public),
+    )
+}
+
+/// A login whose caller goes away while its session waits to commit (a host that hung up, a
+/// deadline) still replaces the host's session once the commit goes through: that replacement
+/// is announced, or the facades would keep trusting the replaced bearer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_whose_caller_left_mid_commit_is_still_announced() {
+    let (config, _guard) = fresh(Backend::Sqlite).await;
+    let auth = replica(
+        AnyAuthStore::new(open_and_migrate(&config).await.unwrap()),
+        Announcer::ThisProcess,
+    );
+    let shutdown = CancellationToken::new();
+    tokio::spawn(session_watch::heartbeat(
+        auth.session_news().unwrap(),
+        shutdown.clone(),
+    ));
+    let host = log_in(&auth, 3).await;
+    let mut news = auth.watch_sessions().unwrap();
+    let (challenge_id, proof, _) = prove(&auth, 3).await;
+    // Another connection holds the file's write lock: the login's commit waits behind it.
+    let orca_push_storage::Pool::Sqlite(other) =
+        orca_push_storage::open(&config, &orca_push_auth::STORAGE)
+            .await
+            .unwrap()
+    else {
+        unreachable!("a SQLite configuration opens SQLite")
+    };
+    let mut blocker = other.acquire().await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut *blocker)
         .await
         .unwrap();
-    hp::host_fingerprint(&public)
+    let login = {
+        let auth = auth.clone();
+        tokio::spawn(async move { auth.create_session(&challenge_id, &proof).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    login.abort();
+    assert!(login.await.unwrap_err().is_cancelled());
+    sqlx::query("COMMIT").execute(&mut *blocker).await.unwrap();
+    assert_eq!(
+        next_replacement(&mut news).await,
+        SessionNews::Replaced(host)
+    );
+    shutdown.cancel();
 }
 
 /// The next news other than a heartbeat, waiting at most 5 s.
