@@ -144,10 +144,17 @@ pub async fn open_sqlite(
     durability: SqliteDurability,
 ) -> Result<SqlitePool, OpenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| OpenError::DataDir {
-            path: dir.to_owned(),
-            source,
-        })?;
+        // Owner only: the files hold push tokens, payloads and the session key. A folder the
+        // operator made is left as it is.
+        use std::os::unix::fs::DirBuilderExt as _;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|source| OpenError::DataDir {
+                path: dir.to_owned(),
+                source,
+            })?;
     }
     let options = SqliteConnectOptions::new()
         .filename(path)
@@ -289,6 +296,21 @@ pub fn db_span(system: &'static str, operation: &'static str) -> tracing::Span {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A data folder the gateway makes is its owner's alone.
+    #[tokio::test]
+    async fn a_data_folder_it_makes_is_the_owners_alone() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("made/here");
+        open_sqlite(&data.join("store.db"), SqliteDurability::Full)
+            .await
+            .unwrap();
+        for made in [dir.path().join("made"), data] {
+            let mode = std::fs::metadata(&made).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{}", made.display());
+        }
+    }
 
     #[tokio::test]
     async fn sqlite_syncs_every_commit_unless_told_otherwise() {

@@ -60,15 +60,19 @@ struct Syncing {
 
 impl State {
     fn sync(&self) -> Result<(), SyncFailed> {
-        let mut syncing = self
-            .sync
-            .lock()
-            .map_err(|_| SyncFailed("a WAL sync panicked".into()))?;
+        let mut syncing = self.sync.lock().map_err(|_| {
+            self.failed.store(true, Ordering::Relaxed);
+            SyncFailed("a WAL sync panicked".into())
+        })?;
         if let Some(failed) = &syncing.failed {
             return Err(failed.clone());
         }
         self.syncs.fetch_add(1, Ordering::Relaxed);
-        if let Err(error) = (syncing.sync)() {
+        // A sync that panics fails like one that errs: for good, and said so (`has_failed`),
+        // rather than kill the sync thread with the lock poisoned.
+        let synced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (syncing.sync)()))
+            .unwrap_or_else(|_| Err(io::Error::other("a WAL sync panicked")));
+        if let Err(error) = synced {
             tracing::error!(%error, "the SQLite WAL could not be synced; nothing more is answered as durable until a restart");
             metrics::counter!("orca_push_sqlite_wal_sync_failures_total").increment(1);
             let failed = SyncFailed(error.to_string().into());
@@ -228,7 +232,14 @@ pub fn for_writer(writer: &sqlx::SqlitePool) -> Option<WalSync> {
         .map(|files| files.contains(&database))
         // A poisoned set: sync as if it said so; a sync the writer did not need costs only time.
         .unwrap_or(true);
-    synced_by_service.then(|| WalSync::for_database(&database))
+    synced_by_service.then(|| WalSync::for_database(&opened_file(&database)))
+}
+
+/// The file SQLite opened for `database`, which its WAL is named after: symlinks resolved, as
+/// SQLite resolves them. The WAL beside a symlink is never written, and a sync of it would find
+/// no file and report every commit synced. As named if it cannot be resolved.
+fn opened_file(database: &Path) -> PathBuf {
+    std::fs::canonicalize(database).unwrap_or_else(|_| database.to_owned())
 }
 
 #[cfg(test)]
@@ -236,6 +247,47 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// A database file reached through a symlink has its WAL beside the file it links to, and
+    /// that is the WAL synced.
+    #[tokio::test]
+    async fn the_wal_synced_is_the_one_sqlite_writes_beside_a_linked_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("disk")).unwrap();
+        std::fs::create_dir(dir.path().join("data")).unwrap();
+        let real = dir.path().join("disk/store.db");
+        std::fs::File::create(&real).unwrap();
+        let linked = dir.path().join("data/store.db");
+        std::os::unix::fs::symlink(&real, &linked).unwrap();
+        let writer = crate::open_sqlite(&linked, crate::SqliteDurability::Normal)
+            .await
+            .unwrap();
+        sqlx::query("CREATE TABLE t (x INTEGER)")
+            .execute(&writer)
+            .await
+            .unwrap();
+        let wal = |db: &Path| {
+            let mut wal = db.as_os_str().to_owned();
+            wal.push("-wal");
+            PathBuf::from(wal)
+        };
+        assert!(
+            wal(&real).exists(),
+            "SQLite writes its WAL beside the real file"
+        );
+        assert!(!wal(&linked).exists());
+        let database = writer.connect_options().get_filename().to_owned();
+        assert_eq!(opened_file(&database), real.canonicalize().unwrap());
+    }
+
+    /// A sync that panics is a failed sync: reported, and every later one fails too.
+    #[test]
+    fn a_sync_that_panics_has_failed() {
+        let sync = WalSync::with_sync(Box::new(|| panic!("a broken sync")));
+        assert!(sync.sync_now().is_err());
+        assert!(sync.has_failed());
+        assert!(sync.sync_now().is_err());
+    }
 
     /// What a test hands to `after_sync`, and where its result arrives.
     type Answered = (
