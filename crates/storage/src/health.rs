@@ -12,6 +12,10 @@ use crate::Pool;
 
 /// How often the database is pinged.
 pub const PING_EVERY: Duration = Duration::from_secs(5);
+/// How long a ping may take before the database counts as not answering: a server that went
+/// silent (a partition, a frozen host) would otherwise hold the ping on a pooled connection until
+/// TCP gives up, some 15 minutes, all of it SERVING.
+pub const PING_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs until `shutdown`: reports `name`'s health from a database ping every 5 s, and runs `chore`
 /// every `chore_every` while the database answers.
@@ -52,7 +56,10 @@ pub async fn follow_database_unless<F, Fut, B>(
             _ = shutdown.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        let status = match pool.ping().await {
+        let ping = tokio::time::timeout(PING_TIMEOUT, pool.ping())
+            .await
+            .unwrap_or(Err(sqlx::Error::PoolTimedOut));
+        let status = match ping {
             Ok(()) => match broken() {
                 None => ServingStatus::Serving,
                 Some(reason) => {
@@ -90,6 +97,46 @@ mod tests {
         });
         let answer = health.check(request).await.unwrap().into_inner();
         health_check_response::ServingStatus::try_from(answer.status).unwrap()
+    }
+
+    /// A database that accepts connections and never answers is not serving, within a ping's
+    /// time: the ping does not wait for the connection to give up.
+    #[tokio::test]
+    async fn a_database_that_never_answers_is_not_serving() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                kept.push(socket);
+            }
+        });
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(600))
+            .connect_lazy(&format!("postgres://u@127.0.0.1:{port}/db"))
+            .unwrap();
+        let reporter = HealthReporter::new();
+        reporter
+            .set_service_status("svc", ServingStatus::Serving)
+            .await;
+        let health = HealthService::from_health_reporter(reporter.clone());
+        let shutdown = CancellationToken::new();
+        let following = tokio::spawn(follow_database(
+            Pool::Postgres(pool),
+            reporter,
+            "svc",
+            Duration::from_secs(60),
+            nothing,
+            shutdown.clone(),
+        ));
+        let deadline = tokio::time::Instant::now() + PING_TIMEOUT + Duration::from_secs(3);
+        while status(&health, "svc").await != health_check_response::ServingStatus::NotServing {
+            assert!(tokio::time::Instant::now() < deadline, "still serving");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        shutdown.cancel();
+        following.abort();
+        held.abort();
     }
 
     /// A database that answers does not make a broken service serving.

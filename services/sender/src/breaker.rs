@@ -135,9 +135,18 @@ impl Breaker {
         self.state().open_until.is_some()
     }
 
-    /// Until when the provider's work is held, if it is now (not once the probe is due).
+    /// Until when the provider's work is held, if it is now: during the hold, and while its
+    /// probe is out (until the next look, as `gate` answers the work it meets then). Between the
+    /// two, the lanes claim the provider's work again, so that one batch becomes the probe.
+    /// Claimed while a probe is out (a stalled connection keeps one out for up to 30 s), every
+    /// batch would only be handed back, every 2 s.
     pub fn held_until(&self, now: Instant) -> Option<Instant> {
-        self.state().open_until.filter(|until| now < *until)
+        let s = self.state();
+        match s.open_until {
+            Some(until) if now < until => Some(until),
+            Some(_) if s.probing => Some(now + FIRST_HOLD),
+            _ => None,
+        }
     }
 }
 
@@ -198,8 +207,13 @@ mod tests {
         assert_eq!(b.held_until(t), Some(t + FIRST_HOLD));
         // At the probe's time the lanes claim the provider's work again.
         assert_eq!(b.held_until(t + FIRST_HOLD), None);
+        // And held again while the probe is out, until its answer.
+        let probing = t + FIRST_HOLD;
+        assert_eq!(b.gate(probing), Gate::Probe);
+        let later = probing + Duration::from_secs(20);
+        assert_eq!(b.held_until(later), Some(later + FIRST_HOLD));
         b.success();
-        assert_eq!(b.held_until(t), None);
+        assert_eq!(b.held_until(later), None);
     }
 
     #[test]
