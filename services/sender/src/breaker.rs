@@ -131,6 +131,14 @@ impl Breaker {
         self.state().probing = false;
     }
 
+    /// Whether the breaker waits for a probe that has not gone out: open, its hold over, none
+    /// in flight. The batch released to be the probe may never reach the provider (its phone was
+    /// removed meanwhile, or its look-up failed), and another is then needed.
+    pub fn awaits_probe(&self, now: Instant) -> bool {
+        let s = self.state();
+        s.open_until.is_some_and(|until| now >= until) && !s.probing
+    }
+
     pub fn is_open(&self) -> bool {
         self.state().open_until.is_some()
     }
@@ -214,6 +222,28 @@ mod tests {
         assert_eq!(b.held_until(later), Some(later + FIRST_HOLD));
         b.success();
         assert_eq!(b.held_until(later), None);
+    }
+
+    #[test]
+    fn a_probe_is_awaited_from_the_holds_end_until_one_goes_out() {
+        let b = Breaker::new("apns");
+        let t = Instant::now();
+        assert!(!b.awaits_probe(t), "closed");
+        for _ in 0..TRIP_AFTER {
+            b.failure(t);
+        }
+        assert!(!b.awaits_probe(t), "held");
+        let due = t + FIRST_HOLD;
+        assert!(b.awaits_probe(due));
+        assert_eq!(b.gate(due), Gate::Probe);
+        assert!(!b.awaits_probe(due), "one is out");
+        b.probe_abandoned();
+        assert!(b.awaits_probe(due), "it told nothing: another is needed");
+        assert_eq!(b.gate(due), Gate::Probe);
+        b.failure(due);
+        assert!(!b.awaits_probe(due), "held again");
+        b.success();
+        assert!(!b.awaits_probe(due + MAX_HOLD), "closed");
     }
 
     #[test]

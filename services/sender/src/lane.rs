@@ -124,7 +124,7 @@ pub struct Sender {
     pub instance: String,
     pub lease_ms: u32,
     pub backoff: Backoff,
-    pub breakers: Breakers,
+    pub breakers: Arc<Breakers>,
 }
 
 /// One circuit breaker per provider.
@@ -160,6 +160,15 @@ impl Breakers {
             }
         }
         (providers, first_end)
+    }
+
+    /// The breaker of `provider`'s work.
+    fn by(&self, provider: queue_pb::Provider) -> &Breaker {
+        if provider == queue_pb::Provider::Apns {
+            &self.apns
+        } else {
+            &self.fcm
+        }
     }
 
     fn of(&self, target: &Target) -> (&Breaker, queue_pb::Provider) {

@@ -106,7 +106,7 @@ pub fn start(
         instance: settings.instance,
         lease_ms: settings.lease_ms,
         backoff: settings.backoff,
-        breakers: Default::default(),
+        breakers: Arc::default(),
     });
     Providers::register_metrics();
     let hard_stop = CancellationToken::new();

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use super::{HELD_FOR, QueueClient, SATURATED_RETRY, Sender, now_ms};
-use crate::breaker::{Breaker, Change, Gate, ProbeGuard};
+use crate::breaker::{Breaker, Change, FIRST_HOLD, Gate, ProbeGuard};
 use crate::payload::Job;
 use crate::providers::Target;
 use crate::report::Reporter;
@@ -189,17 +189,29 @@ impl Sender {
                 // stay held until the provider answers (or their deadline), so a large backlog
                 // is written once, not at every probe.
                 let queue = self.queue.clone();
+                let breakers = self.breakers.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(wait).await;
-                    let probe = queue_pb::HoldProviderRequest {
-                        provider: provider as i32,
-                        release: true,
-                        release_limit: 1,
-                        ..Default::default()
+                    let release = || {
+                        let mut queue = queue.clone();
+                        async move {
+                            let probe = queue_pb::HoldProviderRequest {
+                                provider: provider as i32,
+                                release: true,
+                                release_limit: 1,
+                                ..Default::default()
+                            };
+                            if let Err(status) = queue.hold_provider(probe).await {
+                                tracing::warn!(code = ?status.code(), "could not release a probe");
+                            }
+                        }
                     };
-                    if let Err(status) = queue.clone().hold_provider(probe).await {
-                        tracing::warn!(code = ?status.code(), "could not release a probe");
-                    }
+                    let awaits_probe = || {
+                        breakers
+                            .by(provider)
+                            .awaits_probe(std::time::Instant::now())
+                    };
+                    release_probes(release, awaits_probe, FIRST_HOLD, PROBE_RELEASES).await;
                 });
                 queue_pb::HoldProviderRequest {
                     provider: provider as i32,
@@ -363,6 +375,31 @@ impl Sender {
 
 /// Renews a batch's lease every third of it while its lane works on it, until `done` or the
 /// batch's deadline: past that, nothing will be sent, and the lease is left to lapse.
+/// Probe batches released for one hold at most: with one every `FIRST_HOLD`, until the work's
+/// hold (`HELD_FOR`) ends on its own.
+const PROBE_RELEASES: u32 = 30;
+
+/// Releases one held batch to be the provider's probe, and another each `every` while the
+/// breaker still waits for one (`Breaker::awaits_probe`), up to `times`: a released batch that
+/// never reaches the provider (its phone removed meanwhile, its look-up failed) would otherwise
+/// leave the whole backlog held until its hold ends, a minute, with the provider answering again.
+async fn release_probes<R>(
+    release: impl Fn() -> R,
+    awaits_probe: impl Fn() -> bool,
+    every: Duration,
+    times: u32,
+) where
+    R: Future<Output = ()>,
+{
+    for _ in 0..times {
+        release().await;
+        tokio::time::sleep(every).await;
+        if !awaits_probe() {
+            return;
+        }
+    }
+}
+
 /// Runs `work` while the task `renew` starts keeps its lease. The renewer stops when the work
 /// ends, and also when the work's future is dropped unfinished (its task aborted, or a panic
 /// unwinding through it): an abandoned lease then lapses and another lane takes the batch, where a
@@ -438,6 +475,43 @@ mod tests {
     }
 
     type BoxedRenewer = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+    /// A probe batch is released again while the breaker still waits for a probe, and no more
+    /// once one went out (or the breaker closed or held again).
+    #[tokio::test]
+    async fn probes_are_released_until_one_goes_out() {
+        let released = Arc::new(AtomicUsize::new(0));
+        let release = || {
+            let released = released.clone();
+            async move {
+                released.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        // The first two released batches never reach the gate; the third is the probe.
+        let awaits = || released.load(Ordering::Relaxed) < 3;
+        release_probes(release, awaits, Duration::from_millis(5), 30).await;
+        assert_eq!(released.load(Ordering::Relaxed), 3);
+        // A probe out at once: one release.
+        let released_once = Arc::new(AtomicUsize::new(0));
+        let release = || {
+            let released = released_once.clone();
+            async move {
+                released.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        release_probes(release, || false, Duration::from_millis(5), 30).await;
+        assert_eq!(released_once.load(Ordering::Relaxed), 1);
+        // Never more than `times`.
+        let capped = Arc::new(AtomicUsize::new(0));
+        let release = || {
+            let released = capped.clone();
+            async move {
+                released.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        release_probes(release, || true, Duration::from_millis(5), 4).await;
+        assert_eq!(capped.load(Ordering::Relaxed), 4);
+    }
 
     async fn renewals_go_on(renewals: &AtomicUsize) -> bool {
         let before = renewals.load(Ordering::Relaxed);
