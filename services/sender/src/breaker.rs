@@ -103,9 +103,16 @@ impl Breaker {
 
     /// The provider failed in a way that would fail for everyone.
     pub fn failure(&self, now: Instant) -> Change {
+        self.failure_of(now, true)
+    }
+
+    /// [`Breaker::failure`] of one attempt, saying whether it was the probe: while a probe is
+    /// out, only its own failure holds the work again. A request sent before the breaker opened
+    /// that fails late (a stalled connection timing out) says nothing the trip did not.
+    pub fn failure_of(&self, now: Instant, probe: bool) -> Change {
         let mut s = self.state();
         s.failures = s.failures.saturating_add(1);
-        let reopen = s.probing || (s.open_until.is_none() && s.failures >= TRIP_AFTER);
+        let reopen = (s.probing && probe) || (s.open_until.is_none() && s.failures >= TRIP_AFTER);
         if !reopen {
             return Change::None;
         }
@@ -244,6 +251,24 @@ mod tests {
         assert!(!b.awaits_probe(due), "held again");
         b.success();
         assert!(!b.awaits_probe(due + MAX_HOLD), "closed");
+    }
+
+    #[test]
+    fn while_a_probe_is_out_only_its_own_failure_holds_again() {
+        let b = Breaker::new("apns");
+        let t = Instant::now();
+        for _ in 0..TRIP_AFTER {
+            b.failure(t);
+        }
+        let due = t + FIRST_HOLD;
+        assert_eq!(b.gate(due), Gate::Probe);
+        // A request from before the trip times out now: the probe is still the one out.
+        assert_eq!(b.failure_of(due, false), Change::None);
+        assert!(matches!(b.gate(due), Gate::Hold(_)), "no second probe");
+        assert_eq!(
+            b.failure_of(due, true),
+            Change::Opened(due + FIRST_HOLD * 2)
+        );
     }
 
     #[test]

@@ -152,7 +152,9 @@ impl Sender {
             tokio::time::timeout(left, self.providers.send(job, &target, now, &self.counters))
                 .await
                 .unwrap_or_else(|_| Verdict::unanswered("deadline"));
-        let recorded = self.record_health(breaker, provider, &verdict).await;
+        let recorded = self
+            .record_health(breaker, provider, &verdict, probe.is_some())
+            .await;
         if let Some(probe) = probe.filter(|_| recorded) {
             probe.recorded();
         }
@@ -166,6 +168,7 @@ impl Sender {
         breaker: &Breaker,
         provider: queue_pb::Provider,
         verdict: &Verdict,
+        probe: bool,
     ) -> bool {
         let change = match verdict {
             // APNs throttles one device token this way, and refuses our own provider token once it
@@ -175,7 +178,7 @@ impl Sender {
             {
                 return false;
             }
-            Verdict::Retry { .. } => breaker.failure(std::time::Instant::now()),
+            Verdict::Retry { .. } => breaker.failure_of(std::time::Instant::now(), probe),
             // Not-configured failures say nothing of the provider.
             Verdict::Failed(reason) if reason.ends_with("_not_configured") => return false,
             _ => breaker.success(),
