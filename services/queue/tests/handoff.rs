@@ -309,6 +309,64 @@ async fn a_claim_whose_commit_answer_is_lost_gives_back_what_it_leased_postgres(
     assert_eq!(phones, ["phone-1"], "given back, due again at once");
 }
 
+/// A hand-back that waits for a claim's rows (a transaction whose client is gone can hold them for
+/// long) holds none of the hosts' locks meanwhile: the host's admissions go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hand_back_waiting_for_a_claims_rows_keeps_no_admission_waiting_postgres() {
+    use orca_push_storage::DatabaseConfig;
+    use secrecy::ExposeSecret as _;
+    use sqlx::Connection as _;
+
+    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
+    let DatabaseConfig::Postgres { url } = &config else {
+        unreachable!("a PostgreSQL database")
+    };
+    let url = url.expose_secret().to_owned();
+    let h = harness_on(config.clone(), guard, 0).await;
+    h.admit(&alert(1, &["phone-1"])).await;
+    let claimed = h.claim_all().await;
+    assert_eq!(claimed.len(), 1);
+    // A claim's transaction still open on the server, its row locked.
+    let mut zombie = sqlx::PgConnection::connect(&url).await.unwrap();
+    let schema = orca_push_queue::STORAGE.postgres_schema;
+    sqlx::query(&format!("SET search_path TO {schema}"))
+        .execute(&mut zombie)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut zombie).await.unwrap();
+    sqlx::query("SELECT 1 FROM push_delivery_batches WHERE batch_id = $1 FOR UPDATE")
+        .bind(&claimed[0].batch_id)
+        .execute(&mut zombie)
+        .await
+        .unwrap();
+    let giving = {
+        let queue = h.queue.clone();
+        let wake = h.wake.clone();
+        let claimed = claimed.clone();
+        tokio::spawn(async move {
+            let now = i64::try_from(T0).unwrap();
+            orca_push_queue::handoff::hand_back(queue.store(), &wake, &claimed, now).await;
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let admitted = tokio::time::timeout(Duration::from_secs(5), h.admit(&alert(2, &["phone-2"])))
+        .await
+        .expect("the host's admission waited for the hand-back");
+    assert_eq!(admitted, [orca_push_queue::model::AdmissionStatus::Queued]);
+    sqlx::query("ROLLBACK").execute(&mut zombie).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), giving)
+        .await
+        .expect("the hand-back ends once the rows are free")
+        .unwrap();
+    let phones: Vec<String> = h
+        .claim_all()
+        .await
+        .into_iter()
+        .map(|b| b.registration_id)
+        .collect();
+    assert!(phones.contains(&"phone-1".to_owned()), "{phones:?}");
+}
+
 /// A TCP proxy in front of PostgreSQL that, once armed, cuts the connection of the next client
 /// to send a `COMMIT`: it closes the client's side at once, sends the `COMMIT` on to the server
 /// `COMMIT_LATE` later, and waits for the server's word that it committed, which it keeps. The

@@ -27,6 +27,19 @@ pub enum Gate {
     Hold(Instant),
 }
 
+/// Where an open breaker's probe stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeWait {
+    /// Open, its hold over, and no probe out: the batch released to be the probe never reached
+    /// the provider (its phone was removed meanwhile, its look-up failed), or the probe ended
+    /// telling nothing. Another is needed.
+    Needed,
+    /// A probe is out.
+    Out,
+    /// Closed, or holding the work until a later time: nothing to release now.
+    Done,
+}
+
 /// What a reported result changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Change {
@@ -138,12 +151,14 @@ impl Breaker {
         self.state().probing = false;
     }
 
-    /// Whether the breaker waits for a probe that has not gone out: open, its hold over, none
-    /// in flight. The batch released to be the probe may never reach the provider (its phone was
-    /// removed meanwhile, or its look-up failed), and another is then needed.
-    pub fn awaits_probe(&self, now: Instant) -> bool {
+    /// What the breaker waits for now, as far as probes go (see [`ProbeWait`]).
+    pub fn probe_wait(&self, now: Instant) -> ProbeWait {
         let s = self.state();
-        s.open_until.is_some_and(|until| now >= until) && !s.probing
+        match s.open_until {
+            Some(until) if now >= until && s.probing => ProbeWait::Out,
+            Some(until) if now >= until => ProbeWait::Needed,
+            _ => ProbeWait::Done,
+        }
     }
 
     pub fn is_open(&self) -> bool {
@@ -235,22 +250,22 @@ mod tests {
     fn a_probe_is_awaited_from_the_holds_end_until_one_goes_out() {
         let b = Breaker::new("apns");
         let t = Instant::now();
-        assert!(!b.awaits_probe(t), "closed");
+        assert_eq!(b.probe_wait(t), ProbeWait::Done, "closed");
         for _ in 0..TRIP_AFTER {
             b.failure(t);
         }
-        assert!(!b.awaits_probe(t), "held");
+        assert_eq!(b.probe_wait(t), ProbeWait::Done, "held");
         let due = t + FIRST_HOLD;
-        assert!(b.awaits_probe(due));
+        assert_eq!(b.probe_wait(due), ProbeWait::Needed);
         assert_eq!(b.gate(due), Gate::Probe);
-        assert!(!b.awaits_probe(due), "one is out");
+        assert_eq!(b.probe_wait(due), ProbeWait::Out);
         b.probe_abandoned();
-        assert!(b.awaits_probe(due), "it told nothing: another is needed");
+        assert_eq!(b.probe_wait(due), ProbeWait::Needed, "it told nothing");
         assert_eq!(b.gate(due), Gate::Probe);
         b.failure(due);
-        assert!(!b.awaits_probe(due), "held again");
+        assert_eq!(b.probe_wait(due), ProbeWait::Done, "held again");
         b.success();
-        assert!(!b.awaits_probe(due + MAX_HOLD), "closed");
+        assert_eq!(b.probe_wait(due + MAX_HOLD), ProbeWait::Done, "closed");
     }
 
     #[test]

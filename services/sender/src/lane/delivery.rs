@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use super::{HELD_FOR, QueueClient, SATURATED_RETRY, Sender, now_ms};
-use crate::breaker::{Breaker, Change, FIRST_HOLD, Gate, ProbeGuard};
+use crate::breaker::{Breaker, Change, FIRST_HOLD, Gate, ProbeGuard, ProbeWait};
 use crate::payload::Job;
 use crate::providers::Target;
 use crate::report::Reporter;
@@ -209,12 +209,8 @@ impl Sender {
                             }
                         }
                     };
-                    let awaits_probe = || {
-                        breakers
-                            .by(provider)
-                            .awaits_probe(std::time::Instant::now())
-                    };
-                    release_probes(release, awaits_probe, FIRST_HOLD, PROBE_RELEASES).await;
+                    let wait = || breakers.by(provider).probe_wait(std::time::Instant::now());
+                    release_probes(release, wait, FIRST_HOLD, PROBE_RELEASES).await;
                 });
                 queue_pb::HoldProviderRequest {
                     provider: provider as i32,
@@ -376,29 +372,31 @@ impl Sender {
     }
 }
 
-/// Renews a batch's lease every third of it while its lane works on it, until `done` or the
-/// batch's deadline: past that, nothing will be sent, and the lease is left to lapse.
-/// Probe batches released for one hold at most: with one every `FIRST_HOLD`, until the work's
-/// hold (`HELD_FOR`) ends on its own.
+/// How many times one hold's probe task looks, every `FIRST_HOLD`: until the work's hold
+/// (`HELD_FOR`) ends on its own.
 const PROBE_RELEASES: u32 = 30;
 
-/// Releases one held batch to be the provider's probe, and another each `every` while the
-/// breaker still waits for one (`Breaker::awaits_probe`), up to `times`: a released batch that
-/// never reaches the provider (its phone removed meanwhile, its look-up failed) would otherwise
-/// leave the whole backlog held until its hold ends, a minute, with the provider answering again.
+/// Releases one held batch to be the provider's probe, then looks every `every` (at most `times`
+/// times) and releases another whenever the breaker waits for one again (`ProbeWait::Needed`): a
+/// released batch that never reaches the provider (its phone removed meanwhile, its look-up
+/// failed), or a probe that ends telling nothing, would otherwise leave the whole backlog held
+/// until its hold ends, a minute, with the provider answering again. Ends once the breaker
+/// closes or holds the work again (a new hold releases its own probes).
 async fn release_probes<R>(
     release: impl Fn() -> R,
-    awaits_probe: impl Fn() -> bool,
+    wait: impl Fn() -> ProbeWait,
     every: Duration,
     times: u32,
 ) where
     R: Future<Output = ()>,
 {
-    for _ in 0..times {
-        release().await;
+    release().await;
+    for _ in 1..times {
         tokio::time::sleep(every).await;
-        if !awaits_probe() {
-            return;
+        match wait() {
+            ProbeWait::Done => return,
+            ProbeWait::Out => {}
+            ProbeWait::Needed => release().await,
         }
     }
 }
@@ -423,6 +421,8 @@ where
     outcome
 }
 
+/// Renews a batch's lease every third of it while its lane works on it, until `done` or the
+/// batch's deadline: past that, nothing will be sent, and the lease is left to lapse.
 async fn renew_lease(
     queue: QueueClient,
     batch_id: String,
@@ -479,41 +479,35 @@ mod tests {
 
     type BoxedRenewer = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
-    /// A probe batch is released again while the breaker still waits for a probe, and no more
-    /// once one went out (or the breaker closed or held again).
+    /// A probe batch is released again whenever the breaker waits for a probe, not while one is
+    /// out, and no more once the breaker closed or held the work again.
     #[tokio::test]
     async fn probes_are_released_until_one_goes_out() {
-        let released = Arc::new(AtomicUsize::new(0));
-        let release = || {
-            let released = released.clone();
-            async move {
-                released.fetch_add(1, Ordering::Relaxed);
-            }
+        let run = |answers: Vec<ProbeWait>, times| async move {
+            let released = Arc::new(AtomicUsize::new(0));
+            let looked = AtomicUsize::new(0);
+            let release = || {
+                let released = released.clone();
+                async move {
+                    released.fetch_add(1, Ordering::Relaxed);
+                }
+            };
+            let wait = || {
+                let at = looked.fetch_add(1, Ordering::Relaxed);
+                answers.get(at).copied().unwrap_or(ProbeWait::Done)
+            };
+            release_probes(release, wait, Duration::from_millis(5), times).await;
+            released.load(Ordering::Relaxed)
         };
-        // The first two released batches never reach the gate; the third is the probe.
-        let awaits = || released.load(Ordering::Relaxed) < 3;
-        release_probes(release, awaits, Duration::from_millis(5), 30).await;
-        assert_eq!(released.load(Ordering::Relaxed), 3);
-        // A probe out at once: one release.
-        let released_once = Arc::new(AtomicUsize::new(0));
-        let release = || {
-            let released = released_once.clone();
-            async move {
-                released.fetch_add(1, Ordering::Relaxed);
-            }
-        };
-        release_probes(release, || false, Duration::from_millis(5), 30).await;
-        assert_eq!(released_once.load(Ordering::Relaxed), 1);
-        // Never more than `times`.
-        let capped = Arc::new(AtomicUsize::new(0));
-        let release = || {
-            let released = capped.clone();
-            async move {
-                released.fetch_add(1, Ordering::Relaxed);
-            }
-        };
-        release_probes(release, || true, Duration::from_millis(5), 4).await;
-        assert_eq!(capped.load(Ordering::Relaxed), 4);
+        use ProbeWait::{Done, Needed, Out};
+        // The first two never reach the gate; the third is the probe, and it closes the breaker.
+        assert_eq!(run(vec![Needed, Needed, Out, Done], 30).await, 3);
+        // A probe out at once, and answered.
+        assert_eq!(run(vec![Out, Done], 30).await, 1);
+        // A probe out, then ended telling nothing: another goes.
+        assert_eq!(run(vec![Out, Out, Needed, Out, Done], 30).await, 2);
+        // Never more than `times` looks.
+        assert_eq!(run(vec![Needed; 10], 4).await, 4);
     }
 
     async fn renewals_go_on(renewals: &AtomicUsize) -> bool {

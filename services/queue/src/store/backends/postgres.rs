@@ -292,30 +292,31 @@ impl PgQueueStore {
         Ok(tx)
     }
 
-    /// `QueueStore::settle_hosts`: takes the hosts' locks (`LOCK_HOSTS_SQL`), which wait for any
-    /// transaction holding them, and lets them go; nothing is written.
+    /// `QueueStore::settle`: takes the batches' rows shared (`SHARE_BATCHES_SQL`), then the
+    /// hosts' locks (`LOCK_HOSTS_SQL`), each in a transaction of its own that waits for whatever
+    /// holds them and lets them go; nothing is written. Apart, so that a wait for a claim's rows
+    /// (which a transaction whose client is gone may hold for long) never holds hosts' locks that
+    /// admissions need; and each wait ends on the server too (`lock_timeout`), not only on the
+    /// caller's side, as `handoff::hand_back` gives up.
     pub(in crate::store) async fn wait_for_locks(
         &self,
         hosts: &[&str],
         batches: &[&str],
     ) -> Result<(), QueueError> {
-        if hosts.is_empty() && batches.is_empty() {
-            return Ok(());
-        }
-        let mut tx = self.pool.begin().await?;
-        if !hosts.is_empty() {
-            sqlx::query(Self::LOCK_HOSTS_SQL)
-                .bind(hosts)
+        for (sql, keys) in [
+            (Self::SHARE_BATCHES_SQL, batches),
+            (Self::LOCK_HOSTS_SQL, hosts),
+        ] {
+            if keys.is_empty() {
+                continue;
+            }
+            let mut tx = self.pool.begin().await?;
+            sqlx::query(Self::SETTLE_LOCK_TIMEOUT_SQL)
                 .execute(&mut *tx)
                 .await?;
+            sqlx::query(sql).bind(keys).execute(&mut *tx).await?;
+            tx.rollback().await?;
         }
-        if !batches.is_empty() {
-            sqlx::query(Self::SHARE_BATCHES_SQL)
-                .bind(batches)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.rollback().await?;
         Ok(())
     }
 
@@ -323,6 +324,11 @@ impl PgQueueStore {
     /// shared until the caller's transaction ends.
     const SHARE_BATCHES_SQL: &'static str =
         "SELECT 1 FROM push_delivery_batches WHERE batch_id = ANY($1) FOR SHARE";
+
+    /// A settling wait's limit on the server (`handoff::SETTLE_AT_MOST`, 30 s), unless the
+    /// operator set one (which may be shorter).
+    const SETTLE_LOCK_TIMEOUT_SQL: &'static str = "SELECT set_config('lock_timeout', '30s', true) \
+         WHERE current_setting('lock_timeout') = '0'";
 
     /// After a round's `BEGIN` that the server refused on a live connection: its locks failed (a
     /// `lock_timeout` or `statement_timeout` the operator set, a cancelled wait), or an earlier
