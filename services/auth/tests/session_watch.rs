@@ -56,15 +56,7 @@ async fn prove(auth: &HostAuth<AnyAuthStore>, seed: u8) -> (String, Vec<u8>, Str
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_login_whose_caller_left_mid_commit_is_still_announced() {
     let (config, _guard) = fresh(Backend::Sqlite).await;
-    let auth = replica(
-        AnyAuthStore::new(open_and_migrate(&config).await.unwrap()),
-        Announcer::ThisProcess,
-    );
-    let shutdown = CancellationToken::new();
-    tokio::spawn(session_watch::heartbeat(
-        auth.session_news().unwrap(),
-        shutdown.clone(),
-    ));
+    let (auth, shutdown) = announcing_on_sqlite(&config).await;
     let host = log_in(&auth, 3).await;
     let mut news = auth.watch_sessions().unwrap();
     let (challenge_id, proof, _) = prove(&auth, 3).await;
@@ -96,6 +88,23 @@ async fn a_login_whose_caller_left_mid_commit_is_still_announced() {
     shutdown.cancel();
 }
 
+/// Auth on the SQLite database of `config`, announcing what it mints, its heartbeat running
+/// until the token is cancelled.
+async fn announcing_on_sqlite(
+    config: &orca_push_storage::DatabaseConfig,
+) -> (Arc<HostAuth<AnyAuthStore>>, CancellationToken) {
+    let auth = replica(
+        AnyAuthStore::new(open_and_migrate(config).await.unwrap()),
+        Announcer::ThisProcess,
+    );
+    let shutdown = CancellationToken::new();
+    tokio::spawn(session_watch::heartbeat(
+        auth.session_news().unwrap(),
+        shutdown.clone(),
+    ));
+    (auth, shutdown)
+}
+
 /// The next news other than a heartbeat, waiting at most 5 s.
 async fn next_replacement(news: &mut Receiver<SessionNews>) -> SessionNews {
     tokio::time::timeout(Duration::from_secs(5), async {
@@ -113,15 +122,7 @@ async fn next_replacement(news: &mut Receiver<SessionNews>) -> SessionNews {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite_this_process_announces_the_sessions_it_mints() {
     let (config, _guard) = fresh(Backend::Sqlite).await;
-    let auth = replica(
-        AnyAuthStore::new(open_and_migrate(&config).await.unwrap()),
-        Announcer::ThisProcess,
-    );
-    let shutdown = CancellationToken::new();
-    tokio::spawn(session_watch::heartbeat(
-        auth.session_news().unwrap(),
-        shutdown.clone(),
-    ));
+    let (auth, shutdown) = announcing_on_sqlite(&config).await;
     let mut news = auth.watch_sessions().unwrap();
     let heard = tokio::time::timeout(Duration::from_secs(1), news.recv()).await;
     assert_eq!(heard.unwrap().unwrap(), SessionNews::Heard);

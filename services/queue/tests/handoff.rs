@@ -163,14 +163,9 @@ async fn orphans_given_back_from_a_thread_without_a_runtime_are_due_again(backen
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hand_back_that_cannot_wait_for_its_hosts_gives_back_on_its_last_try_postgres() {
     use orca_push_storage::DatabaseConfig;
-    use secrecy::ExposeSecret as _;
     use sqlx::Connection as _;
 
-    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
-    let DatabaseConfig::Postgres { url } = &config else {
-        unreachable!("a PostgreSQL database")
-    };
-    let url = url.expose_secret().to_owned();
+    let (_, guard, url) = fresh_postgres().await;
     let impatient = DatabaseConfig::Postgres {
         url: format!("{url}?options=-c%20lock_timeout%3D100").into(),
     };
@@ -203,18 +198,8 @@ async fn a_hand_back_that_cannot_wait_for_its_hosts_gives_back_on_its_last_try_p
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
     use orca_push_queue::model::AdmissionStatus;
-    use orca_push_storage::DatabaseConfig;
-    use secrecy::ExposeSecret as _;
 
-    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
-    let DatabaseConfig::Postgres { url } = &config else {
-        unreachable!("a PostgreSQL database")
-    };
-    let cutter = CommitCutter::start(url.expose_secret()).await;
-    let proxied = DatabaseConfig::Postgres {
-        url: cutter.url.clone().into(),
-    };
-    let h = harness_on(proxied, guard, 0).await;
+    let (h, cutter) = harness_behind_a_commit_cutter().await;
     let queue = h.queue.clone();
     let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, LEASE, 10_000).await });
     for _ in 0..100 {
@@ -273,18 +258,7 @@ async fn a_commit_whose_answer_is_lost_gives_back_what_it_handed_postgres() {
 /// until its lease lapses (on the manual clock, never in this test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_claim_whose_commit_answer_is_lost_gives_back_what_it_leased_postgres() {
-    use orca_push_storage::DatabaseConfig;
-    use secrecy::ExposeSecret as _;
-
-    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
-    let DatabaseConfig::Postgres { url } = &config else {
-        unreachable!("a PostgreSQL database")
-    };
-    let cutter = CommitCutter::start(url.expose_secret()).await;
-    let proxied = DatabaseConfig::Postgres {
-        url: cutter.url.clone().into(),
-    };
-    let h = harness_on(proxied, guard, 0).await;
+    let (h, cutter) = harness_behind_a_commit_cutter().await;
     h.admit(&alert(1, &["phone-1"])).await;
     cutter.arm();
     let answer = h.queue.claim("lane-a", 64, LEASE, 0).await;
@@ -313,15 +287,9 @@ async fn a_claim_whose_commit_answer_is_lost_gives_back_what_it_leased_postgres(
 /// long) holds none of the hosts' locks meanwhile: the host's admissions go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hand_back_waiting_for_a_claims_rows_keeps_no_admission_waiting_postgres() {
-    use orca_push_storage::DatabaseConfig;
-    use secrecy::ExposeSecret as _;
     use sqlx::Connection as _;
 
-    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
-    let DatabaseConfig::Postgres { url } = &config else {
-        unreachable!("a PostgreSQL database")
-    };
-    let url = url.expose_secret().to_owned();
+    let (config, guard, url) = fresh_postgres().await;
     let h = harness_on(config.clone(), guard, 0).await;
     h.admit(&alert(1, &["phone-1"])).await;
     let claimed = h.claim_all().await;
@@ -365,6 +333,33 @@ async fn a_hand_back_waiting_for_a_claims_rows_keeps_no_admission_waiting_postgr
         .map(|b| b.registration_id)
         .collect();
     assert!(phones.contains(&"phone-1".to_owned()), "{phones:?}");
+}
+
+/// A fresh PostgreSQL database: its configuration, its guard and its URL.
+async fn fresh_postgres() -> (
+    orca_push_storage::DatabaseConfig,
+    orca_push_storage::testing::TestDbGuard,
+    String,
+) {
+    use secrecy::ExposeSecret as _;
+    let (config, guard) = orca_push_storage::testing::fresh(Backend::Postgres).await;
+    let orca_push_storage::DatabaseConfig::Postgres { url } = &config else {
+        unreachable!("a PostgreSQL database")
+    };
+    let url = url.expose_secret().to_owned();
+    (config, guard, url)
+}
+
+/// A queue on a fresh PostgreSQL database, reached through a [`CommitCutter`] (not yet armed).
+async fn harness_behind_a_commit_cutter() -> (Harness, CommitCutter) {
+    use orca_push_storage::DatabaseConfig;
+
+    let (_, guard, url) = fresh_postgres().await;
+    let cutter = CommitCutter::start(&url).await;
+    let proxied = DatabaseConfig::Postgres {
+        url: cutter.url.clone().into(),
+    };
+    (harness_on(proxied, guard, 0).await, cutter)
 }
 
 /// A TCP proxy in front of PostgreSQL that, once armed, cuts the connection of the next client
