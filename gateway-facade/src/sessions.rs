@@ -30,6 +30,7 @@ pub const TRUST_VALID_FOR: Duration = Duration::from_secs(1);
 /// that a busy host costs a look-up twice a minute, short enough that auth still refreshes the
 /// host's last contact (once a minute) about as often as before.
 pub const WATCHED_TRUST_FOR: Duration = Duration::from_secs(30);
+const WATCHED_TRUST_MS: u64 = WATCHED_TRUST_FOR.as_millis() as u64;
 /// The watch vouches only while heard from this recently (auth's heartbeat is every 200 ms).
 pub const WATCH_SILENCE: Duration = Duration::from_millis(600);
 /// How long to wait before opening the watch again after it ended or was refused.
@@ -264,10 +265,14 @@ impl SessionCheck {
                 None
             }
             Verdict::Host { .. } if age < TRUST_VALID_FOR => Some(entry.verdict.clone()),
-            Verdict::Host { .. }
+            // Not within the watched trust of its expiry: the watch announces replacements, not
+            // expiries, and the expiry is auth's time, which this clock may trail. Near it, each
+            // second's look-up lets auth's clock decide.
+            Verdict::Host { expires_at_ms, .. }
                 if age < WATCHED_TRUST_FOR
                     && entry.watched_by.is_some()
-                    && entry.watched_by == self.watch.live() =>
+                    && entry.watched_by == self.watch.live()
+                    && now_ms.saturating_add(WATCHED_TRUST_MS) < *expires_at_ms =>
             {
                 Some(entry.verdict.clone())
             }
@@ -589,6 +594,26 @@ mod tests {
         // Swept only once the watched trust runs out.
         check.sweep();
         assert_eq!(check.len(), 1);
+    }
+
+    /// Within the watched trust of its expiry a session is back on the one-second rule: auth,
+    /// whose clock set the expiry, says when it has passed, however this clock trails auth's.
+    #[tokio::test]
+    async fn a_session_near_its_expiry_is_asked_about_each_second_even_when_watched() {
+        let (check, key) = check(10);
+        let token = key.mint().unwrap();
+        let calls = AtomicUsize::new(0);
+        let near = now_ms() + 10_000;
+        check.watch.opened();
+        check.watch.heard(&pb::SessionEvent::default());
+        counted(&check, &token, &calls, host(near)).await.unwrap();
+        heartbeats(&check, TRUST_VALID_FOR + Duration::from_millis(200)).await;
+        // Expired by auth's clock, which runs ahead of this one.
+        assert_eq!(
+            counted(&check, &token, &calls, Verdict::Expired).await,
+            Ok(Verdict::Expired)
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
