@@ -127,10 +127,12 @@ pub struct Sender {
     pub breakers: Arc<Breakers>,
 }
 
-/// One circuit breaker per provider.
+/// One circuit breaker per provider, and one more for APNs's sandbox: its endpoint fails apart
+/// from production's (separate hosts, separate connections).
 #[derive(Debug)]
 pub struct Breakers {
     pub apns: Breaker,
+    pub apns_sandbox: Breaker,
     pub fcm: Breaker,
 }
 
@@ -138,6 +140,7 @@ impl Default for Breakers {
     fn default() -> Self {
         Self {
             apns: Breaker::new("apns"),
+            apns_sandbox: Breaker::new("apns_sandbox"),
             fcm: Breaker::new("fcm"),
         }
     }
@@ -171,11 +174,17 @@ impl Breakers {
         }
     }
 
-    fn of(&self, target: &Target) -> (&Breaker, queue_pb::Provider) {
-        if target.provider() == "apns" {
-            (&self.apns, queue_pb::Provider::Apns)
+    /// The breaker of `target`'s endpoint, and the provider whose queued work it holds: none for
+    /// APNs's sandbox, whose batches the queue does not tell from production's (a failing sandbox
+    /// must not hold production's work). While the sandbox's breaker is open, its batches are
+    /// handed back one by one until its probe is due (development phones: a few).
+    fn of(&self, target: &Target) -> (&Breaker, Option<queue_pb::Provider>) {
+        if target.provider() != "apns" {
+            (&self.fcm, Some(queue_pb::Provider::Fcm))
+        } else if target.apns_environment == registry_pb::ApnsEnvironment::Sandbox as i32 {
+            (&self.apns_sandbox, None)
         } else {
-            (&self.fcm, queue_pb::Provider::Fcm)
+            (&self.apns, Some(queue_pb::Provider::Apns))
         }
     }
 }
@@ -515,6 +524,33 @@ mod tests {
         let mut ids: Vec<&str> = found.keys().map(String::as_str).collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// APNs's sandbox endpoint failing for everyone opens a breaker of its own: production's
+    /// iOS work goes on, and no provider's work is held in the queue for it.
+    #[test]
+    fn a_failing_apns_sandbox_holds_no_production_work() {
+        use crate::breaker::{Gate, TRIP_AFTER};
+        let breakers = Breakers::default();
+        let ios = |environment: registry_pb::ApnsEnvironment| Target {
+            platform: registry_pb::Platform::Ios as i32,
+            token: "aa".into(),
+            apns_environment: environment as i32,
+        };
+        let now = std::time::Instant::now();
+        let (sandbox, held) = breakers.of(&ios(registry_pb::ApnsEnvironment::Sandbox));
+        assert_eq!(held, None);
+        for _ in 0..TRIP_AFTER {
+            sandbox.failure(now);
+        }
+        assert!(matches!(sandbox.gate(now), Gate::Hold(_)));
+        let (production, held) = breakers.of(&ios(registry_pb::ApnsEnvironment::Production));
+        assert_eq!(held, Some(queue_pb::Provider::Apns));
+        assert_eq!(production.gate(now), Gate::Pass);
+        assert!(
+            breakers.held(now).0.is_empty(),
+            "the lanes skip no provider"
+        );
     }
 
     #[test]

@@ -166,7 +166,7 @@ impl Sender {
     async fn record_health(
         &self,
         breaker: &Breaker,
-        provider: queue_pb::Provider,
+        provider: Option<queue_pb::Provider>,
         verdict: &Verdict,
         probe: bool,
     ) -> bool {
@@ -182,6 +182,11 @@ impl Sender {
             // Not-configured failures say nothing of the provider.
             Verdict::Failed(reason) if reason.ends_with("_not_configured") => return false,
             _ => breaker.success(),
+        };
+        // A breaker whose work the queue cannot hold apart (APNs's sandbox) holds it batch by
+        // batch, at its gate.
+        let Some(provider) = provider else {
+            return true;
         };
         let now = now_ms(&*self.clock);
         let request = match change {
