@@ -193,3 +193,31 @@ fn the_readme_environment_table_lists_every_variable_the_gateway_reads() {
         "in the README's table but read nowhere: {unknown:?}"
     );
 }
+
+/// The database URL Terraform stores for Cloud Run, its interpolations filled in, is one the
+/// gateway can read: with credentials and no host (the socket given only as `?host=`) it could
+/// not, and the migrate job and every service would fail at their first connect.
+#[test]
+fn terraforms_database_url_is_one_the_gateway_can_read() {
+    let main = read("deploy/terraform/main.tf");
+    let line = main
+        .lines()
+        .find(|l| l.trim_start().starts_with("secret_data") && l.contains("postgres://"))
+        .expect("main.tf stores the database URL");
+    let template = line.split('"').nth(1).expect("the URL is a quoted string");
+    let mut url = String::new();
+    let mut rest = template;
+    while let Some(at) = rest.find("${") {
+        url.push_str(&rest[..at]);
+        let end = rest[at..].find('}').expect("an interpolation ends") + at;
+        url.push_str(if rest[at..end].contains("password") {
+            "Abc123xyz"
+        } else {
+            "project:region:instance"
+        });
+        rest = &rest[end + 1..];
+    }
+    url.push_str(rest);
+    assert!(url.starts_with("postgres://"), "{url}");
+    orca_push_storage::check_postgres_url(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+}

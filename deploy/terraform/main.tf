@@ -119,7 +119,7 @@ resource "google_secret_manager_secret" "runtime" {
 
 resource "google_secret_manager_secret_version" "database_url" {
   secret      = google_secret_manager_secret.runtime["orca-cloud-push-database-url"].id
-  secret_data = "postgres://orca_push:${random_password.db.result}@/orca_push?host=/cloudsql/${google_sql_database_instance.push.connection_name}"
+  secret_data = "postgres://orca_push:${random_password.db.result}@localhost/orca_push?host=/cloudsql/${google_sql_database_instance.push.connection_name}"
 }
 
 resource "google_secret_manager_secret_version" "internal_key" {

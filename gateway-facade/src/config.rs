@@ -226,6 +226,12 @@ impl Config {
                         "must be a postgres:// URL (leave it unset for SQLite)",
                     ));
                 }
+                orca_push_storage::check_postgres_url(&url).map_err(|reason| {
+                    invalid(
+                        "ORCA_PUSH_DATABASE_URL",
+                        format!("cannot be read as a PostgreSQL URL: {reason}"),
+                    )
+                })?;
                 DatabaseConfig::Postgres { url: url.into() }
             }
             None => DatabaseConfig::Sqlite {
@@ -544,6 +550,25 @@ mod tests {
     }
 
     #[test]
+    fn a_database_url_sqlx_cannot_read_stops_start_up_naming_its_variable() {
+        // Credentials with an empty host (a Unix socket given only as `?host=`): URLs cannot
+        // have them, and before this check the gateway started and failed at its first connect.
+        let error = config(&[(
+            "ORCA_PUSH_DATABASE_URL",
+            "postgres://orca:hunter2@/orca?host=/cloudsql/project:region:db",
+        )])
+        .unwrap_err();
+        assert_eq!(error.variable, "ORCA_PUSH_DATABASE_URL");
+        assert!(!error.reason.contains("hunter2"), "{}", error.reason);
+        for url in [
+            "postgres://orca:hunter2@localhost/orca?host=/cloudsql/project:region:db",
+            "postgres://orca@%2Fvar%2Frun%2Fpostgresql/orca",
+        ] {
+            config(&[("ORCA_PUSH_DATABASE_URL", url)]).unwrap();
+        }
+    }
+
+    #[test]
     fn debug_output_never_shows_a_secret() {
         let c = config(&[
             ("ORCA_PUSH_DATABASE_URL", "postgres://orca:hunter2@db/orca"),
@@ -685,6 +710,15 @@ mod tests {
             ("ORCA_PUSH_PUBLIC_URL", "http://push.example.com"),
             ("ORCA_PUSH_PUBLIC_URL", "push.example.com"),
             ("ORCA_PUSH_PUBLIC_URL", "https://push.example.com:99999"),
+            // Not as hosts write an origin into their check of the transcript: every login
+            // would be refused.
+            ("ORCA_PUSH_PUBLIC_URL", "https://push.example.com:443"),
+            ("ORCA_PUSH_PUBLIC_URL", "https://Push.Example.com"),
+            ("ORCA_PUSH_PUBLIC_URL", "http://[0:0::1]:8080"),
+            (
+                "ORCA_PUSH_DATABASE_URL",
+                "postgres://orca:pw@/orca?host=/run/db",
+            ),
             ("ORCA_PUSH_DATABASE_URL", "mysql://x"),
             ("ORCA_PUSH_MODE", "staging"),
             ("ORCA_PUSH_TRUSTED_PROXY_HOPS", "-1"),

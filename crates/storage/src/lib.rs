@@ -249,6 +249,14 @@ pub const PING_IDLE_AFTER: Duration = Duration::from_secs(1);
 /// timeout) is replaced rather than failing the next statement.
 pub fn postgres_pool_options() -> PgPoolOptions {
     PgPoolOptions::new()
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query(BOUND_IDLE_TRANSACTIONS)
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+        })
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
@@ -257,6 +265,29 @@ pub fn postgres_pool_options() -> PgPoolOptions {
                 }
                 Ok(true)
             })
+        })
+}
+
+/// Run on every new PostgreSQL connection: a transaction left idle for 30 s is ended by the server,
+/// unless the operator chose a bound of their own (the URL's `options`, the role's or database's
+/// settings). A gateway whose connection dies without a word (a frozen VM, a NAT that forgot it)
+/// leaves its server session in its transaction, holding its locks, until TCP keepalive notices,
+/// some two hours by default; an admission round holds its hosts' locks, and every other replica's
+/// round for those hosts, with everything behind it on that replica's one writer, would wait.
+/// None of the gateway's transactions waits on anything but the server.
+const BOUND_IDLE_TRANSACTIONS: &str = "SELECT set_config('idle_in_transaction_session_timeout', \
+     '30s', false) WHERE current_setting('idle_in_transaction_session_timeout') = '0'";
+
+/// Whether sqlx can read `url` as a PostgreSQL connection URL, checked at start-up so that a
+/// URL it cannot read stops the gateway naming its variable. The error never holds the URL (it
+/// may hold a password). A Unix socket goes in the `host` parameter or, percent-encoded, as the
+/// host: `postgres://user:pw@/db?host=/sock` has credentials and no host, which URLs cannot have.
+pub fn check_postgres_url(url: &str) -> Result<(), String> {
+    PgConnectOptions::from_str(url)
+        .map(drop)
+        .map_err(|error| match error {
+            sqlx::Error::Configuration(cause) => cause.to_string(),
+            _ => "cannot be read as a PostgreSQL URL".to_owned(),
         })
 }
 
@@ -296,6 +327,30 @@ pub fn db_span(system: &'static str, operation: &'static str) -> tracing::Span {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every pooled PostgreSQL connection bounds its idle transactions, unless the operator did.
+    #[tokio::test]
+    async fn postgresql_connections_end_transactions_left_idle_unless_the_operator_chose() {
+        let url = std::env::var("ORCA_PUSH_TEST_POSTGRES_URL")
+            .expect("ORCA_PUSH_TEST_POSTGRES_URL: scripts/test starts a throwaway PostgreSQL");
+        let chosen = format!(
+            "{url}{}options=-c%20idle_in_transaction_session_timeout%3D5s",
+            if url.contains('?') { '&' } else { '?' }
+        );
+        for (url, expected) in [(url, "30s"), (chosen, "5s")] {
+            let pool = postgres_pool_options()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .unwrap();
+            let bound: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert_eq!(bound, expected);
+            pool.close().await;
+        }
+    }
 
     /// A data folder the gateway makes is its owner's alone.
     #[tokio::test]

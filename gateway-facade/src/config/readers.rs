@@ -166,5 +166,14 @@ pub(super) fn validate_origin(value: &str) -> Result<String, String> {
     if scheme == "http" && !loopback {
         return Err("must use https unless the host is loopback".into());
     }
+    // Auth writes this text into every transcript, and hosts compare it with the origin of the
+    // URL they called as a URL library writes it (lower case, no default port, IPv6 shortened).
+    let canonical = orca_push_host::origin_of(value)
+        .map_err(|_| "must be an origin like https://push.example.com")?;
+    if canonical != value {
+        return Err(format!(
+            "must be written as hosts write the origin ({canonical}), or every login is refused"
+        ));
+    }
     Ok(value.to_owned())
 }
