@@ -44,12 +44,13 @@ start_postgres() {
   "${run_as[@]}" "$bin/initdb" -D "$PG_DIR/data" -U postgres --auth=trust --no-sync -E UTF8 >"$PG_DIR/initdb.log" 2>&1 \
     || { cat "$PG_DIR/initdb.log" >&2; exit 1; }
 
-  # A free port: ask the kernel, then let postgres bind it (retry on the rare race).
+  # A free port: one nothing listens on, then let postgres bind it (retry on the rare race). In
+  # bash alone: a minimal Debian has no python3.
   local port attempt
   local durability="-c fsync=off"
   [ "${PG_DURABLE:-0}" = 1 ] && durability="-c fsync=on -c synchronous_commit=on"
   for attempt in 1 2 3 4 5; do
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    port=$(free_port)
     PG_OPTS="-p $port -k $PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 $durability -c shared_buffers=128MB"
     if "${run_as[@]}" "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 30 \
         -o "$PG_OPTS" start >/dev/null; then
@@ -64,6 +65,20 @@ start_postgres() {
   cat "$PG_DIR/server.log" >&2
   echo "postgres: could not start PostgreSQL" >&2
   exit 1
+}
+
+# A loopback port in 20000-59999 that nothing answers on.
+free_port() {
+  local candidate _
+  for _ in $(seq 1 100); do
+    candidate=$((20000 + (RANDOM * 32768 + RANDOM) % 40000))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$candidate") 2>/dev/null; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  echo "postgres: no free loopback port found" >&2
+  return 1
 }
 
 stop_postgres() {
