@@ -63,10 +63,12 @@ async fn nul_in_any_string_is_invalid_request_on_every_backend(backend: Backend)
     keyed["v\0"] = json!(1);
     refused(&raw.post("/v1/devices", &keyed, &h).await, "key");
 
-    // registrationId as a path segment (`%00` decodes to NUL).
+    // registrationId as a path segment (`%00` decodes to NUL; `%FF` to no UTF-8 at all, which
+    // axum refuses in plain text unless the route maps it).
     for path in [
         format!("/v1/devices/{registration}%00"),
         "/v1/devices/%00".to_owned(),
+        "/v1/devices/%FF".to_owned(),
     ] {
         refused(&raw.delete(&path, &h).await, &path);
     }
@@ -229,6 +231,50 @@ async fn a_client_that_sends_half_a_header_is_disconnected_after_the_header_time
     // A whole head on time is served as usual.
     let mut quick = TcpStream::connect(&addr).await.unwrap();
     assert!(health_on(&mut quick).await.starts_with("HTTP/1.1 200"));
+}
+
+/// A whole head and then a body that never comes: hyper's header timeout is over and the idle
+/// clock stops while a request is in flight, so only the body's own deadline frees the slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_never_arrives_is_refused_after_the_header_timeout() {
+    let (_gateway, addr) = gateway_with_http("500", "60000", "16").await;
+    let mut stalled = TcpStream::connect(&addr).await.unwrap();
+    stalled
+        .write_all(
+            b"POST /v1/host/challenge HTTP/1.1\r\nHost: gateway\r\n\
+              Content-Length: 100\r\n\r\n{\"v\":",
+        )
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    let read = async {
+        loop {
+            match stalled.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    let closed = tokio::time::timeout(Duration::from_secs(10), read).await;
+    let answer = String::from_utf8_lossy(&got);
+    assert!(
+        answer.starts_with("HTTP/1.1 400") && answer.contains("invalid_request"),
+        "{answer:?} after {:?}",
+        started.elapsed()
+    );
+    assert!(closed.is_ok(), "the connection was kept after the answer");
+    assert!(
+        started.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -138,9 +138,12 @@ async fn serve_connection(
 ) {
     let (in_flight_tx, in_flight) = watch::channel(0usize);
     let in_flight_tx = Arc::new(in_flight_tx);
-    let service = tower::service_fn(move |request: http::Request<Incoming>| {
+    let service = tower::service_fn(move |mut request: http::Request<Incoming>| {
         let guard = InFlight::enter(in_flight_tx.clone());
         let router = router.clone();
+        request.extensions_mut().insert(BodyDeadline(
+            tokio::time::Instant::now() + limits.header_read_timeout,
+        ));
         async move {
             let response = router.oneshot(request.map(axum::body::Body::new)).await;
             drop(guard);
@@ -180,6 +183,12 @@ async fn serve_connection(
         }
     }
 }
+
+/// When a request's body must have arrived whole: one header timeout after its head. Hyper's own
+/// timeout covers only the head, and a request in flight stops the idle clock, so a body that never
+/// came would hold its connection's slot for ever (`json::StrictJson` reads bodies under it).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyDeadline(pub tokio::time::Instant);
 
 /// Counts a request in flight on its connection until its response is ready.
 struct InFlight(Arc<watch::Sender<usize>>);

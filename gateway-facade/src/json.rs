@@ -5,6 +5,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use serde::de::DeserializeOwned;
 
+use crate::connections::BodyDeadline;
 use crate::error::ApiError;
 
 /// Like `axum::Json`, but a rejected body (not JSON, a wrong type, an unknown field, too large)
@@ -17,15 +18,22 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for StrictJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = axum::body::Bytes::from_request(request, state)
-            .await
-            .map_err(|rejection| {
-                if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-                    ApiError::RequestTooLarge
-                } else {
-                    ApiError::InvalidRequest
-                }
-            })?;
+        let deadline = request.extensions().get::<BodyDeadline>().copied();
+        let read = axum::body::Bytes::from_request(request, state);
+        let read = match deadline {
+            // A body still not whole at its deadline is refused, which frees the connection.
+            Some(BodyDeadline(at)) => tokio::time::timeout_at(at, read)
+                .await
+                .map_err(|_| ApiError::InvalidRequest)?,
+            None => read.await,
+        };
+        let bytes = read.map_err(|rejection| {
+            if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::RequestTooLarge
+            } else {
+                ApiError::InvalidRequest
+            }
+        })?;
         parse_body(&bytes).map(StrictJson)
     }
 }

@@ -1,6 +1,7 @@
 //! `POST /v1/devices`, `GET /v1/devices`, `DELETE /v1/devices/{registrationId}`.
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use orca_push_api::{Device, DeviceList, ErrorBody, RegisterReply};
@@ -123,8 +124,12 @@ pub async fn list(
 pub async fn delete(
     State(state): State<AppState>,
     host: AuthenticatedHost,
-    Path(registration_id): Path<String>,
+    registration_id: Result<Path<String>, PathRejection>,
 ) -> Result<StatusCode, ApiError> {
+    // A segment that does not decode to UTF-8 (`%FF`): axum's own rejection is plain text.
+    let Ok(Path(registration_id)) = registration_id else {
+        return Err(ApiError::InvalidRequest);
+    };
     // `%00` decodes to NUL, which PostgreSQL cannot even compare: refused on every backend alike.
     refuse_nul(&registration_id)?;
     if registration_id.is_empty() || registration_id.encode_utf16().count() > 128 {
