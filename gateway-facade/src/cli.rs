@@ -235,41 +235,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Healthcheck { settings } => {
             let config = settings.config()?;
-            let timeout = std::time::Duration::from_secs(3);
             match config.common.grpc_addr {
-                Some(addr) => {
-                    let url = format!("http://127.0.0.1:{}", addr.port());
-                    let channel = tonic::transport::Endpoint::from_shared(url)?
-                        .connect_timeout(timeout)
-                        .timeout(timeout)
-                        .connect()
-                        .await
-                        .context("gRPC health: cannot connect")?;
-                    let answer = tonic_health::pb::health_client::HealthClient::new(channel)
-                        .check(tonic_health::pb::HealthCheckRequest {
-                            service: String::new(),
-                        })
-                        .await
-                        .context("gRPC health")?;
-                    anyhow::ensure!(answer.into_inner().status == 1, "gRPC health: not serving");
-                }
+                Some(addr) => grpc_health(addr.port()).await,
                 None => {
-                    let url = format!("http://127.0.0.1:{}/healthz", config.facade.port);
-                    let answer = reqwest::Client::builder()
-                        .timeout(timeout)
-                        .build()?
-                        .get(&url)
-                        .send()
-                        .await
-                        .context("GET /healthz")?;
-                    anyhow::ensure!(
-                        answer.status().is_success(),
-                        "GET /healthz answered {}",
-                        answer.status()
-                    );
+                    let services = [
+                        ServiceName::Auth,
+                        ServiceName::Registry,
+                        ServiceName::Queue,
+                        ServiceName::Sender,
+                    ];
+                    health_without_grpc_addr(
+                        config.facade.port,
+                        &services.map(ServiceName::default_grpc_port),
+                    )
+                    .await
                 }
             }
-            Ok(())
         }
         Command::ProbeFcm { token, settings } => {
             let config = settings.config()?;
@@ -359,9 +340,145 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     std::process::exit(1);
 }
 
+/// How long a health check waits for each answer.
+const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// A health check's connection was refused: nothing listens on that port.
+#[derive(Debug, thiserror::Error)]
+#[error("nothing listens on 127.0.0.1:{0}")]
+struct NotListening(u16);
+
+enum HttpHealth {
+    NotListening(reqwest::Error),
+    Failed(anyhow::Error),
+}
+
+/// Health of a process started without ORCA_PUSH_GRPC_ADDR: `GET /healthz` on `http_port`, or, if
+/// nothing listens there, gRPC health on the first of `service_ports` that something listens on:
+/// a split service on its default port (`serve --service queue`), whose container runs this check
+/// without knowing which service it holds. One process per container, so the port that answers is
+/// its own.
+async fn health_without_grpc_addr(http_port: u16, service_ports: &[u16]) -> anyhow::Result<()> {
+    let error = match http_health(http_port).await {
+        Ok(()) => return Ok(()),
+        Err(HttpHealth::Failed(error)) => return Err(error),
+        Err(HttpHealth::NotListening(error)) => error,
+    };
+    for &port in service_ports {
+        match grpc_health(port).await {
+            Err(e) if e.is::<NotListening>() => {}
+            answer => return answer,
+        }
+    }
+    Err(anyhow::Error::new(error)
+        .context("GET /healthz: nothing listens on PORT, nor on a service's default gRPC port"))
+}
+
+/// gRPC health of the process listening on `port` of this host.
+async fn grpc_health(port: u16) -> anyhow::Result<()> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
+        .connect_timeout(HEALTH_TIMEOUT)
+        .timeout(HEALTH_TIMEOUT)
+        .connect()
+        .await
+        .map_err(|error| {
+            if refused(&error) {
+                anyhow::Error::new(NotListening(port))
+            } else {
+                anyhow::Error::new(error).context("gRPC health: cannot connect")
+            }
+        })?;
+    let answer = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .context("gRPC health")?;
+    anyhow::ensure!(answer.into_inner().status == 1, "gRPC health: not serving");
+    Ok(())
+}
+
+/// `GET /healthz` on `port` of this host.
+async fn http_health(port: u16) -> Result<(), HttpHealth> {
+    let client = reqwest::Client::builder()
+        .timeout(HEALTH_TIMEOUT)
+        .build()
+        .map_err(|e| HttpHealth::Failed(e.into()))?;
+    let answer = client
+        .get(format!("http://127.0.0.1:{port}/healthz"))
+        .send()
+        .await
+        .map_err(|error| {
+            if refused(&error) {
+                HttpHealth::NotListening(error)
+            } else {
+                HttpHealth::Failed(anyhow::Error::new(error).context("GET /healthz"))
+            }
+        })?;
+    if !answer.status().is_success() {
+        return Err(HttpHealth::Failed(anyhow::anyhow!(
+            "GET /healthz answered {}",
+            answer.status()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `error` is, at its root, a refused connection.
+fn refused(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A port nothing listens on (bound, then let go).
+    fn closed_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    #[tokio::test]
+    async fn a_healthcheck_without_a_grpc_addr_finds_a_service_on_its_default_port() {
+        let (reporter, service) = tonic_health::server::health_reporter();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let (http, other) = (closed_port(), closed_port());
+        health_without_grpc_addr(http, &[other, port])
+            .await
+            .expect("the service on the second default port answers");
+        reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        assert!(
+            health_without_grpc_addr(http, &[other, port])
+                .await
+                .is_err(),
+            "a service not serving fails it"
+        );
+        assert!(
+            health_without_grpc_addr(http, &[other]).await.is_err(),
+            "nothing anywhere fails it"
+        );
+    }
 
     #[test]
     fn the_version_names_the_build_revision_when_the_build_set_one() {
