@@ -252,6 +252,46 @@ async fn fcm_429_is_rescheduled_no_sooner_than_a_minute_or_its_retry_after() {
     }
 }
 
+/// A 3xx from FCM is an answer the gateway classifies (a retry under the cap), not a redirect it
+/// follows: followed, whatever answered at the new address would be taken for FCM's word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_fcm_redirect_is_an_answer_not_followed() {
+    let w = fast_world().await;
+    let android = w.register_android("pixel", ANDROID).await;
+    let redirect = FcmAnswer {
+        status: 307,
+        body: json!({}),
+        retry_after: None,
+    };
+    w.fcm.script(ANDROID, vec![redirect]);
+    w.send(&[&android], alert(1)).await;
+    w.wait_outcome(&android, "sent").await;
+    let batch = w.batches(&android).await.remove(0);
+    assert_eq!(
+        (batch.attempts, batch.retries),
+        (2, 1),
+        "the redirect counted as an answer and was retried: {batch:?}"
+    );
+    assert_eq!(w.fcm.calls_for(ANDROID).len(), 2);
+}
+
+/// An FCM error answer whose body never arrived whole says nothing of what was wrong: it is tried
+/// again, not failed for good as a bare 404 would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_fcm_error_answer_cut_off_before_its_body_is_tried_again() {
+    let w = fast_world().await;
+    let android = w.register_android("pixel", ANDROID).await;
+    let cut = FcmAnswer {
+        status: 404,
+        body: json!(orca_push_tests::mock_fcm::CUT_OFF_BODY),
+        retry_after: None,
+    };
+    w.fcm.script(ANDROID, vec![cut]);
+    w.send(&[&android], alert(1)).await;
+    w.wait_outcome(&android, "sent").await;
+    assert_eq!(w.fcm.calls_for(ANDROID).len(), 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_500_is_retried_past_the_cap_until_the_provider_recovers() {
     let w = fast_world().await;

@@ -16,6 +16,10 @@ const SERVICE_ACCOUNT_KEY: &str = include_str!("../fixtures/service-account-key.
 const SERVICE_ACCOUNT_PUBLIC: &str = include_str!("../fixtures/service-account-public.pem");
 pub const CLIENT_EMAIL: &str = "orca-cloud-push@onorca-cloud.iam.gserviceaccount.com";
 
+/// An answer body of just this string is cut off after the status line and headers: the
+/// connection fails before the client has the body.
+pub const CUT_OFF_BODY: &str = "(cut off)";
+
 #[derive(Debug, Clone)]
 pub struct FcmCall {
     pub token: String,
@@ -376,6 +380,12 @@ async fn send(
         tokio::time::sleep(delay).await;
     }
     match scripted {
+        Some(answer) if answer.body == CUT_OFF_BODY => {
+            let chunks: [Result<&'static str, std::io::Error>; 2] =
+                [Ok("{\"error\": {"), Err(std::io::Error::other("cut off"))];
+            let body = axum::body::Body::from_stream(futures::stream::iter(chunks));
+            (StatusCode::from_u16(answer.status).unwrap(), body).into_response()
+        }
         Some(answer) => {
             let mut response = (
                 StatusCode::from_u16(answer.status).unwrap(),
@@ -386,6 +396,13 @@ async fn send(
                 response
                     .headers_mut()
                     .insert("retry-after", s.to_string().parse().unwrap());
+            }
+            // A redirect names the send URL itself, so a client that follows it asks again.
+            if answer.status / 100 == 3 {
+                let path = format!("/v1/projects/{PROJECT}/messages:send");
+                response
+                    .headers_mut()
+                    .insert("location", path.parse().unwrap());
             }
             response
         }

@@ -82,6 +82,10 @@ impl Fcm {
         let http = reqwest::Client::builder()
             .use_preconfigured_tls(api_tls)
             .timeout(REQUEST_TIMEOUT)
+            // A 3xx is an answer to classify, as for APNs: followed, a 301 or 302 turns the send
+            // into a GET, a redirect to another host drops the bearer, and whatever answered
+            // there (a 200 included) would be taken for FCM's word.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| FcmError::Client(e.to_string()))?;
         // yup-oauth2 wants a hyper client; it must not pin ALPN itself.
@@ -249,7 +253,18 @@ impl Fcm {
             .get("retry-after")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
-        let body = response.bytes().await.unwrap_or_default();
+        let body = match response.bytes().await {
+            Ok(body) => body,
+            // FCM accepted it: what follows the status does not matter.
+            Err(_) if status == 200 => Default::default(),
+            // Cut off before the error body said what was wrong (a dead token, a bad field):
+            // classified blind, it would fail the batch for good. Tried again instead.
+            Err(error) => {
+                crate::providers::record_latency("fcm", started);
+                tracing::warn!(error = %error.without_url(), status, "FCM's answer was cut off");
+                return Verdict::unanswered("connection");
+            }
+        };
         crate::providers::record_latency("fcm", started);
         let verdict = classify(status, retry_after, &body);
         if refuses_our_token(status, &body) {

@@ -148,21 +148,26 @@ impl Sender {
         };
         // Nothing is sent past the earliest member's deadline, however the provider stalls.
         let left = Duration::from_millis(u64::try_from(job.deadline_ms - now).unwrap_or(0));
-        let verdict =
+        let (verdict, cut_after) =
             tokio::time::timeout(left, self.providers.send(job, &target, now, &self.counters))
                 .await
-                .unwrap_or_else(|_| Verdict::unanswered("deadline"));
-        let recorded = self
-            .record_health(breaker, provider, &verdict, probe.is_some())
-            .await;
+                .map_or_else(
+                    |_| (Verdict::unanswered("deadline"), Some(left)),
+                    |v| (v, None),
+                );
+        let recorded = tells_of_the_provider(&verdict, cut_after)
+            && self
+                .record_health(breaker, provider, &verdict, probe.is_some())
+                .await;
         if let Some(probe) = probe.filter(|_| recorded) {
             probe.recorded();
         }
         Outcome::Verdict(verdict, Some(target))
     }
 
-    /// Feeds the provider's breaker; holds or releases the provider's queued work when it opens or
-    /// closes. False when the verdict said nothing of the provider (nothing recorded).
+    /// Feeds the provider's breaker with a verdict that tells of the provider
+    /// ([`tells_of_the_provider`]); holds or releases the provider's queued work when it opens or
+    /// closes. True: recorded.
     async fn record_health(
         &self,
         breaker: &Breaker,
@@ -171,16 +176,7 @@ impl Sender {
         probe: bool,
     ) -> bool {
         let change = match verdict {
-            // APNs throttles one device token this way, and refuses our own provider token once it
-            // is stale (re-signed at once for the retry): neither says anything of the provider.
-            Verdict::Retry { reason, .. }
-                if reason == "TooManyRequests" || reason == "ExpiredProviderToken" =>
-            {
-                return false;
-            }
             Verdict::Retry { .. } => breaker.failure_of(std::time::Instant::now(), probe),
-            // Not-configured failures say nothing of the provider.
-            Verdict::Failed(reason) if reason.ends_with("_not_configured") => return false,
             _ => breaker.success(),
         };
         // A breaker whose work the queue cannot hold apart (APNs's sandbox) holds it batch by
@@ -426,6 +422,37 @@ where
     outcome
 }
 
+/// A request cut off by its batch's deadline counts against the provider only if it had at least
+/// this long: a provider that answers at all answers well within it, so a shorter cut says only
+/// that the deadline was near (a backlog drained at the end of its time, an `expiresAt` set a few
+/// milliseconds out), and enough of them would hold every host's work.
+const STALL_EVIDENCE: Duration = Duration::from_secs(5);
+
+/// Whether `verdict` tells anything of the provider's health, for its breaker. `cut_after`: how
+/// long the request had when the batch's deadline cut it off.
+fn tells_of_the_provider(verdict: &Verdict, cut_after: Option<Duration>) -> bool {
+    if cut_after.is_some_and(|had| had < STALL_EVIDENCE) {
+        return false;
+    }
+    match verdict {
+        // A provider throttling one device or token: APNs's `TooManyRequests`, FCM's 429
+        // (`QUOTA_EXCEEDED`, which covers a single device's message rate too; every such retry
+        // already waits a minute). And APNs refusing our own provider token once it is stale,
+        // re-signed at once for the retry.
+        Verdict::Retry { reason, .. } => !matches!(
+            reason.as_str(),
+            "TooManyRequests"
+                | "QUOTA_EXCEEDED"
+                | "RESOURCE_EXHAUSTED"
+                | "http_429"
+                | "ExpiredProviderToken"
+        ),
+        // Not-configured failures say nothing of the provider.
+        Verdict::Failed(reason) => !reason.ends_with("_not_configured"),
+        Verdict::Sent | Verdict::Dead(_) => true,
+    }
+}
+
 /// Renews a batch's lease every third of it while its lane works on it, until `done` or the
 /// batch's deadline: past that, nothing will be sent, and the lease is left to lapse.
 async fn renew_lease(
@@ -437,26 +464,55 @@ async fn renew_lease(
     clock: Arc<dyn Clock>,
     done: CancellationToken,
 ) {
+    let renew = || {
+        let mut queue = queue.clone();
+        let request = queue_pb::RenewLeaseRequest {
+            batch_id: batch_id.clone(),
+            lease_token: token.clone(),
+            lease_ms,
+        };
+        async move {
+            queue
+                .renew_lease(request)
+                .await
+                .map(|r| r.get_ref().renewed)
+        }
+    };
+    keep_renewed(renew, lease_ms, deadline_ms, &*clock, done).await;
+}
+
+/// [`renew_lease`]'s loop: `renew` answers whether the lease still held. A renewal the queue did
+/// not answer (restarting, a dropped connection) is tried again at the next third: the lease
+/// still has two thirds of its time, and giving up would let it lapse under an attempt in
+/// flight, for another lane to send the batch again.
+async fn keep_renewed<R, F>(
+    mut renew: R,
+    lease_ms: u32,
+    deadline_ms: i64,
+    clock: &dyn Clock,
+    done: CancellationToken,
+) where
+    R: FnMut() -> F,
+    F: Future<Output = Result<bool, tonic::Status>>,
+{
     let every = Duration::from_millis(u64::from(lease_ms) / 3);
     loop {
         tokio::select! {
             _ = done.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        if now_ms(&*clock) >= deadline_ms {
+        if now_ms(clock) >= deadline_ms {
             return;
         }
-        let renewed = queue
-            .clone()
-            .renew_lease(queue_pb::RenewLeaseRequest {
-                batch_id: batch_id.clone(),
-                lease_token: token.clone(),
-                lease_ms,
-            })
-            .await;
-        if !matches!(renewed, Ok(ref r) if r.get_ref().renewed) {
-            tracing::warn!("lost the lease of a batch in flight");
-            return;
+        match renew().await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!("lost the lease of a batch in flight");
+                return;
+            }
+            Err(status) => {
+                tracing::warn!(code = ?status.code(), "a lease renewal went unanswered; trying again");
+            }
         }
     }
 }
@@ -483,6 +539,81 @@ mod tests {
     }
 
     type BoxedRenewer = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+    #[test]
+    fn throttles_of_one_target_and_near_deadlines_tell_nothing_of_the_provider() {
+        use crate::verdict::RetryClass::Transient;
+        let retry = |reason: &str| Verdict::answered_retry(reason, Duration::ZERO, Transient);
+        for reason in [
+            "TooManyRequests",
+            "QUOTA_EXCEEDED",
+            "RESOURCE_EXHAUSTED",
+            "http_429",
+            "ExpiredProviderToken",
+        ] {
+            assert!(!tells_of_the_provider(&retry(reason), None), "{reason}");
+        }
+        for reason in ["ServiceUnavailable", "INTERNAL", "http_503"] {
+            assert!(tells_of_the_provider(&retry(reason), None), "{reason}");
+        }
+        assert!(tells_of_the_provider(
+            &Verdict::unanswered("connection"),
+            None
+        ));
+        let deadline = Verdict::unanswered("deadline");
+        assert!(!tells_of_the_provider(
+            &deadline,
+            Some(Duration::from_millis(20))
+        ));
+        assert!(tells_of_the_provider(
+            &deadline,
+            Some(Duration::from_secs(20))
+        ));
+        assert!(!tells_of_the_provider(
+            &Verdict::Failed("apns_not_configured".into()),
+            None
+        ));
+        assert!(tells_of_the_provider(
+            &Verdict::Failed("http_400".into()),
+            None
+        ));
+        assert!(tells_of_the_provider(&Verdict::Sent, None));
+    }
+
+    /// A renewal the queue did not answer is tried again; one that found the lease gone ends it.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_renewal_that_went_unanswered_is_tried_again() {
+        let run = |answers: Vec<Result<bool, tonic::Status>>| async move {
+            let calls = AtomicUsize::new(0);
+            let answers = std::sync::Mutex::new(answers.into_iter());
+            let renew = || {
+                calls.fetch_add(1, Ordering::Relaxed);
+                let answer = answers.lock().unwrap().next().unwrap_or(Ok(true));
+                async move { answer }
+            };
+            let done = CancellationToken::new();
+            let stop = done.clone();
+            let clock = orca_push_storage::clock::SystemClock;
+            let renewing = keep_renewed(renew, 300, i64::MAX, &clock, done);
+            let stopping = async {
+                tokio::time::sleep(Duration::from_millis(1_050)).await;
+                stop.cancel();
+            };
+            tokio::join!(renewing, stopping);
+            calls.load(Ordering::Relaxed)
+        };
+        let unavailable = || Err(tonic::Status::unavailable("queue restarting"));
+        assert_eq!(
+            run(vec![unavailable(), unavailable()]).await,
+            10,
+            "every 100 ms"
+        );
+        assert_eq!(
+            run(vec![Ok(true), Ok(false)]).await,
+            2,
+            "a lost lease ends it"
+        );
+    }
 
     /// A probe batch is released again whenever the breaker waits for a probe, not while one is
     /// out, and no more once the breaker closed or held the work again.
