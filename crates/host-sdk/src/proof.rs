@@ -85,10 +85,12 @@ pub fn answer_challenge(
     if t.challenge_id != envelope.challenge_id {
         return Err(ChallengeRefusal::ChallengeId);
     }
-    // The host alone allows for clock skew: it judges timestamps the gateway chose.
+    // The host alone allows for clock skew: it judges timestamps the gateway chose. Not issued
+    // in this host's future, and (below) not expired in its past, each by more than the skew;
+    // as the original desktop does, a host clock ahead of the gateway's is bounded by the
+    // expiry alone (issued up to skew + TTL ago), not by the issue time as well.
     let skew = hp::HOST_CLOCK_SKEW_MS;
-    if t.issued_at_ms > now_ms.saturating_add(skew) || t.issued_at_ms.saturating_add(skew) < now_ms
-    {
+    if t.issued_at_ms > now_ms.saturating_add(skew) {
         return Err(ChallengeRefusal::IssuedAt);
     }
     if t.expires_at_ms <= t.issued_at_ms

@@ -35,15 +35,20 @@ fn sdk_answers_the_vector_challenge_with_the_expected_proof() {
 #[test]
 fn sdk_allows_thirty_seconds_of_skew_and_no_more() {
     let (key, envelope, issued_at) = vector();
+    // A host clock behind the gateway's: issued at most 30 s in the host's future.
     assert!(answer_challenge(&key, ORIGIN, &envelope, issued_at - 30_000).is_ok());
     assert_eq!(
         answer_challenge(&key, ORIGIN, &envelope, issued_at - 30_001),
         Err(ChallengeRefusal::IssuedAt)
     );
-    assert!(answer_challenge(&key, ORIGIN, &envelope, issued_at + 30_000).is_ok());
+    // A host clock ahead: expired at most 30 s in the host's past, as the original desktop
+    // judges it (issued up to 40 s before the host's now).
+    let expires_at = envelope.expires_at_ms;
+    assert!(expires_at > issued_at);
+    assert!(answer_challenge(&key, ORIGIN, &envelope, expires_at + 29_999).is_ok());
     assert_eq!(
-        answer_challenge(&key, ORIGIN, &envelope, issued_at + 30_001),
-        Err(ChallengeRefusal::IssuedAt)
+        answer_challenge(&key, ORIGIN, &envelope, expires_at + 30_000),
+        Err(ChallengeRefusal::Expired)
     );
 }
 
@@ -163,7 +168,7 @@ fn sdk_checks_every_transcript_field() {
     let (stale, now) = sealed(&key, |_| {});
     assert_eq!(
         answer_challenge(&key, ORIGIN, &stale, now + 40_000),
-        Err(ChallengeRefusal::IssuedAt)
+        Err(ChallengeRefusal::Expired)
     );
 }
 
