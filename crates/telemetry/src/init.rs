@@ -229,8 +229,16 @@ where
 
 /// The log filter: `RUST_LOG`, else `info`.
 fn log_filter() -> tracing_subscriber::EnvFilter {
-    tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+    log_filter_of(std::env::var("RUST_LOG").ok().as_deref())
+}
+
+/// [`log_filter`] of a `RUST_LOG` value: a directive it cannot read is left out, with a line on
+/// stderr naming it (tracing-subscriber's), and the rest kept; none at all is `info`. (Refusing the
+/// whole value for one typo would drop the operator's levels without a word.)
+fn log_filter_of(value: Option<&str>) -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing::level_filters::LevelFilter::INFO.into())
+        .parse_lossy(value.unwrap_or_default())
 }
 
 /// The subscriber [`init`] installs for exported spans, for a caller (a test) that scopes it
@@ -458,6 +466,16 @@ mod tests {
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
     use super::*;
+
+    #[test]
+    fn a_log_filter_with_one_unreadable_directive_keeps_the_others() {
+        assert_eq!(
+            log_filter_of(Some("warn,orca_push=debg")).to_string(),
+            "warn"
+        );
+        assert_eq!(log_filter_of(None).to_string(), "info");
+        assert_eq!(log_filter_of(Some("debug")).to_string(), "debug");
+    }
 
     /// A provider exporting every span as it ends to the exporter it comes with.
     fn exporting() -> (InMemorySpanExporter, SdkTracerProvider) {
