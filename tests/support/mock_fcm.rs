@@ -381,9 +381,15 @@ async fn send(
     }
     match scripted {
         Some(answer) if answer.body == CUT_OFF_BODY => {
-            let chunks: [Result<&'static str, std::io::Error>; 2] =
-                [Ok("{\"error\": {"), Err(std::io::Error::other("cut off"))];
-            let body = axum::body::Body::from_stream(futures::stream::iter(chunks));
+            use futures::StreamExt as _;
+            // The head and a first piece go out; the error a little later, so that it cuts the
+            // body rather than the head.
+            let first = futures::stream::once(async { Ok("{\"error\": {") });
+            let cut = futures::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Err(std::io::Error::other("cut off"))
+            });
+            let body = axum::body::Body::from_stream(first.chain(cut));
             (StatusCode::from_u16(answer.status).unwrap(), body).into_response()
         }
         Some(answer) => {
