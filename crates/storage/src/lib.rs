@@ -4,6 +4,7 @@
 
 mod checkpoint;
 pub mod clock;
+pub mod clock_offset;
 pub mod health;
 pub mod notify_relay;
 pub mod pool_gauges;

@@ -111,6 +111,14 @@ pub async fn routes(
     shutdown: CancellationToken,
 ) -> tonic::service::Routes {
     let pool_for_health = pool.clone();
+    if let Pool::Postgres(pg) = &pool {
+        tokio::spawn(orca_push_storage::clock_offset::watch_until(
+            "auth",
+            pg.clone(),
+            clock.clone(),
+            shutdown.clone(),
+        ));
+    }
     let store = AnyAuthStore::new(pool);
     tokio::spawn(orca_push_storage::pool_gauges::record_until(
         "auth",

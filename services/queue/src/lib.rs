@@ -100,6 +100,14 @@ pub async fn routes(
     coalesce_ms: u64,
     shutdown: CancellationToken,
 ) -> tonic::service::Routes {
+    if let Pool::Postgres(pg) = &pool {
+        tokio::spawn(orca_push_storage::clock_offset::watch_until(
+            "queue",
+            pg.clone(),
+            clock.clone(),
+            shutdown.clone(),
+        ));
+    }
     let queue = delivery_queue(pool.clone(), clock, coalesce_ms, &shutdown);
     tokio::spawn(orca_push_storage::pool_gauges::record_until(
         "queue",
