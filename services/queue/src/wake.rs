@@ -90,8 +90,11 @@ impl Wake {
             let claims = self.claims();
             due.iter()
                 .filter(|(provider, at)| {
-                    let after = Duration::from_millis(u64::try_from(at - now).unwrap_or(0));
-                    let at = instant + after;
+                    // A time from another replica's notification is the server's to carry:
+                    // however far ahead it says (a day is as good as for ever to a claim that
+                    // sleeps at most `MAX_WAIT_MS`), it must not overflow an `Instant`.
+                    let after = u64::try_from(at.saturating_sub(now)).unwrap_or(0);
+                    let at = instant + Duration::from_millis(after.min(86_400_000));
                     claims.iter().any(|claim| {
                         claim.skip.takes(*provider) && claim.asleep_until.is_none_or(|u| u > at)
                     })
@@ -475,6 +478,13 @@ mod tests {
             heard,
             "no known provider: never skipped"
         );
+        // Times from another replica's notification, however far off, are only times.
+        let heard = wake.heard(FCM_HELD);
+        wake.work_due(
+            &[(Provider::Unknown, i64::MAX), (Provider::Unknown, i64::MIN)],
+            NOW,
+        );
+        assert_ne!(wake.heard(FCM_HELD), heard);
     }
 
     #[test]
