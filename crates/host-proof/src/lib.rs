@@ -67,6 +67,41 @@ pub enum FormatError {
     BoxOpen,
 }
 
+/// The X25519 public keys of small order, as libsodium lists them (bit 255 ignored, as X25519
+/// ignores it): 0, 1, the two points of order 8, and p - 1, p and p + 1. Every secret key's
+/// shared secret with one of them is all zeros, so anyone can open a box sealed to it.
+const SMALL_ORDER_KEYS: [[u8; PUBLIC_KEY_LEN]; 7] = {
+    let mut keys = [[0u8; PUBLIC_KEY_LEN]; 7];
+    keys[1][0] = 1;
+    keys[2] = [
+        0xe0, 0xeb, 0x7a, 0x7c, 0x3b, 0x41, 0xb8, 0xae, 0x16, 0x56, 0xe3, 0xfa, 0xf1, 0x9f, 0xc4,
+        0x6a, 0xda, 0x09, 0x8d, 0xeb, 0x9c, 0x32, 0xb1, 0xfd, 0x86, 0x62, 0x05, 0x16, 0x5f, 0x49,
+        0xb8, 0x00,
+    ];
+    keys[3] = [
+        0x5f, 0x9c, 0x95, 0xbc, 0xa3, 0x50, 0x8c, 0x24, 0xb1, 0xd0, 0xb1, 0x55, 0x9c, 0x83, 0xef,
+        0x5b, 0x04, 0x44, 0x5c, 0xc4, 0x58, 0x1c, 0x8e, 0x86, 0xd8, 0x22, 0x4e, 0xdd, 0xd0, 0x9f,
+        0x11, 0x57,
+    ];
+    let mut i = 4;
+    while i < 7 {
+        let mut key = [0xff; PUBLIC_KEY_LEN];
+        key[0] = 0xec + (i as u8 - 4);
+        key[PUBLIC_KEY_LEN - 1] = 0x7f;
+        keys[i] = key;
+        i += 1;
+    }
+    keys
+};
+
+/// Whether `public_key` has small order (libsodium's check): a challenge sealed to it is open
+/// to anyone, so whoever presents it could prove it; every such caller would share one host.
+pub fn is_small_order(public_key: &[u8; PUBLIC_KEY_LEN]) -> bool {
+    let mut key = *public_key;
+    key[PUBLIC_KEY_LEN - 1] &= 0x7f;
+    SMALL_ORDER_KEYS.contains(&key)
+}
+
 /// `hostFingerprint`: base64url(sha256(public key)), first 16 characters.
 pub fn host_fingerprint(public_key: &[u8; PUBLIC_KEY_LEN]) -> String {
     let digest = Sha256::digest(public_key);

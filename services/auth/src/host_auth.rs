@@ -225,6 +225,11 @@ impl<S: AuthStore> HostAuth<S> {
         let host_public_key: [u8; proof::PUBLIC_KEY_LEN] = host_public_key
             .try_into()
             .map_err(|_| AuthError::InvalidRequest("host public key must be 32 bytes"))?;
+        // A box sealed to a key of small order opens with an all-zero secret: anyone could prove
+        // it, and all who did would share one host and its phones.
+        if proof::is_small_order(&host_public_key) {
+            return Err(AuthError::InvalidRequest("host public key has small order"));
+        }
         let ephemeral_secret = random::<{ proof::SECRET_LEN }>();
         let nonce = random::<{ proof::NONCE_LEN }>();
         let secret = random::<{ proof::SECRET_LEN }>();

@@ -393,6 +393,13 @@ async fn malformed_inputs_are_invalid_requests(backend: Backend) {
     let h = harness(backend).await;
     let err = h.auth.issue_challenge(&[1u8; 31]).await.unwrap_err();
     assert!(matches!(err, AuthError::InvalidRequest(_)), "{err:?}");
+    // Keys of small order: the challenge would be open to anyone.
+    let mut one = [0u8; 32];
+    one[0] = 1;
+    for key in [[0u8; 32], one] {
+        let err = h.auth.issue_challenge(&key).await.unwrap_err();
+        assert!(matches!(err, AuthError::InvalidRequest(_)), "{err:?}");
+    }
     let err = h.auth.create_session("", &[0u8; 32]).await.unwrap_err();
     assert!(matches!(err, AuthError::InvalidRequest(_)), "{err:?}");
     let err = h
