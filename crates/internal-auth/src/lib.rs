@@ -281,6 +281,36 @@ mod tests {
             verify(&key, &sign(&key, &older), "queue"),
             Err(Refusal::TooLong)
         );
+        // A read token minted for 30 days is refused in its last hours too, and one dated in
+        // the future as well.
+        let day = 86_400;
+        let late = mint_between(
+            &key,
+            "support",
+            "queue",
+            Scope::Read,
+            now - 29 * day,
+            now + 3_600,
+        );
+        assert_eq!(verify(&key, &late, "queue"), Err(Refusal::TooLong));
+        let ahead = mint_between(
+            &key,
+            "support",
+            "queue",
+            Scope::Read,
+            now + day,
+            now + 3_600,
+        );
+        assert_eq!(verify(&key, &ahead, "queue"), Err(Refusal::TooLong));
+        let started = mint_between(
+            &key,
+            "support",
+            "queue",
+            Scope::Read,
+            now - 3_600,
+            now + 3_600,
+        );
+        assert!(verify(&key, &started, "queue").is_ok());
     }
 
     /// Runs one call with `token` through the server layer in front of a service that answers OK:

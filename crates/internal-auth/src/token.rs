@@ -156,6 +156,17 @@ pub fn mint(
     mint_between(key, subject, audience, scope, now, now + ttl.as_secs())
 }
 
+/// Whether a token lives longer than its scope allows (plus clock skew) at `now` (Unix seconds):
+/// in all, from its `iat` to its `exp`, as well as from now. A token minted for 30 days with the
+/// shared key by any tool but ours would otherwise be refused at first and accepted for its last
+/// hours; one dated in the future, likewise.
+fn lives_too_long(claims: &Claims, now: u64) -> bool {
+    let most = (claims.scope.max_ttl() + CLOCK_SKEW).as_secs();
+    claims.exp > now.saturating_add(most)
+        || claims.exp.saturating_sub(claims.iat) > most
+        || claims.iat > now.saturating_add(CLOCK_SKEW.as_secs())
+}
+
 /// Checks a token for `audience`: signature, audience, expiry, a well-formed caller, and a
 /// remaining lifetime within its scope's maximum (plus clock skew). Which methods its scope may
 /// call is the caller's check ([`Scope::allows`]).
@@ -183,7 +194,7 @@ pub fn verify_any(key: &InternalKey, token: &str, audiences: &[&str]) -> Result<
     .and_then(|claims| {
         if !valid_subject(&claims.sub) {
             Err(Refusal::BadSubject)
-        } else if claims.exp > now_s() + (claims.scope.max_ttl() + CLOCK_SKEW).as_secs() {
+        } else if lives_too_long(&claims, now_s()) {
             Err(Refusal::TooLong)
         } else {
             Ok(claims)
