@@ -290,6 +290,31 @@ async fn an_fcm_error_answer_cut_off_before_its_body_is_tried_again() {
     w.send(&[&android], alert(1)).await;
     w.wait_outcome(&android, "sent").await;
     assert_eq!(w.fcm.calls_for(ANDROID).len(), 2);
+
+    // A 429 whose body was cut off said enough in its head: no sooner than its Retry-After.
+    let throttled = "fcm-token:APA91bQuotaWithItsBodyCutOff";
+    w.fcm.script(
+        throttled,
+        vec![FcmAnswer {
+            status: 429,
+            body: json!(orca_push_tests::mock_fcm::CUT_OFF_BODY),
+            retry_after: Some(90),
+        }],
+    );
+    let pixel = w.register_android("pixel-2", throttled).await;
+    let sent_ms = now_ms() as i64;
+    w.send(&[&pixel], alert(2)).await;
+    w.fcm.wait_for(throttled, 1, WAIT).await;
+    let deadline = Instant::now() + WAIT;
+    let batch = loop {
+        let batch = w.batches(&pixel).await.remove(0);
+        if batch.state == "pending" && batch.retries == 1 {
+            break batch;
+        }
+        assert!(Instant::now() < deadline, "{batch:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(batch.available_at - sent_ms >= 90_000, "{batch:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

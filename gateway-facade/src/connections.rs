@@ -141,9 +141,9 @@ async fn serve_connection(
     let service = tower::service_fn(move |mut request: http::Request<Incoming>| {
         let guard = InFlight::enter(in_flight_tx.clone());
         let router = router.clone();
-        request.extensions_mut().insert(BodyDeadline(
-            tokio::time::Instant::now() + limits.header_read_timeout,
-        ));
+        request
+            .extensions_mut()
+            .insert(BodyTimeout(limits.header_read_timeout));
         async move {
             let response = router.oneshot(request.map(axum::body::Body::new)).await;
             drop(guard);
@@ -184,11 +184,14 @@ async fn serve_connection(
     }
 }
 
-/// When a request's body must have arrived whole: one header timeout after its head. Hyper's own
-/// timeout covers only the head, and a request in flight stops the idle clock, so a body that never
-/// came would hold its connection's slot for ever (`json::StrictJson` reads bodies under it).
+/// How long a request's body may take to arrive whole once its handler starts reading it: the
+/// header timeout. Hyper's own timeout covers only the head, and a request in flight stops the
+/// idle clock, so a body that never came would hold its connection's slot for ever
+/// (`json::StrictJson` reads bodies under it). Counted from the read, not the head: a body the
+/// client holds back until asked (`Expect: 100-continue`), behind a slow session look-up, is not
+/// the client's delay.
 #[derive(Debug, Clone, Copy)]
-pub struct BodyDeadline(pub tokio::time::Instant);
+pub struct BodyTimeout(pub std::time::Duration);
 
 /// Counts a request in flight on its connection until its response is ready.
 struct InFlight(Arc<watch::Sender<usize>>);

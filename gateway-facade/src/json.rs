@@ -5,7 +5,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use serde::de::DeserializeOwned;
 
-use crate::connections::BodyDeadline;
+use crate::connections::BodyTimeout;
 use crate::error::ApiError;
 
 /// Like `axum::Json`, but a rejected body (not JSON, a wrong type, an unknown field, too large)
@@ -18,11 +18,11 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for StrictJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let deadline = request.extensions().get::<BodyDeadline>().copied();
+        let timeout = request.extensions().get::<BodyTimeout>().copied();
         let read = axum::body::Bytes::from_request(request, state);
-        let read = match deadline {
-            // A body still not whole at its deadline is refused, which frees the connection.
-            Some(BodyDeadline(at)) => tokio::time::timeout_at(at, read)
+        let read = match timeout {
+            // A body still not whole in time is refused, which frees the connection.
+            Some(BodyTimeout(within)) => tokio::time::timeout(within, read)
                 .await
                 .map_err(|_| ApiError::InvalidRequest)?,
             None => read.await,

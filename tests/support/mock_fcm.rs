@@ -380,24 +380,21 @@ async fn send(
         tokio::time::sleep(delay).await;
     }
     match scripted {
-        Some(answer) if answer.body == CUT_OFF_BODY => {
-            use futures::StreamExt as _;
-            // The head and a first piece go out; the error a little later, so that it cuts the
-            // body rather than the head.
-            let first = futures::stream::once(async { Ok("{\"error\": {") });
-            let cut = futures::stream::once(async {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                Err(std::io::Error::other("cut off"))
-            });
-            let body = axum::body::Body::from_stream(first.chain(cut));
-            (StatusCode::from_u16(answer.status).unwrap(), body).into_response()
-        }
         Some(answer) => {
-            let mut response = (
-                StatusCode::from_u16(answer.status).unwrap(),
-                axum::Json(answer.body),
-            )
-                .into_response();
+            let status = StatusCode::from_u16(answer.status).unwrap();
+            let mut response = if answer.body == CUT_OFF_BODY {
+                use futures::StreamExt as _;
+                // The head and a first piece go out; the error a little later, so that it cuts
+                // the body rather than the head.
+                let first = futures::stream::once(async { Ok("{\"error\": {") });
+                let cut = futures::stream::once(async {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Err(std::io::Error::other("cut off"))
+                });
+                (status, axum::body::Body::from_stream(first.chain(cut))).into_response()
+            } else {
+                (status, axum::Json(answer.body)).into_response()
+            };
             if let Some(s) = answer.retry_after {
                 response
                     .headers_mut()

@@ -255,15 +255,16 @@ impl Fcm {
             .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
         let body = match response.bytes().await {
             Ok(body) => body,
-            // FCM accepted it: what follows the status does not matter.
-            Err(_) if status == 200 => Default::default(),
-            // Cut off before the error body said what was wrong (a dead token, a bad field):
-            // classified blind, it would fail the batch for good. Tried again instead.
-            Err(error) => {
+            // Cut off before the error body said what was wrong: a 400 or 404 (a dead token, a
+            // bad field) classified blind would fail the batch for good. Tried again instead.
+            Err(error) if matches!(status, 400 | 404) => {
                 crate::providers::record_latency("fcm", started);
                 tracing::warn!(error = %error.without_url(), status, "FCM's answer was cut off");
                 return Verdict::unanswered("connection");
             }
+            // The status says enough: FCM accepted it, or a 429 or 5xx is retried no sooner than
+            // the Retry-After in its head (a 429 not within its minute either).
+            Err(_) => Default::default(),
         };
         crate::providers::record_latency("fcm", started);
         let verdict = classify(status, retry_after, &body);
