@@ -176,7 +176,7 @@ fn genuine(c: &Case, now: u64, expires: u64) -> bool {
         && !c.other_public_key
         && matches!(c.envelope, EnvelopeEdit::None)
         && (1..=hp::CHALLENGE_TTL_MS as i128).contains(&(expires - issued))
-        && (issued - now).abs() <= skew
+        && issued - now <= skew
         && expires + skew > now
 }
 
