@@ -439,6 +439,29 @@ impl<S: QueueStore> Writer<S> {
         self.queue.try_lock().map_or(0, |queue| queue.len())
     }
 
+    /// Once the WAL could not be synced, nothing is answered as durable until a restart:
+    /// admissions are then refused before they are written, rather than written and answered as
+    /// refused. Written, they would be delivered and charged to their host's quota while the host
+    /// was told they were not accepted (and its retries would be written again). Reports and
+    /// claims still go: their deliveries happened, and a lease needs no sync.
+    fn refuse_if_never_durable(&self, group: Vec<Waiting>) -> Vec<Waiting> {
+        let Some(Err(failed)) = self
+            .store
+            .wal_sync()
+            .filter(|sync| sync.has_failed())
+            .map(orca_push_storage::WalSync::sync_now)
+        else {
+            return group;
+        };
+        let failed = Arc::new(QueueError::NotDurable(failed));
+        for waiting in group {
+            let _ = waiting
+                .answer
+                .send(Err(QueueError::Round(failed.clone())));
+        }
+        Vec::new()
+    }
+
     async fn commit(&self, batch: Batch) {
         let Batch {
             admissions: group,
@@ -446,6 +469,7 @@ impl<S: QueueStore> Writer<S> {
             claims,
             ..
         } = batch;
+        let group = self.refuse_if_never_durable(group);
         if !group.is_empty() {
             metrics::histogram!("orca_push_queue_admission_group_size").record(group.len() as f64);
             self.groups.fetch_add(1, Ordering::Relaxed);

@@ -1409,6 +1409,16 @@ async fn sqlite_answers_an_admission_only_once_its_commit_is_synced() {
         .unwrap();
     assert!(second.await.unwrap().is_err());
     assert!(admit(3).await.unwrap().is_err());
+    // ...and nothing after it is even written: written, it would be delivered (and charged to
+    // its host's quota) while its host was told it was not accepted.
+    assert!(
+        queue
+            .event_record(HOST, Kind::Alert, "epoch-1", 3)
+            .await
+            .unwrap()
+            .is_none(),
+        "an admission refused as not durable was written"
+    );
     // And its health says so (`routes` reports NOT_SERVING while this names a reason).
     assert!(queue.broken().is_some());
 }
