@@ -65,7 +65,10 @@ async fn one_trace_spans_the_http_request_and_the_grpc_call() {
     let app = router(AppState::serving(backends, Limits::new(0)));
 
     let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    let body = format!(r#"{{"v":1,"hostPublicKeyB64":"{}"}}"#, "B".repeat(42) + "A=");
+    let body = format!(
+        r#"{{"v":1,"hostPublicKeyB64":"{}"}}"#,
+        "B".repeat(42) + "A="
+    );
     let challenge = |traceparent: &str, tracestate: Option<String>| {
         let mut request = Request::post("/v1/host/challenge").header("traceparent", traceparent);
         if let Some(tracestate) = tracestate {

@@ -455,9 +455,7 @@ impl<S: QueueStore> Writer<S> {
         };
         let failed = Arc::new(QueueError::NotDurable(failed));
         for waiting in group {
-            let _ = waiting
-                .answer
-                .send(Err(QueueError::Round(failed.clone())));
+            let _ = waiting.answer.send(Err(QueueError::Round(failed.clone())));
         }
         Vec::new()
     }
