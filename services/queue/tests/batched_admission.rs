@@ -239,3 +239,42 @@ async fn hosts_of_any_characters_are_locked_admitted_and_counted(backend: Backen
 }
 
 on_both_backends!(hosts_of_any_characters_are_locked_admitted_and_counted);
+
+/// A window that a member's payload closes before its end is due now, and the admission that
+/// closed it says so: its `next_due_at` is what wakes lanes asleep until the window's old end.
+/// Before, it named only the new window's end, and the closed batch waited for its old one.
+async fn a_window_the_payload_budget_closes_is_told_due_now(backend: Backend) {
+    for row_by_row in [false, true] {
+        let (config, _guard) = fresh(backend).await;
+        let pool = orca_push_queue::open_and_migrate(&config).await.unwrap();
+        let store = AnyQueueStore::new(pool);
+        let store = if row_by_row {
+            store.row_by_row()
+        } else {
+            store
+        };
+        let mut closed_by = None;
+        for seq in 0..12_i64 {
+            let mut a = alert(seq, &["r1"]);
+            a.content.notification_id = Some(format!("{seq:0>400}"));
+            let now = T0 as i64 + seq * 10;
+            let admitted = store
+                .enqueue_group(&[&a], now, WINDOW as i64, None)
+                .await
+                .remove(0)
+                .unwrap();
+            let due = admitted.next_due_at.expect("an alert makes work due");
+            if due == now {
+                closed_by.get_or_insert(seq);
+            } else {
+                assert!(due > now, "{due} at {now}");
+            }
+        }
+        let first = closed_by.unwrap_or_else(|| {
+            panic!("no admission told of a window it closed (row by row: {row_by_row})")
+        });
+        assert!(first > 0, "the first member opens a window");
+    }
+}
+
+on_both_backends!(a_window_the_payload_budget_closes_is_told_due_now);

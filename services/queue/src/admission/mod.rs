@@ -371,7 +371,8 @@ impl Windows {
     }
 
     /// Joins the registration's window if the member fits; otherwise closes that window (due at
-    /// once) and opens a new one. Returns the batch and when it becomes due.
+    /// once) and opens a new one. Returns the batch and the earliest time this made work due: the
+    /// batch's, or now when it closed a window.
     fn coalesce<'a>(
         &mut self,
         batches: &mut Vec<NewBatch<'a>>,
@@ -388,6 +389,7 @@ impl Windows {
             recipient.registration_id.clone(),
             a.host_fingerprint.clone(),
         );
+        let mut closed_now = false;
         if let Some(&index) = self.latest.get(&key)
             && self.all[index].joinable(now)
         {
@@ -414,6 +416,7 @@ impl Windows {
             // Out of payload room: this window closes now and the member opens the next.
             w.window_ends_at = now;
             w.touch();
+            closed_now = true;
         }
         let due = now + coalesce_ms;
         let batch_id = ordered_id();
@@ -442,7 +445,8 @@ impl Windows {
             provider: recipient.provider,
             lease: None,
         });
-        (batch_id, due)
+        // The window closed is due now: lanes asleep until its old end are told.
+        (batch_id, if closed_now { now } else { due })
     }
 
     /// Writes each window's final state: into the new batch it opened, or as an update of the

@@ -351,7 +351,8 @@ macro_rules! row_by_row_admission {
             }
 
             /// Joins the registration's open window if the member fits; otherwise closes that window
-            /// (due at once) and opens a new one. Returns the batch and when it becomes due.
+            /// (due at once) and opens a new one. Returns the batch and the earliest time this made
+            /// work due: the batch's, or now when it closed a window.
             async fn coalesce(
                 tx: &mut <$store as Backend>::Tx,
                 a: &Admission,
@@ -365,6 +366,7 @@ macro_rules! row_by_row_admission {
                 let id = a.content.notification_id.as_deref().unwrap_or_default();
                 let bytes = member_bytes(id, &a.notification_epoch);
                 let routing = a.routing_bytes();
+                let mut closed_now = false;
                 let open = Stmt::new($crate::store::admit::OPEN_WINDOW_SQL)
                     .bind(registration_id)
                     .bind(&a.host_fingerprint)
@@ -405,18 +407,20 @@ macro_rules! row_by_row_admission {
                         }
                     } else {
                         // Out of payload room: this window closes now and the member opens the next.
-                        Stmt::new($crate::store::admit::CLOSE_WINDOW_SQL)
+                        let closed = Stmt::new($crate::store::admit::CLOSE_WINDOW_SQL)
                             .bind(&batch_id)
                             .bind(now)
                             .bind("open")
                             .execute(tx)
                             .await?;
+                        closed_now = closed == 1;
                     }
                 }
                 let due = now + coalesce_ms;
                 let batch_id =
                     Self::open_batch(tx, a, recipient, true, due, bytes, deadline, now).await?;
-                Ok((batch_id, due))
+                // The window closed is due now: lanes asleep until its old end are told.
+                Ok((batch_id, if closed_now { now } else { due }))
             }
 
             /// A dismissal takes back the pending alerts it covers for this registration.
