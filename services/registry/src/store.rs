@@ -226,11 +226,14 @@ macro_rules! registry_store {
                 .bind(&r.device_id)
                 .fetch_optional(&mut *tx)
                 .await?;
-                let id = match existing {
+                // Updated only if the row is still there: on PostgreSQL a delete of it (which
+                // takes no host lock) may commit between the read and the update, and answering
+                // its id would hand the host a registration that no longer exists.
+                let updated = match existing {
                     Some(id) => {
                         // A new token (or platform or environment) revives a dead registration; the
                         // same token stays dead, since the provider already refused it.
-                        sqlx::query(
+                        let updated = sqlx::query(
                             "UPDATE push_devices SET \
                              dead_at = CASE WHEN token = $2 AND platform = $3 \
                                AND COALESCE(apns_environment, '') = COALESCE($4, '') THEN dead_at ELSE NULL END, \
@@ -245,8 +248,12 @@ macro_rules! registry_store {
                         .bind(now_ms)
                         .execute(&mut *tx)
                         .await?;
-                        id
+                        (updated.rows_affected() == 1).then_some(id)
                     }
+                    None => None,
+                };
+                let id = match updated {
+                    Some(id) => id,
                     None => {
                         let count: i64 = sqlx::query_scalar(
                             "SELECT COUNT(*) FROM push_devices WHERE host_fingerprint = $1",

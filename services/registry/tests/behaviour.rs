@@ -506,3 +506,58 @@ async fn a_resolved_hosts_phones_are_looked_up_without_a_read(backend: Backend) 
     assert_eq!(found[0].host_fingerprint, HOST);
     assert_eq!(spans.taken(), usize::from(!cached));
 }
+
+/// PostgreSQL: a delete that commits between a re-registration's read of the phone's row and its
+/// update (deletes take no host lock) leaves the update nothing to change; the re-registration
+/// then makes a new registration rather than answer the id of the one just deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_re_registration_racing_a_delete_answers_a_registration_that_exists_postgres() {
+    use secrecy::ExposeSecret as _;
+    let (config, _guard) = fresh(Backend::Postgres).await;
+    let orca_push_storage::DatabaseConfig::Postgres { url } = &config else {
+        unreachable!("a PostgreSQL database")
+    };
+    let pool = open_and_migrate(&config).await.expect("open and migrate");
+    let registry = Arc::new(DeviceRegistry::new(
+        AnyRegistryStore::new(pool),
+        Arc::new(ManualClock::new(1_800_000_000_000)),
+    ));
+    let first = registry.register(&ios(HOST, "phone", "aa")).await.unwrap();
+    // Another session holds the row, so the re-registration reads it and then waits at its
+    // update; the row is deleted meanwhile.
+    let mut other = sqlx::PgConnection::connect(url.expose_secret())
+        .await
+        .unwrap();
+    use sqlx::Connection as _;
+    let mut held = other.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM push_registry.push_devices WHERE registration_id = $1 FOR UPDATE")
+        .bind(&first)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let again = {
+        let registry = registry.clone();
+        tokio::spawn(async move { registry.register(&ios(HOST, "phone", "bb")).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !again.is_finished(),
+        "the re-registration waits for the row"
+    );
+    sqlx::query("DELETE FROM push_registry.push_devices WHERE registration_id = $1")
+        .bind(&first)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    held.commit().await.unwrap();
+    let again = again.await.unwrap().unwrap();
+    assert_ne!(again, first, "the id of a deleted registration");
+    let listed: Vec<String> = registry
+        .list(HOST)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.registration_id)
+        .collect();
+    assert_eq!(listed, [again]);
+}
