@@ -51,10 +51,17 @@ pub async fn follow_database_unless<F, Fut, B>(
 {
     let mut ticker = tokio::time::interval(PING_EVERY);
     let mut last_chore = tokio::time::Instant::now();
+    // The chore runs beside the pings, not between them: a pass over a backlog (cleanup's steps
+    // have 10 s each) would otherwise leave health as it was for most of a minute.
+    let mut chore_running: Option<std::pin::Pin<Box<Fut>>> = None;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = ticker.tick() => {}
+            () = async { chore_running.as_mut().expect("guarded").await }, if chore_running.is_some() => {
+                chore_running = None;
+                continue;
+            }
         }
         let ping = tokio::time::timeout(PING_TIMEOUT, pool.ping())
             .await
@@ -73,9 +80,12 @@ pub async fn follow_database_unless<F, Fut, B>(
             }
         };
         health.set_service_status(name, status).await;
-        if status == ServingStatus::Serving && last_chore.elapsed() >= chore_every {
+        if status == ServingStatus::Serving
+            && chore_running.is_none()
+            && last_chore.elapsed() >= chore_every
+        {
             last_chore = tokio::time::Instant::now();
-            chore().await;
+            chore_running = Some(Box::pin(chore()));
         }
     }
 }
@@ -137,6 +147,51 @@ mod tests {
         shutdown.cancel();
         following.abort();
         held.abort();
+    }
+
+    /// A chore that takes long (cleanup over a backlog) does not hold health where it was.
+    #[tokio::test]
+    async fn health_is_followed_while_a_chore_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = crate::open_sqlite(&dir.path().join("c.db"), crate::SqliteDurability::Full)
+            .await
+            .unwrap();
+        let broken = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reporter = HealthReporter::new();
+        reporter
+            .set_service_status("svc", ServingStatus::Unknown)
+            .await;
+        let health = HealthService::from_health_reporter(reporter.clone());
+        let shutdown = CancellationToken::new();
+        let flag = broken.clone();
+        let following = tokio::spawn(follow_database_unless(
+            Pool::Sqlite(writer),
+            reporter,
+            "svc",
+            Duration::ZERO,
+            std::future::pending::<()>,
+            move || {
+                flag.load(std::sync::atomic::Ordering::SeqCst)
+                    .then_some("broken meanwhile")
+            },
+            shutdown.clone(),
+        ));
+        let wait_for = |want| {
+            let health = &health;
+            async move {
+                let deadline = tokio::time::Instant::now() + PING_EVERY + Duration::from_secs(3);
+                while status(health, "svc").await != want {
+                    assert!(tokio::time::Instant::now() < deadline, "never {want:?}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        wait_for(health_check_response::ServingStatus::Serving).await;
+        // The chore started with that first check and never ends.
+        broken.store(true, std::sync::atomic::Ordering::SeqCst);
+        wait_for(health_check_response::ServingStatus::NotServing).await;
+        shutdown.cancel();
+        following.await.unwrap();
     }
 
     /// A database that answers does not make a broken service serving.
