@@ -227,6 +227,11 @@ async fn a_token_refused_after_the_phone_replaced_it_still_delivers_to_the_new_o
     w.apns.set_latency(Duration::ZERO);
     w.apns.wait_for(new, 1, WAIT).await;
     w.wait_outcome(&id, "sent").await;
+    assert_eq!(
+        w.batches(&id).await[0].attempts,
+        1,
+        "the refusal of a token the phone had left is no attempt"
+    );
     let devices = w
         .raw
         .get("/v1/devices", &[("authorization", &w.auth)])
