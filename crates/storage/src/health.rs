@@ -28,7 +28,7 @@ pub async fn follow_database<F, Fut>(
     shutdown: CancellationToken,
 ) where
     F: Fn() -> Fut,
-    Fut: Future<Output = ()>,
+    Fut: Future<Output = ()> + Send + 'static,
 {
     follow_database_unless(pool, health, name, chore_every, chore, || None, shutdown).await;
 }
@@ -46,22 +46,25 @@ pub async fn follow_database_unless<F, Fut, B>(
     shutdown: CancellationToken,
 ) where
     F: Fn() -> Fut,
-    Fut: Future<Output = ()>,
+    Fut: Future<Output = ()> + Send + 'static,
     B: Fn() -> Option<&'static str>,
 {
     let mut ticker = tokio::time::interval(PING_EVERY);
     let mut last_chore = tokio::time::Instant::now();
-    // The chore runs beside the pings, not between them: a pass over a backlog (cleanup's steps
-    // have 10 s each) would otherwise leave health as it was for most of a minute.
-    let mut chore_running: Option<std::pin::Pin<Box<Fut>>> = None;
+    // The chore runs on a task of its own, beside the pings: between them, a pass over a backlog
+    // (cleanup's steps have 10 s each) left health as it was for most of a minute; polled only
+    // between pings, it held SQLite's one writer connection while a ping waited for it. One pass
+    // at a time; one that panics is only a pass that ended.
+    let mut chore_running: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-            () = async { chore_running.as_mut().expect("guarded").await }, if chore_running.is_some() => {
-                chore_running = None;
-                continue;
+            _ = shutdown.cancelled() => {
+                if let Some(running) = chore_running.take() {
+                    running.abort();
+                }
+                return;
             }
+            _ = ticker.tick() => {}
         }
         let ping = tokio::time::timeout(PING_TIMEOUT, pool.ping())
             .await
@@ -80,12 +83,18 @@ pub async fn follow_database_unless<F, Fut, B>(
             }
         };
         health.set_service_status(name, status).await;
+        if chore_running
+            .as_ref()
+            .is_some_and(tokio::task::JoinHandle::is_finished)
+        {
+            chore_running = None;
+        }
         if status == ServingStatus::Serving
             && chore_running.is_none()
             && last_chore.elapsed() >= chore_every
         {
             last_chore = tokio::time::Instant::now();
-            chore_running = Some(Box::pin(chore()));
+            chore_running = Some(tokio::spawn(chore()));
         }
     }
 }
@@ -190,6 +199,56 @@ mod tests {
         // The chore started with that first check and never ends.
         broken.store(true, std::sync::atomic::Ordering::SeqCst);
         wait_for(health_check_response::ServingStatus::NotServing).await;
+        shutdown.cancel();
+        following.await.unwrap();
+    }
+
+    /// A chore that keeps SQLite's one writer connection busy, transaction after transaction (a
+    /// cleanup pass over a backlog), goes on while a ping waits for that connection: health stays
+    /// SERVING through two pings. Polled only between pings, the chore held the connection the
+    /// ping waited for, until the ping timed out and said NOT_SERVING.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chore_holding_the_writer_does_not_starve_the_ping() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = crate::open_sqlite(&dir.path().join("w.db"), crate::SqliteDurability::Full)
+            .await
+            .unwrap();
+        let reporter = HealthReporter::new();
+        reporter
+            .set_service_status("svc", ServingStatus::Unknown)
+            .await;
+        let health = HealthService::from_health_reporter(reporter.clone());
+        let shutdown = CancellationToken::new();
+        let busy = writer.clone();
+        let following = tokio::spawn(follow_database(
+            Pool::Sqlite(writer),
+            reporter,
+            "svc",
+            Duration::ZERO,
+            move || {
+                let busy = busy.clone();
+                async move {
+                    let until =
+                        tokio::time::Instant::now() + 2 * PING_EVERY + Duration::from_secs(1);
+                    while tokio::time::Instant::now() < until {
+                        let tx = busy.begin().await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        tx.commit().await.unwrap();
+                    }
+                }
+            },
+            shutdown.clone(),
+        ));
+        let started = tokio::time::Instant::now();
+        while started.elapsed() < 2 * PING_EVERY + Duration::from_millis(500) {
+            assert_ne!(
+                status(&health, "svc").await,
+                health_check_response::ServingStatus::NotServing,
+                "after {:?}",
+                started.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         shutdown.cancel();
         following.await.unwrap();
     }
