@@ -158,19 +158,27 @@ mod tests {
         held.abort();
     }
 
-    /// A chore that takes long (cleanup over a backlog) does not hold health where it was.
-    #[tokio::test]
-    async fn health_is_followed_while_a_chore_runs() {
-        let dir = tempfile::tempdir().unwrap();
-        let writer = crate::open_sqlite(&dir.path().join("c.db"), crate::SqliteDurability::Full)
+    /// A SQLite writer in `dir`, and a reporter whose `svc` is UNKNOWN until followed.
+    async fn writer_and_health(
+        dir: &std::path::Path,
+    ) -> (sqlx::SqlitePool, HealthReporter, HealthService) {
+        let writer = crate::open_sqlite(&dir.join("h.db"), crate::SqliteDurability::Full)
             .await
             .unwrap();
-        let broken = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let reporter = HealthReporter::new();
         reporter
             .set_service_status("svc", ServingStatus::Unknown)
             .await;
         let health = HealthService::from_health_reporter(reporter.clone());
+        (writer, reporter, health)
+    }
+
+    /// A chore that takes long (cleanup over a backlog) does not hold health where it was.
+    #[tokio::test]
+    async fn health_is_followed_while_a_chore_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let (writer, reporter, health) = writer_and_health(dir.path()).await;
+        let broken = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let shutdown = CancellationToken::new();
         let flag = broken.clone();
         let following = tokio::spawn(follow_database_unless(
@@ -210,14 +218,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_chore_holding_the_writer_does_not_starve_the_ping() {
         let dir = tempfile::tempdir().unwrap();
-        let writer = crate::open_sqlite(&dir.path().join("w.db"), crate::SqliteDurability::Full)
-            .await
-            .unwrap();
-        let reporter = HealthReporter::new();
-        reporter
-            .set_service_status("svc", ServingStatus::Unknown)
-            .await;
-        let health = HealthService::from_health_reporter(reporter.clone());
+        let (writer, reporter, health) = writer_and_health(dir.path()).await;
         let shutdown = CancellationToken::new();
         let busy = writer.clone();
         let following = tokio::spawn(follow_database(
