@@ -112,8 +112,9 @@ fn minter(key: &InternalKey, subject: &str, audience: &str) -> Arc<Minter> {
 ///
 /// `url` may name several replicas, comma-separated, and a host name may resolve to several
 /// addresses (a headless Kubernetes Service): calls are then balanced client-side across every
-/// address (power of two choices), an address that fails to connect is skipped until it answers
-/// again, and the names are resolved again every 10 s so replicas come and go.
+/// address (power of two choices), an address that does not accept a connection is left out
+/// until it does, and the names are resolved and the addresses probed again every 10 s so
+/// replicas come and go.
 pub fn channel(
     url: &str,
     key: &InternalKey,
@@ -165,7 +166,31 @@ fn target_address(target: &str) -> Option<(String, bool)> {
     Some((format!("{host}:{port}"), literal))
 }
 
-/// Keeps the balanced channel's set of addresses in step with what the targets resolve to.
+/// How long a replica's address has to accept a connection to be balanced over.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The addresses of `candidates` that accept a TCP connection within [`PROBE_TIMEOUT`].
+async fn answering(
+    candidates: &std::collections::HashSet<std::net::SocketAddr>,
+) -> std::collections::HashSet<std::net::SocketAddr> {
+    let probes = candidates.iter().map(|addr| async move {
+        let connected =
+            tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)).await;
+        matches!(connected, Ok(Ok(_))).then_some(*addr)
+    });
+    futures::future::join_all(probes)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// Keeps the balanced channel's set of addresses in step with what the targets resolve to and
+/// which of those accept connections. tonic's balancer never drops a lazy connection that failed
+/// to connect (it stays "ready" and fails each call it gets at once), so a replica that is down
+/// must be taken out here: each round probes every address, adds those that answer and were not
+/// in, and removes those in that no longer answer. If none answers, all stay in, so that calls
+/// fail at once rather than wait for an address.
 async fn follow_replicas(
     targets: Vec<String>,
     changes: tokio::sync::mpsc::Sender<
@@ -186,9 +211,11 @@ async fn follow_replicas(
                 Err(_) => now.extend(known.iter().copied()),
             }
         }
-        // Every address is (re)inserted each round: the balancer drops a replica whose connection
-        // failed, and this is how it comes back once it answers again.
-        for addr in &now {
+        let mut up = answering(&now).await;
+        if up.is_empty() {
+            up = now;
+        }
+        for addr in up.difference(&known) {
             let Ok(endpoint) = endpoint(&format!("http://{addr}")) else {
                 continue;
             };
@@ -196,19 +223,26 @@ async fn follow_replicas(
                 return; // the channel is gone
             }
         }
-        for addr in known.difference(&now) {
+        for addr in known.difference(&up) {
             if changes.send(Change::Remove(*addr)).await.is_err() {
                 return;
             }
         }
-        known = now;
+        known = up;
         tokio::time::sleep(RESOLVE_EVERY).await;
     }
 }
 
+/// An attempt that failed after this long ran into its time limit (tonic answers a call's timeout,
+/// and the in-process deadline, as `Cancelled`, like a connection that died) or a service that is
+/// stalled: not a replica that just died, and not retried.
+const RETRY_ONLY_FAILURES_WITHIN: Duration = Duration::from_secs(1);
+
 /// Calls `call` again when an attempt found its replica unavailable, up to 4 attempts over about
 /// 200 ms, so the balancer can route around a replica that just died. Only for idempotent calls
-/// (admissions are: the event identity makes a repeat a no-op).
+/// (admissions are: the event identity makes a repeat a no-op), and only for an attempt that
+/// failed quickly ([`RETRY_ONLY_FAILURES_WITHIN`]): retried, a call that ran out its 40 s would
+/// take four times that, and pile four abandoned handlers on a stalled service.
 pub async fn retry_unavailable<T, F, Fut>(mut call: F) -> Result<T, tonic::Status>
 where
     F: FnMut() -> Fut,
@@ -216,6 +250,7 @@ where
 {
     let mut pause = Duration::from_millis(25);
     for _ in 0..3 {
+        let started = tokio::time::Instant::now();
         match call().await {
             // Unknown, Internal and Cancelled without a contract code are what a connection that
             // died mid-call (an HTTP/2 reset) turns into. A service's own refusal names a contract
@@ -227,7 +262,8 @@ where
                         | tonic::Code::Unknown
                         | tonic::Code::Internal
                         | tonic::Code::Cancelled
-                ) && status.metadata().get("x-orca-error").is_none() =>
+                ) && status.metadata().get("x-orca-error").is_none()
+                    && started.elapsed() < RETRY_ONLY_FAILURES_WITHIN =>
             {
                 tokio::time::sleep(pause).await;
                 pause *= 2;

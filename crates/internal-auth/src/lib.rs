@@ -60,6 +60,62 @@ mod tests {
     use crate::server::{MAX_VERIFIED_TOKENS, VerifiedTokens};
     use crate::token::now_s;
 
+    /// A replica that does not accept connections is not balanced over: every call reaches the
+    /// one that does. (tonic's balancer keeps a lazy connection that failed, ready, failing each
+    /// call it is given at once.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_that_is_down_gets_no_calls() {
+        let (_reporter, health) = tonic_health::server::health_reporter();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let up = listener.local_addr().unwrap().port();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let down = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let key = InternalKey::generate();
+        let url = format!("http://127.0.0.1:{down},http://127.0.0.1:{up}");
+        let channel = channel(&url, &key, "facade", "auth").unwrap();
+        let calls = (0..40).map(|_| {
+            let mut client = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+            async move {
+                client
+                    .check(tonic_health::pb::HealthCheckRequest::default())
+                    .await
+                    .map(drop)
+            }
+        });
+        let failed = futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .filter(Result::is_err)
+            .count();
+        assert_eq!(failed, 0);
+    }
+
+    /// A replica that died is routed around; a call that ran out its time is not made again.
+    #[tokio::test(start_paused = true)]
+    async fn only_quick_failures_are_retried() {
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let failing_after = |after: std::time::Duration| {
+            let calls = &calls;
+            move || async move {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(after).await;
+                Err::<(), _>(tonic::Status::cancelled("Timeout expired"))
+            }
+        };
+        let _ = retry_unavailable(failing_after(std::time::Duration::from_millis(5))).await;
+        assert_eq!(calls.swap(0, std::sync::atomic::Ordering::SeqCst), 4);
+        let _ = retry_unavailable(failing_after(std::time::Duration::from_secs(40))).await;
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
     #[test]
     fn a_verified_token_is_remembered_until_it_expires_and_a_refused_one_never() {
         let key = InternalKey::generate();
