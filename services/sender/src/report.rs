@@ -50,21 +50,62 @@ impl Flush for QueueClient {
     }
 }
 
+/// How long a report, retry or hand-back keeps calling a queue that does not answer: past a
+/// PostgreSQL restart (8.4 s measured, docs/reliability.md) or a lone queue replica's, and within
+/// the lease a delivery still holds when it ends (two thirds of it at least: 20 s of the default
+/// 30). Given up, the batch waits for its lease to lapse and is sent again, or, for a retry, comes
+/// back sooner than the provider asked.
+pub(crate) const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Whether a queue call's failure may be the queue not answering (restarting, its database
+/// restarting or aborting a transaction, a connection lost, a call that timed out) rather than
+/// refusing the call: worth making again. Each of these calls is checked against its lease, so a
+/// repeat of one that did commit changes nothing.
+fn not_answered(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Cancelled
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Unknown
+    )
+}
+
+/// Makes `call` until the queue answers it, or for [`ANSWER_WITHIN`]: 100 ms between tries,
+/// doubling to 2 s.
+pub(crate) async fn until_answered<T, F, Fut>(mut call: F) -> Result<T, tonic::Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let give_up = tokio::time::Instant::now() + ANSWER_WITHIN;
+    let mut pause = std::time::Duration::from_millis(100);
+    loop {
+        match call().await {
+            Err(status)
+                if not_answered(&status) && tokio::time::Instant::now() + pause < give_up =>
+            {
+                tracing::debug!(code = ?status.code(), "the queue did not answer; calling again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Sends one flush. A queue that answers `Unimplemented` (an older build, mid-rollout) gets
-/// single `Complete` calls from then on; a flush the queue could not commit (`Unavailable`: a
-/// storage error such as a PostgreSQL deadlock abort, or a dropped connection) is sent once more
-/// before its reports fail, since each failed report means a redelivery once its lease lapses.
+/// single `Complete` calls from then on; a flush the queue did not answer ([`not_answered`]: a
+/// storage error such as a PostgreSQL deadlock abort or restart, a dropped connection, a timeout)
+/// is sent again until it is, within [`ANSWER_WITHIN`], since each failed report means a
+/// redelivery once its lease lapses.
 async fn send_flush(
     flush: &impl Flush,
     reports: Vec<queue_pb::CompleteRequest>,
     singly: &mut bool,
 ) -> Result<Vec<bool>, tonic::Status> {
     if !*singly {
-        let mut answer = flush.report_many(reports.clone()).await;
-        if matches!(&answer, Err(status) if status.code() == tonic::Code::Unavailable) {
-            answer = flush.report_many(reports.clone()).await;
-        }
-        match answer {
+        match until_answered(|| flush.report_many(reports.clone())).await {
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::warn!("the queue has no CompleteMany; reporting one batch per call");
                 *singly = true;
@@ -264,24 +305,42 @@ mod tests {
         task.await.unwrap();
     }
 
-    #[tokio::test]
-    async fn a_flush_the_queue_could_not_commit_is_sent_once_more_then_fails() {
+    #[tokio::test(start_paused = true)]
+    async fn a_flush_the_queue_did_not_answer_is_sent_again_until_it_does() {
         let recording = Recording::default();
         recording.gate.add_permits(usize::MAX >> 4);
-        *recording.failures.lock().unwrap() = vec![tonic::Code::Unavailable];
+        // A queue restarting for a few seconds: its failures and timeouts, then an answer.
+        *recording.failures.lock().unwrap() = vec![
+            tonic::Code::Unavailable,
+            tonic::Code::Cancelled,
+            tonic::Code::Unavailable,
+            tonic::Code::DeadlineExceeded,
+            tonic::Code::Unavailable,
+        ];
         let (reporter, task) = Reporter::spawn(recording.clone());
-        assert!(
-            reporter.complete(report(2)).await.unwrap(),
-            "the second try"
-        );
-        *recording.failures.lock().unwrap() =
-            vec![tonic::Code::Unavailable, tonic::Code::Unavailable];
+        assert!(reporter.complete(report(2)).await.unwrap(), "the sixth try");
+        assert_eq!(recording.flushes.lock().unwrap().len(), 6);
+        // One that never answers fails once ANSWER_WITHIN has passed.
+        *recording.failures.lock().unwrap() = vec![tonic::Code::Unavailable; 1_000];
+        let started = tokio::time::Instant::now();
         let status = reporter.complete(report(4)).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(
+            started.elapsed() <= ANSWER_WITHIN,
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(
+            started.elapsed() >= ANSWER_WITHIN / 2,
+            "{:?}",
+            started.elapsed()
+        );
+        recording.failures.lock().unwrap().clear();
+        let flushes = recording.flushes.lock().unwrap().len();
         *recording.failures.lock().unwrap() = vec![tonic::Code::InvalidArgument];
         let status = reporter.complete(report(6)).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "not retried");
-        assert_eq!(recording.flushes.lock().unwrap().len(), 5);
+        assert_eq!(recording.flushes.lock().unwrap().len(), flushes + 1);
         drop(reporter);
         task.await.unwrap();
     }

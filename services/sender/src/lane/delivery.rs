@@ -16,7 +16,7 @@ use super::{HELD_FOR, QueueClient, SATURATED_RETRY, Sender, now_ms};
 use crate::breaker::{Breaker, Change, FIRST_HOLD, Gate, ProbeGuard, ProbeWait};
 use crate::payload::Job;
 use crate::providers::Target;
-use crate::report::Reporter;
+use crate::report::{Reporter, until_answered};
 use crate::verdict::{Verdict, at_ms, gives_up};
 
 /// What the registry said of a batch's device when its claim was read: the device (None when the
@@ -40,19 +40,22 @@ impl Sender {
         at: i64,
         reason: &str,
     ) -> Result<bool, tonic::Status> {
-        let answer = self
-            .queue
-            .clone()
-            .retry(queue_pb::RetryRequest {
-                batch_id: job.batch_id.clone(),
-                lease_token: job.lease_token.clone(),
-                retry_at_ms: at,
-                reason: reason.to_owned(),
-                provider_answered: false,
-                hand_back: true,
-            })
-            .await?
-            .into_inner();
+        let request = queue_pb::RetryRequest {
+            batch_id: job.batch_id.clone(),
+            lease_token: job.lease_token.clone(),
+            retry_at_ms: at,
+            reason: reason.to_owned(),
+            provider_answered: false,
+            hand_back: true,
+        };
+        // Not answered, the batch would wait out its lease, or come back before a hold ends.
+        let answer = until_answered(|| {
+            let mut queue = self.queue.clone();
+            let request = request.clone();
+            async move { queue.retry(request).await }
+        })
+        .await?
+        .into_inner();
         Ok(answer.expired)
     }
 
@@ -343,19 +346,23 @@ impl Sender {
                     let delay =
                         self.backoff
                             .delay(job.retries + 1, not_before, &mut rand::thread_rng());
-                    let answer = self
-                        .queue
-                        .clone()
-                        .retry(queue_pb::RetryRequest {
-                            batch_id: job.batch_id.clone(),
-                            lease_token: job.lease_token.clone(),
-                            retry_at_ms: at_ms(now_ms(&*self.clock), delay),
-                            reason,
-                            provider_answered: answered && target.is_some(),
-                            hand_back: false,
-                        })
-                        .await?
-                        .into_inner();
+                    let request = queue_pb::RetryRequest {
+                        batch_id: job.batch_id.clone(),
+                        lease_token: job.lease_token.clone(),
+                        retry_at_ms: at_ms(now_ms(&*self.clock), delay),
+                        reason,
+                        provider_answered: answered && target.is_some(),
+                        hand_back: false,
+                    };
+                    // Not answered, the batch would come back when its lease lapses: sooner
+                    // than a Retry-After or a quota's minute says.
+                    let answer = until_answered(|| {
+                        let mut queue = self.queue.clone();
+                        let request = request.clone();
+                        async move { queue.retry(request).await }
+                    })
+                    .await?
+                    .into_inner();
                     if answer.expired {
                         c.expired.fetch_add(1, Ordering::Relaxed);
                         delivered("expired");
