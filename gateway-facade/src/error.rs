@@ -140,12 +140,17 @@ impl From<tonic::Status> for ApiError {
                 Self::DependencyUnavailable
             }
             tonic::Code::NotFound => Self::NotFound,
-            tonic::Code::ResourceExhausted => Self::RateLimited,
-            // A replica that went away mid-call: the caller may retry.
+            // A replica that went away mid-call: the caller may retry. No service answers
+            // RESOURCE_EXHAUSTED or INTERNAL without a contract code (too_many_devices and
+            // internal carry theirs): uncoded, they are HTTP/2 itself (an ENHANCE_YOUR_CALM reset
+            // or GOAWAY, a connection that died), a fault between services, not the host's
+            // bucket or a bug to answer 500 for.
             tonic::Code::Unavailable
             | tonic::Code::DeadlineExceeded
             | tonic::Code::Unknown
-            | tonic::Code::Cancelled => Self::DependencyUnavailable,
+            | tonic::Code::Cancelled
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::Internal => Self::DependencyUnavailable,
             code => {
                 tracing::error!(?code, "unexpected gRPC status from a service");
                 Self::Internal
@@ -186,6 +191,26 @@ mod tests {
             wire,
             ErrorCode::ALL,
             "one ApiError per API code, in the same order"
+        );
+    }
+
+    #[test]
+    fn uncoded_transport_failures_are_dependency_faults() {
+        for code in [Code::ResourceExhausted, Code::Internal, Code::Cancelled] {
+            let error = ApiError::from(tonic::Status::new(code, "h2 protocol error"));
+            assert_eq!(error, ApiError::DependencyUnavailable, "{code:?}");
+        }
+        // Coded, they keep their meaning.
+        assert_eq!(
+            ApiError::from(status_with_code(
+                Code::ResourceExhausted,
+                "too_many_devices"
+            )),
+            ApiError::TooManyDevices
+        );
+        assert_eq!(
+            ApiError::from(status_with_code(Code::Internal, "internal")),
+            ApiError::Internal
         );
     }
 
