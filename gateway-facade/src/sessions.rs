@@ -45,6 +45,9 @@ pub const REMEMBER_REFUSAL_FOR: Duration = Duration::from_secs(60);
 /// not remembered (their next request is looked up again).
 pub const MAX_CACHED_SESSIONS: usize = 100_000;
 
+/// How long a request waits for the session key before its first fetch has been answered.
+pub const KEY_WAIT: Duration = Duration::from_secs(2);
+
 type TokenHash = [u8; 32];
 type AuthClient = orca_push_proto::auth::v1::auth_service_client::AuthServiceClient<
     orca_push_internal_auth::InternalChannel,
@@ -181,9 +184,18 @@ impl SessionCheck {
     }
 
     /// The token's tag, fetching the session key from auth on first use (concurrent first uses
-    /// share one fetch).
+    /// share one fetch). A request waits for the key at most [`KEY_WAIT`], then is answered
+    /// `dependency_unavailable`: with auth unreachable at start-up, requests would otherwise hang
+    /// in line, each failed fetch handing the next waiter a fetch of its own, outside the bound
+    /// on waiting look-ups. The fetch at start (`keep_fresh`) goes on regardless.
     pub async fn tag(&self, auth: &AuthClient, token: &str) -> Result<Tag, ApiError> {
-        Ok(self.tagging(auth).await?.check(token, now_ms()))
+        if let Some(tagging) = self.tagging.get() {
+            return Ok(tagging.check(token, now_ms()));
+        }
+        let tagging = tokio::time::timeout(KEY_WAIT, self.tagging(auth))
+            .await
+            .map_err(|_| ApiError::DependencyUnavailable)??;
+        Ok(tagging.check(token, now_ms()))
     }
 
     async fn tagging(&self, auth: &AuthClient) -> Result<&SessionTagging, ApiError> {
@@ -462,6 +474,49 @@ mod tests {
                 Ok(verdict)
             })
             .await
+    }
+
+    /// With auth unreachable before the key was ever fetched, requests are answered at once
+    /// rather than in line behind each other's fetches.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_wait_for_the_session_key_at_most_key_wait() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                kept.push(socket);
+            }
+        });
+        let key = orca_push_internal_auth::InternalKey::generate();
+        let channel = orca_push_internal_auth::channel(
+            &format!("http://127.0.0.1:{port}"),
+            &key,
+            "facade",
+            "auth",
+        )
+        .unwrap();
+        let auth = AuthClient::new(channel);
+        let check = Arc::new(SessionCheck::default());
+        let started = Instant::now();
+        let waiting: Vec<_> = (0..3)
+            .map(|_| {
+                let (check, auth) = (check.clone(), auth.clone());
+                tokio::spawn(async move { check.tag(&auth, "a-token").await })
+            })
+            .collect();
+        for answer in waiting {
+            assert_eq!(
+                answer.await.unwrap().err(),
+                Some(ApiError::DependencyUnavailable)
+            );
+        }
+        assert!(
+            started.elapsed() < KEY_WAIT + Duration::from_millis(900),
+            "{:?}",
+            started.elapsed()
+        );
+        held.abort();
     }
 
     #[tokio::test]
