@@ -439,7 +439,10 @@ impl Sender {
         let now = now_ms(&*self.clock);
         for batch in batches {
             let job = Job::from_claim(batch);
-            if let Err(status) = self.hand_back(&job, now, "stopping").await {
+            if let Err(status) = self
+                .hand_back_trying(&job, now, "stopping", Duration::ZERO)
+                .await
+            {
                 tracing::warn!(code = ?status.code(), "could not hand back a batch; its lease will lapse");
             }
         }

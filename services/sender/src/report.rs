@@ -71,14 +71,17 @@ fn not_answered(status: &tonic::Status) -> bool {
     )
 }
 
-/// Makes `call` until the queue answers it, or for [`ANSWER_WITHIN`]: 100 ms between tries,
-/// doubling to 2 s.
-pub(crate) async fn until_answered<T, F, Fut>(mut call: F) -> Result<T, tonic::Status>
+/// Makes `call` until the queue answers it, or for `within` ([`ANSWER_WITHIN`] but at a stop):
+/// 100 ms between tries, doubling to 2 s.
+pub(crate) async fn until_answered<T, F, Fut>(
+    within: std::time::Duration,
+    mut call: F,
+) -> Result<T, tonic::Status>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, tonic::Status>>,
 {
-    let give_up = tokio::time::Instant::now() + ANSWER_WITHIN;
+    let give_up = tokio::time::Instant::now() + within;
     let mut pause = std::time::Duration::from_millis(100);
     loop {
         match call().await {
@@ -105,7 +108,7 @@ async fn send_flush(
     singly: &mut bool,
 ) -> Result<Vec<bool>, tonic::Status> {
     if !*singly {
-        match until_answered(|| flush.report_many(reports.clone())).await {
+        match until_answered(ANSWER_WITHIN, || flush.report_many(reports.clone())).await {
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::warn!("the queue has no CompleteMany; reporting one batch per call");
                 *singly = true;
@@ -303,6 +306,24 @@ mod tests {
         );
         drop(reporter);
         task.await.unwrap();
+    }
+
+    /// With no time to try again (a stopping lane's hand-backs), a call is made once.
+    #[tokio::test(start_paused = true)]
+    async fn with_no_time_a_call_the_queue_did_not_answer_is_made_once() {
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let call = || {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Err::<(), _>(tonic::Status::unavailable("restarting")) }
+        };
+        let started = tokio::time::Instant::now();
+        assert!(
+            until_answered(std::time::Duration::ZERO, call)
+                .await
+                .is_err()
+        );
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(started.elapsed(), std::time::Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]

@@ -16,7 +16,7 @@ use super::{HELD_FOR, QueueClient, SATURATED_RETRY, Sender, now_ms};
 use crate::breaker::{Breaker, Change, FIRST_HOLD, Gate, ProbeGuard, ProbeWait};
 use crate::payload::Job;
 use crate::providers::Target;
-use crate::report::{Reporter, until_answered};
+use crate::report::{ANSWER_WITHIN, Reporter, until_answered};
 use crate::verdict::{Verdict, at_ms, gives_up};
 
 /// What the registry said of a batch's device when its claim was read: the device (None when the
@@ -40,6 +40,19 @@ impl Sender {
         at: i64,
         reason: &str,
     ) -> Result<bool, tonic::Status> {
+        self.hand_back_trying(job, at, reason, ANSWER_WITHIN).await
+    }
+
+    /// [`Sender::hand_back`], making the call again while the queue does not answer for at
+    /// most `within` (zero: once; a stopping lane, whose batches' leases lapse anyway, must not
+    /// outlast the hard stop waiting).
+    pub(super) async fn hand_back_trying(
+        &self,
+        job: &Job,
+        at: i64,
+        reason: &str,
+        within: Duration,
+    ) -> Result<bool, tonic::Status> {
         let request = queue_pb::RetryRequest {
             batch_id: job.batch_id.clone(),
             lease_token: job.lease_token.clone(),
@@ -49,7 +62,7 @@ impl Sender {
             hand_back: true,
         };
         // Not answered, the batch would wait out its lease, or come back before a hold ends.
-        let answer = until_answered(|| {
+        let answer = until_answered(within, || {
             let mut queue = self.queue.clone();
             let request = request.clone();
             async move { queue.retry(request).await }
@@ -356,7 +369,7 @@ impl Sender {
                     };
                     // Not answered, the batch would come back when its lease lapses: sooner
                     // than a Retry-After or a quota's minute says.
-                    let answer = until_answered(|| {
+                    let answer = until_answered(ANSWER_WITHIN, || {
                         let mut queue = self.queue.clone();
                         let request = request.clone();
                         async move { queue.retry(request).await }
