@@ -233,16 +233,18 @@ async fn follow_replicas(
     }
 }
 
-/// An attempt that failed after this long ran into its time limit (tonic answers a call's timeout,
-/// and the in-process deadline, as `Cancelled`, like a connection that died) or a service that is
-/// stalled: not a replica that just died, and not retried.
-const RETRY_ONLY_FAILURES_WITHIN: Duration = Duration::from_secs(1);
+/// Whether `status` is a call's own time running out: tonic's timeout and the in-process deadline
+/// both answer `Cancelled` with this message, the same code a connection that died turns into.
+fn timed_out(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Cancelled && status.message() == "Timeout expired"
+}
 
 /// Calls `call` again when an attempt found its replica unavailable, up to 4 attempts over about
 /// 200 ms, so the balancer can route around a replica that just died. Only for idempotent calls
-/// (admissions are: the event identity makes a repeat a no-op), and only for an attempt that
-/// failed quickly ([`RETRY_ONLY_FAILURES_WITHIN`]): retried, a call that ran out its 40 s would
-/// take four times that, and pile four abandoned handlers on a stalled service.
+/// (admissions are: the event identity makes a repeat a no-op), and not for an attempt that ran
+/// out its time ([`timed_out`]): retried, a call that ran out its 40 s would take four times
+/// that, and pile four abandoned handlers on a stalled service. (Not by how long the attempt
+/// took: that counts time queued before it reached a replica.)
 pub async fn retry_unavailable<T, F, Fut>(mut call: F) -> Result<T, tonic::Status>
 where
     F: FnMut() -> Fut,
@@ -250,7 +252,6 @@ where
 {
     let mut pause = Duration::from_millis(25);
     for _ in 0..3 {
-        let started = tokio::time::Instant::now();
         match call().await {
             // Unknown, Internal and Cancelled without a contract code are what a connection that
             // died mid-call (an HTTP/2 reset) turns into. A service's own refusal names a contract
@@ -263,7 +264,7 @@ where
                         | tonic::Code::Internal
                         | tonic::Code::Cancelled
                 ) && status.metadata().get("x-orca-error").is_none()
-                    && started.elapsed() < RETRY_ONLY_FAILURES_WITHIN =>
+                    && !timed_out(&status) =>
             {
                 tokio::time::sleep(pause).await;
                 pause *= 2;

@@ -98,21 +98,31 @@ mod tests {
         assert_eq!(failed, 0);
     }
 
-    /// A replica that died is routed around; a call that ran out its time is not made again.
+    /// A replica that died is routed around, however long the call waited first; a call that ran
+    /// out its time is not made again.
     #[tokio::test(start_paused = true)]
-    async fn only_quick_failures_are_retried() {
+    async fn a_call_is_retried_unless_it_ran_out_its_time() {
         let calls = std::sync::atomic::AtomicUsize::new(0);
-        let failing_after = |after: std::time::Duration| {
+        let failing_after = |after: std::time::Duration, status: tonic::Status| {
             let calls = &calls;
-            move || async move {
-                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                tokio::time::sleep(after).await;
-                Err::<(), _>(tonic::Status::cancelled("Timeout expired"))
+            move || {
+                let status = status.clone();
+                async move {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::time::sleep(after).await;
+                    Err::<(), _>(status)
+                }
             }
         };
-        let _ = retry_unavailable(failing_after(std::time::Duration::from_millis(5))).await;
-        assert_eq!(calls.swap(0, std::sync::atomic::Ordering::SeqCst), 4);
-        let _ = retry_unavailable(failing_after(std::time::Duration::from_secs(40))).await;
+        let died = tonic::Status::cancelled("h2 protocol error: connection reset");
+        let ms = std::time::Duration::from_millis;
+        // A connection that died, at once or after the call waited its turn for 2 s.
+        for after in [ms(5), ms(2_000)] {
+            let _ = retry_unavailable(failing_after(after, died.clone())).await;
+            assert_eq!(calls.swap(0, std::sync::atomic::Ordering::SeqCst), 4);
+        }
+        let timeout = tonic::Status::cancelled("Timeout expired");
+        let _ = retry_unavailable(failing_after(ms(40_000), timeout)).await;
         assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
