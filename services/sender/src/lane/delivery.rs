@@ -62,14 +62,23 @@ impl Sender {
             hand_back: true,
         };
         // Not answered, the batch would wait out its lease, or come back before a hold ends.
-        let answer = until_answered(within, || {
+        let answer = self.retry_trying(request, within).await?;
+        Ok(answer.expired)
+    }
+
+    /// A `Retry` call, made again while the queue does not answer, for at most `within`.
+    async fn retry_trying(
+        &self,
+        request: queue_pb::RetryRequest,
+        within: Duration,
+    ) -> Result<queue_pb::RetryResponse, tonic::Status> {
+        until_answered(within, || {
             let mut queue = self.queue.clone();
             let request = request.clone();
             async move { queue.retry(request).await }
         })
-        .await?
-        .into_inner();
-        Ok(answer.expired)
+        .await
+        .map(tonic::Response::into_inner)
     }
 
     pub(super) async fn deliver(
@@ -369,13 +378,7 @@ impl Sender {
                     };
                     // Not answered, the batch would come back when its lease lapses: sooner
                     // than a Retry-After or a quota's minute says.
-                    let answer = until_answered(ANSWER_WITHIN, || {
-                        let mut queue = self.queue.clone();
-                        let request = request.clone();
-                        async move { queue.retry(request).await }
-                    })
-                    .await?
-                    .into_inner();
+                    let answer = self.retry_trying(request, ANSWER_WITHIN).await?;
                     if answer.expired {
                         c.expired.fetch_add(1, Ordering::Relaxed);
                         delivered("expired");
