@@ -136,6 +136,19 @@ pub fn summary_fits(members_bytes: i64, routing_bytes: i64) -> bool {
     ENVELOPE_RESERVE + routing_bytes + members_bytes <= PROVIDER_PAYLOAD_LIMIT
 }
 
+/// A coalescing window is due at least this long before the deadline of any member it holds,
+/// so that a member whose deadline falls inside the window is still sent: the window comes due
+/// early rather than at its end, past a deadline the member would then be expired at.
+pub const SEND_AHEAD_OF_DEADLINE_MS: i64 = 1000;
+
+/// When a window holding a member with `deadline` is due, given the end it would otherwise have
+/// (`now` plus the coalescing time for a new window, the window's end for a join): no later than
+/// `SEND_AHEAD_OF_DEADLINE_MS` before that deadline, and never before `now`.
+pub fn window_due(end: i64, deadline: i64, now: i64) -> i64 {
+    end.min(deadline.saturating_sub(SEND_AHEAD_OF_DEADLINE_MS))
+        .max(now)
+}
+
 /// One notification as a host asked for it.
 #[derive(Debug, Clone)]
 pub struct Admission {
@@ -521,6 +534,18 @@ mod tests {
             single_collapse_id("D20lU_8MD0R64gLt", "e", None),
             "host:D20lU_8MD0R64gLt"
         );
+    }
+
+    #[test]
+    fn a_window_is_due_ahead_of_its_members_deadlines() {
+        use super::window_due;
+        // A deadline far off leaves the window's end as it was.
+        assert_eq!(window_due(3_000, 300_000, 0), 3_000);
+        // One inside the window brings it forward to a second before that deadline.
+        assert_eq!(window_due(3_000, 2_500, 0), 1_500);
+        // Never before now, however near the deadline.
+        assert_eq!(window_due(3_000, 500, 100), 100);
+        assert_eq!(window_due(3_000, i64::MIN, 100), 100);
     }
 
     #[test]

@@ -70,6 +70,9 @@ fn workload(seed: u64, rounds: usize) -> Vec<(i64, Vec<Admission>)> {
                     a.expires_at_ms = Some(now - 1);
                 } else if rng.chance(10) {
                     a.expires_at_ms = Some(now + 60_000 + rng.next(1000) as i64);
+                } else if rng.chance(10) {
+                    // Within the window: it comes due a second before this deadline.
+                    a.expires_at_ms = Some(now + 500 + rng.next(3500) as i64);
                 }
                 for r in &mut a.recipients {
                     r.silent = rng.chance(20);

@@ -28,6 +28,7 @@ on_both_backends!(
     a_dismissal_cancels_pending_alerts_and_fences_older_ones,
     expired_work_is_not_handed_out,
     a_member_past_its_deadline_expires_at_the_claim_and_the_rest_go_out,
+    a_deadline_inside_the_window_brings_the_window_forward,
     leases_lapse_renew_and_guard_completion,
     retries_are_persistent_and_never_pass_the_deadline,
     outcomes_are_recorded_per_recipient,
@@ -412,16 +413,16 @@ async fn expired_work_is_not_handed_out(backend: Backend) {
     assert_eq!(record.recipients[0].status, "expired");
 }
 
-/// A window's members keep their own deadlines: one past its own when the window is claimed is
-/// recorded expired and left out; the others go out in the batch.
+/// A window's members keep their own deadlines: one past its own when the window is claimed (no
+/// lane took it in time) is recorded expired and left out; the others go out in the batch.
 async fn a_member_past_its_deadline_expires_at_the_claim_and_the_rest_go_out(backend: Backend) {
     let h = harness(backend).await;
     let mut short = alert(1, &["r1"]);
     short.expires_at_ms = Some(T0 as i64 + 2_000);
     h.admit(&short).await;
-    h.clock.advance(1_000);
+    h.clock.advance(500);
     h.admit(&alert(2, &["r1"])).await;
-    h.clock.advance(WINDOW - 1_000);
+    h.clock.advance(WINDOW - 500);
     let batches = h.claim_all().await;
     assert_eq!(batches.len(), 1);
     let seqs: Vec<i64> = batches[0]
@@ -435,6 +436,38 @@ async fn a_member_past_its_deadline_expires_at_the_claim_and_the_rest_go_out(bac
     assert_eq!(short.recipients[0].status, "expired");
     let kept = record(2).await.unwrap().unwrap();
     assert_eq!(kept.recipients[0].status, "pending");
+}
+
+/// A member whose deadline falls inside the window brings the window forward, to a second before
+/// that deadline: it is sent, where at the window's end it would have expired unsent. Members
+/// that join later go with it.
+async fn a_deadline_inside_the_window_brings_the_window_forward(backend: Backend) {
+    let h = harness(backend).await;
+    let mut short = alert(1, &["r1"]);
+    short.expires_at_ms = Some(T0 as i64 + 2_000);
+    h.admit(&short).await;
+    h.clock.advance(500);
+    h.admit(&alert(2, &["r1"])).await;
+    h.clock.advance(499);
+    assert!(h.claim_all().await.is_empty(), "not due before the second ahead");
+    h.clock.advance(1);
+    let batches = h.claim_all().await;
+    assert_eq!(batches.len(), 1);
+    let seqs: Vec<i64> = batches[0]
+        .members
+        .iter()
+        .map(|m| m.notification_seq)
+        .collect();
+    assert_eq!(seqs, [1, 2], "one summary, the short-lived member in it");
+    // A window already open is brought forward by a later member's deadline too.
+    h.admit(&alert(3, &["r2"])).await;
+    let mut later = alert(4, &["r2"]);
+    later.expires_at_ms = Some(T0 as i64 + 1_000 + 1_500);
+    h.admit(&later).await;
+    h.clock.advance(500);
+    let batches = h.claim_all().await;
+    assert_eq!(batches.len(), 1, "due 500 ms in, not at the window's end");
+    assert_eq!(batches[0].members.len(), 2);
 }
 
 async fn leases_lapse_renew_and_guard_completion(backend: Backend) {

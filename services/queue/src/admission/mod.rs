@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::model::{
     Admission, AdmissionRecipient, AdmissionStatus, Kind, MAX_BATCH_MEMBERS, MAX_LIFETIME_MS,
-    Provider, QUOTA_PER_KIND, member_bytes, summary_fits,
+    Provider, QUOTA_PER_KIND, member_bytes, summary_fits, window_due,
 };
 use crate::store::{Enqueued, ordered_id};
 
@@ -402,7 +402,7 @@ impl Windows {
                 let due = if count >= MAX_BATCH_MEMBERS {
                     now
                 } else {
-                    w.window_ends_at
+                    window_due(w.window_ends_at, deadline, now)
                 };
                 w.member_count = count;
                 w.members_bytes = members;
@@ -418,7 +418,7 @@ impl Windows {
             w.touch();
             closed_now = true;
         }
-        let due = now + coalesce_ms;
+        let due = window_due(now + coalesce_ms, deadline, now);
         let batch_id = ordered_id();
         self.latest.insert(key, self.all.len());
         self.all.push(Window {

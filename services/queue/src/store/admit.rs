@@ -385,7 +385,7 @@ macro_rules! row_by_row_admission {
                         let due = if count >= MAX_BATCH_MEMBERS {
                             now
                         } else {
-                            window_ends_at
+                            $crate::model::window_due(window_ends_at, deadline, now)
                         };
                         // Guarded by its state: on PostgreSQL a lane may have claimed the window
                         // since it was read (claims take no host lock); then the member opens a
@@ -416,7 +416,7 @@ macro_rules! row_by_row_admission {
                         closed_now = closed == 1;
                     }
                 }
-                let due = now + coalesce_ms;
+                let due = $crate::model::window_due(now + coalesce_ms, deadline, now);
                 let batch_id =
                     Self::open_batch(tx, a, recipient, true, due, bytes, deadline, now).await?;
                 // The window closed is due now: lanes asleep until its old end are told.
