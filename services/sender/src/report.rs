@@ -97,30 +97,43 @@ where
     }
 }
 
-/// Sends one flush. A queue that answers `Unimplemented` (an older build, mid-rollout) gets
-/// single `Complete` calls from then on; a flush the queue did not answer ([`not_answered`]: a
-/// storage error such as a PostgreSQL deadlock abort or restart, a dropped connection, a timeout)
-/// is sent again until it is, within [`ANSWER_WITHIN`], since each failed report means a
-/// redelivery once its lease lapses.
+/// How long a queue that answered `Unimplemented` to `CompleteMany` gets single `Complete` calls
+/// before it is asked again: a rollout that put the sender first upgrades the queue meanwhile.
+const ASK_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Sends one flush: an answer per report, in order. A queue that answers `Unimplemented` (an
+/// older build, mid-rollout) gets single `Complete` calls for [`ASK_AGAIN_AFTER`] (`singly` holds
+/// since when); a call the queue did not answer ([`not_answered`]: a storage error such as a
+/// PostgreSQL deadlock abort or restart, a dropped connection, a timeout) is made again until it
+/// is, within [`ANSWER_WITHIN`] for the whole flush, since each failed report means a redelivery
+/// once its lease lapses. A single report that fails fails alone.
 async fn send_flush(
     flush: &impl Flush,
     reports: Vec<queue_pb::CompleteRequest>,
-    singly: &mut bool,
-) -> Result<Vec<bool>, tonic::Status> {
-    if !*singly {
+    singly: &mut Option<tokio::time::Instant>,
+) -> Vec<Result<bool, tonic::Status>> {
+    let give_up = tokio::time::Instant::now() + ANSWER_WITHIN;
+    if singly.is_none_or(|since| since.elapsed() >= ASK_AGAIN_AFTER) {
         match until_answered(ANSWER_WITHIN, || flush.report_many(reports.clone())).await {
             Err(status) if status.code() == tonic::Code::Unimplemented => {
-                tracing::warn!("the queue has no CompleteMany; reporting one batch per call");
-                *singly = true;
+                if singly.is_none() {
+                    tracing::warn!("the queue has no CompleteMany; reporting one batch per call");
+                }
+                *singly = Some(tokio::time::Instant::now());
             }
-            answer => return answer,
+            Ok(recorded) => {
+                *singly = None;
+                return recorded.into_iter().map(Ok).collect();
+            }
+            Err(status) => return vec![Err(status); reports.len()],
         }
     }
     let mut recorded = Vec::with_capacity(reports.len());
     for report in reports {
-        recorded.push(flush.report_one(report).await?);
+        let within = give_up.saturating_duration_since(tokio::time::Instant::now());
+        recorded.push(until_answered(within, || flush.report_one(report.clone())).await);
     }
-    Ok(recorded)
+    recorded
 }
 
 type Pending = (
@@ -158,7 +171,7 @@ impl Reporter {
 
 async fn run(flush: impl Flush, mut rx: mpsc::UnboundedReceiver<Pending>) {
     let mut pending = Vec::with_capacity(MAX_FLUSH);
-    let mut singly = false;
+    let mut singly = None;
     while rx.recv_many(&mut pending, MAX_FLUSH).await > 0 {
         let span = tracing::info_span!(
             "report outcomes",
@@ -170,20 +183,11 @@ async fn run(flush: impl Flush, mut rx: mpsc::UnboundedReceiver<Pending>) {
             .drain(..)
             .map(|(report, _, answer)| (report, answer))
             .unzip();
-        match send_flush(&flush, reports, &mut singly)
+        let recorded = send_flush(&flush, reports, &mut singly)
             .instrument(span)
-            .await
-        {
-            Ok(recorded) => {
-                for (answer, recorded) in answers.into_iter().zip(recorded) {
-                    let _ = answer.send(Ok(recorded));
-                }
-            }
-            Err(status) => {
-                for answer in answers {
-                    let _ = answer.send(Err(status.clone()));
-                }
-            }
+            .await;
+        for (answer, recorded) in answers.into_iter().zip(recorded) {
+            let _ = answer.send(recorded);
         }
     }
 }
@@ -204,6 +208,8 @@ mod tests {
         gate: Arc<Semaphore>,
         /// Answers to the next `CompleteMany` calls, before the recorded default.
         failures: Arc<Mutex<Vec<tonic::Code>>>,
+        /// The same for the next `Complete` calls.
+        single_failures: Arc<Mutex<Vec<tonic::Code>>>,
     }
 
     impl Default for Recording {
@@ -213,6 +219,7 @@ mod tests {
                 singles: Default::default(),
                 gate: Arc::new(Semaphore::new(0)),
                 failures: Default::default(),
+                single_failures: Default::default(),
             }
         }
     }
@@ -253,6 +260,13 @@ mod tests {
             report: queue_pb::CompleteRequest,
         ) -> Result<bool, tonic::Status> {
             self.singles.lock().unwrap().push(report.batch_id.clone());
+            let failure = {
+                let mut failures = self.single_failures.lock().unwrap();
+                (!failures.is_empty()).then(|| failures.remove(0))
+            };
+            if let Some(code) = failure {
+                return Err(tonic::Status::new(code, "refused"));
+            }
             Ok(held(&report))
         }
     }
@@ -376,6 +390,49 @@ mod tests {
         assert!(!reporter.complete(report(3)).await.unwrap());
         assert_eq!(recording.flushes.lock().unwrap().len(), 1, "asked once");
         assert_eq!(*recording.singles.lock().unwrap(), ["b2", "b3"]);
+        drop(reporter);
+        task.await.unwrap();
+    }
+
+    /// Single reports the queue did not answer are made again; one refused fails alone; and after
+    /// `ASK_AGAIN_AFTER` the queue (upgraded since) is asked for `CompleteMany` again.
+    #[tokio::test(start_paused = true)]
+    async fn single_reports_are_retried_alone_and_complete_many_is_asked_for_again() {
+        let recording = Recording::default();
+        recording.gate.add_permits(usize::MAX >> 4);
+        *recording.failures.lock().unwrap() = vec![tonic::Code::Unimplemented];
+        let (reporter, task) = Reporter::spawn(recording.clone());
+        assert!(reporter.complete(report(2)).await.unwrap());
+        *recording.single_failures.lock().unwrap() = vec![
+            tonic::Code::Unavailable,
+            tonic::Code::Unavailable,
+            tonic::Code::InvalidArgument,
+        ];
+        let answers: Vec<_> = [4, 6]
+            .into_iter()
+            .map(|i| {
+                let reporter = reporter.clone();
+                tokio::spawn(async move { reporter.complete(report(i)).await })
+            })
+            .collect();
+        let mut answers = answers.into_iter();
+        let first = answers.next().unwrap().await.unwrap();
+        let second = answers.next().unwrap().await.unwrap();
+        let (failed, fine) = match first {
+            Ok(held) => (second, held),
+            Err(status) => (Err(status), second.unwrap()),
+        };
+        assert_eq!(failed.unwrap_err().code(), tonic::Code::InvalidArgument);
+        assert!(fine, "the other report of the flush is answered");
+        assert_eq!(recording.flushes.lock().unwrap().len(), 1);
+        tokio::time::advance(ASK_AGAIN_AFTER).await;
+        assert!(reporter.complete(report(8)).await.unwrap());
+        assert!(reporter.complete(report(10)).await.unwrap());
+        assert_eq!(
+            recording.flushes.lock().unwrap().len(),
+            3,
+            "asked again, then kept"
+        );
         drop(reporter);
         task.await.unwrap();
     }

@@ -527,7 +527,14 @@ async fn keep_renewed<R, F>(
         if now_ms(clock) >= deadline_ms {
             return;
         }
-        match renew().await {
+        // A delivery that ends while a renewal is on its way does not wait for its answer: its
+        // report would otherwise wait as long as a queue that stalled takes to time out (40 s),
+        // past the lease it holds.
+        let answer = tokio::select! {
+            _ = done.cancelled() => return,
+            answer = renew() => answer,
+        };
+        match answer {
             Ok(true) => {}
             Ok(false) => {
                 tracing::warn!("lost the lease of a batch in flight");
@@ -636,6 +643,27 @@ mod tests {
             2,
             "a lost lease ends it"
         );
+    }
+
+    /// A delivery that ends while a renewal is unanswered stops its renewer at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_on_its_way_does_not_hold_the_end_of_its_delivery() {
+        let renew = || std::future::pending::<Result<bool, tonic::Status>>();
+        let done = CancellationToken::new();
+        let stop = done.clone();
+        let clock = orca_push_storage::clock::SystemClock;
+        let started = tokio::time::Instant::now();
+        let renewing = keep_renewed(renew, 300, i64::MAX, &clock, done);
+        let stopping = async {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            stop.cancel();
+        };
+        let ended = tokio::time::timeout(Duration::from_secs(60), async {
+            tokio::join!(renewing, stopping);
+        })
+        .await;
+        assert!(ended.is_ok(), "the renewer waited for its renewal");
+        assert_eq!(started.elapsed(), Duration::from_millis(150));
     }
 
     /// A probe batch is released again whenever the breaker waits for a probe, not while one is
