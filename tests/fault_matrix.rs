@@ -175,6 +175,40 @@ async fn fcm_401s_of_one_stale_token_refresh_it_once() {
     );
 }
 
+/// A refresh that FCM's 401 asked for, which the token endpoint failed, is still a refresh when
+/// next tried: the next send does not go out with the refused token from the OAuth client's own
+/// cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refresh_the_token_endpoint_failed_is_forced_again() {
+    let w = fast_world().await;
+    let warm = w.register_android("pixel-warm", ANDROID).await;
+    w.send(&[&warm], alert(1)).await;
+    w.wait_outcome(&warm, "sent").await;
+    assert_eq!(w.fcm.token_requests(), 1);
+    let token = "fcm-token:APA91bRefreshFailedOnce-00";
+    let stale = fcm_error(
+        401,
+        "UNAUTHENTICATED",
+        "",
+        "Request had invalid authentication credentials.",
+    );
+    w.fcm.script(token, vec![stale]);
+    let phone = w.register_android("pixel", token).await;
+    w.fcm.set_token_endpoint_down(true);
+    w.send(&[&phone], alert(2)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while w.fcm.token_requests() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no refresh tried");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    w.fcm.set_token_endpoint_down(false);
+    w.wait_outcome(&phone, "sent").await;
+    assert!(
+        w.fcm.token_requests() >= 3,
+        "sent with a token fetched after the endpoint came back, not the refused one"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fcm_403_sender_id_mismatch_fails_at_once() {
     let w = fast_world().await;

@@ -185,7 +185,11 @@ impl Fcm {
         if let Some(bearer) = self.cached_bearer() {
             return Ok(bearer);
         }
-        let token = if self.refresh.swap(false, Ordering::AcqRel) {
+        // Cleared only once a forced token is cached: a forced fetch that fails, or is dropped
+        // (its caller's timeout, the batch's deadline), leaves the next one forced too, where
+        // the OAuth client would otherwise hand back the token FCM refused from its own cache.
+        let forced = self.refresh.load(Ordering::Acquire);
+        let token = if forced {
             self.auth.force_refreshed_token(&[SCOPE]).await
         } else {
             self.auth.token(&[SCOPE]).await
@@ -203,6 +207,9 @@ impl Fcm {
             bearer: bearer.clone(),
             refresh_at: expires.saturating_sub(TOKEN_MARGIN.as_secs()),
         })));
+        if forced {
+            self.refresh.store(false, Ordering::Release);
+        }
         Ok(bearer)
     }
 
