@@ -33,6 +33,9 @@ pub const WATCHED_TRUST_FOR: Duration = Duration::from_secs(30);
 const WATCHED_TRUST_MS: u64 = WATCHED_TRUST_FOR.as_millis() as u64;
 /// The watch vouches only while heard from this recently (auth's heartbeat is every 200 ms).
 pub const WATCH_SILENCE: Duration = Duration::from_millis(600);
+/// A watch heard from no more for this long is opened again (its connection may be gone without
+/// a word); meanwhile verdicts are on the one-second rule.
+pub const WATCH_REOPEN_AFTER: Duration = Duration::from_secs(3);
 /// How long to wait before opening the watch again after it ended or was refused.
 const WATCH_RETRY: Duration = Duration::from_secs(1);
 /// How long to wait before asking again an auth that does not offer the watch.
@@ -370,11 +373,39 @@ impl SessionCheck {
         }
     }
 
+    /// Hears a session watch's events until it ends (with its error, if any), or it is heard from
+    /// no more for [`WATCH_REOPEN_AFTER`] (a stream whose connection the network dropped without a
+    /// word never ends): `None` at `shutdown`.
+    async fn hear(
+        &self,
+        events: &mut (impl futures::Stream<Item = Result<pb::SessionEvent, tonic::Status>> + Unpin),
+        shutdown: &CancellationToken,
+    ) -> Option<Option<tonic::Status>> {
+        use futures::StreamExt as _;
+        let mut heard_at = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                () = tokio::time::sleep_until(heard_at + WATCH_REOPEN_AFTER) => {
+                    tracing::info!("auth's session watch went silent; opening it again");
+                    return Some(None);
+                }
+                event = events.next() => match event {
+                    Some(Ok(event)) => {
+                        heard_at = tokio::time::Instant::now();
+                        self.watch.heard(&event);
+                    }
+                    Some(Err(status)) => return Some(Some(status)),
+                    None => return Some(None),
+                },
+            }
+        }
+    }
+
     /// Follows auth's session watch until `shutdown`, opening it again whenever it ends. An auth
     /// that does not offer it (replicas on PostgreSQL, or an older auth) is asked again each
     /// minute; meanwhile every verdict stays on the one-second rule.
     async fn follow_watch(self: Arc<Self>, auth: AuthClient, shutdown: CancellationToken) {
-        use futures::StreamExt as _;
         loop {
             let mut client = auth.clone();
             let wait = match client.watch_sessions(pb::WatchSessionsRequest {}).await {
@@ -382,18 +413,9 @@ impl SessionCheck {
                     let mut events = response.into_inner();
                     self.watch.opened();
                     tracing::debug!("following auth's session watch");
-                    let ended = loop {
-                        tokio::select! {
-                            _ = shutdown.cancelled() => {
-                                self.watch.closed();
-                                return;
-                            }
-                            event = events.next() => match event {
-                                Some(Ok(event)) => self.watch.heard(&event),
-                                Some(Err(status)) => break Some(status),
-                                None => break None,
-                            },
-                        }
+                    let Some(ended) = self.hear(&mut events, &shutdown).await else {
+                        self.watch.closed();
+                        return;
                     };
                     self.watch.closed();
                     if let Some(status) = ended {
@@ -474,6 +496,32 @@ mod tests {
                 Ok(verdict)
             })
             .await
+    }
+
+    /// A watch that goes silent without ending (its connection dropped without a word) is given
+    /// up after `WATCH_REOPEN_AFTER`, to be opened again; one heard from is followed.
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_heard_from_no_more_is_given_up_to_be_opened_again() {
+        let check = SessionCheck::default();
+        let shutdown = CancellationToken::new();
+        let beats = futures::stream::iter(vec![Ok(pb::SessionEvent::default()); 3]);
+        let mut silent = Box::pin(futures::StreamExt::chain(beats, futures::stream::pending()));
+        let started = tokio::time::Instant::now();
+        let ended = check.hear(&mut silent, &shutdown).await;
+        assert!(matches!(ended, Some(None)), "{ended:?}");
+        assert_eq!(started.elapsed(), WATCH_REOPEN_AFTER);
+        // A stream that keeps talking is followed until it ends.
+        let talking = futures::StreamExt::then(futures::stream::iter(0..10), |_| async {
+            tokio::time::sleep(WATCH_REOPEN_AFTER / 2).await;
+            Ok(pb::SessionEvent::default())
+        });
+        let mut talking = Box::pin(talking);
+        let started = tokio::time::Instant::now();
+        assert!(matches!(
+            check.hear(&mut talking, &shutdown).await,
+            Some(None)
+        ));
+        assert_eq!(started.elapsed(), WATCH_REOPEN_AFTER * 5);
     }
 
     /// With auth unreachable before the key was ever fetched, requests are answered at once

@@ -172,6 +172,10 @@ pub async fn routes(
         .add_service(QueueServiceServer::new(QueueGrpc::new(queue, shutdown)))
 }
 
+/// How long the queue's notification listener may hear nothing (not even its own commits' echo)
+/// before it listens on a new connection.
+const LISTEN_SILENCE: Duration = Duration::from_secs(60);
+
 /// Another replica committed work that may be due: wake this replica's waiting claims that the
 /// work is news to (see `Wake::work_due`). What this replica signed (`origin`) it woke its own
 /// lanes for when it committed (`wake::payload_from`).
@@ -190,7 +194,19 @@ async fn listen_for_replicas(
             // reconnected) was told to no one here: the claims look again.
             wake.any();
             loop {
-                match listener.try_recv().await? {
+                // Nothing heard for a while (a quiet deployment, or a connection the network
+                // dropped without a word, which nothing else would find out): listen on a new
+                // connection, the claims looking again meanwhile.
+                let Some(heard) =
+                    orca_push_storage::notify_relay::next_within(&mut listener, LISTEN_SILENCE)
+                        .await
+                else {
+                    tracing::debug!(
+                        "nothing heard on the queue's notification connection; listening on a new one"
+                    );
+                    return Ok(());
+                };
+                match heard? {
                     Some(notification) => {
                         let now = i64::try_from(clock.now_ms()).unwrap_or(i64::MAX);
                         wake.notified(notification.payload(), &origin, now);
@@ -202,13 +218,11 @@ async fn listen_for_replicas(
                     None => wake.any(),
                 }
             }
-            #[allow(unreachable_code)]
-            Ok::<(), sqlx::Error>(())
         };
         tokio::select! {
             _ = shutdown.cancelled() => return,
             result = listener => {
-                if let Err(error) = result {
+                if let Err::<(), sqlx::Error>(error) = result {
                     tracing::warn!(%error, "queue notification listener failed; reconnecting");
                 }
                 // Whatever was missed while disconnected is found by the next claim.

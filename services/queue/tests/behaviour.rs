@@ -449,7 +449,10 @@ async fn a_deadline_inside_the_window_brings_the_window_forward(backend: Backend
     h.clock.advance(500);
     h.admit(&alert(2, &["r1"])).await;
     h.clock.advance(499);
-    assert!(h.claim_all().await.is_empty(), "not due before the second ahead");
+    assert!(
+        h.claim_all().await.is_empty(),
+        "not due before the second ahead"
+    );
     h.clock.advance(1);
     let batches = h.claim_all().await;
     assert_eq!(batches.len(), 1);
