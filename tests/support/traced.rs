@@ -79,6 +79,14 @@ impl TracedGateway {
         ));
         env.push(("ORCA_PUSH_COALESCE_MS".into(), "0".into()));
         env.extend(vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+        // The transport `scripts/test` runs the suite over a second time, unless the test names
+        // one (the suite's other gateways are processes, which inherit it).
+        const TRANSPORT: &str = "ORCA_PUSH_INTERNAL_TRANSPORT";
+        if let Ok(transport) = std::env::var(TRANSPORT)
+            && !env.iter().any(|(name, _)| name == TRANSPORT)
+        {
+            env.push((TRANSPORT.into(), transport));
+        }
         let config = orca_push::Config::from_lookup(|k| {
             env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
         })
