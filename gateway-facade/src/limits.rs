@@ -555,7 +555,13 @@ mod tests {
                 .into_iter()
                 .map(Result::unwrap)
                 .collect();
+        let started = tokio::time::Instant::now();
         assert_eq!(limits.admit_lookup().await.err(), Some(ApiError::Busy));
+        assert_eq!(
+            started.elapsed(),
+            LOOKUP_WAIT,
+            "waited the bound, no more, no less"
+        );
     }
 
     /// The value of `name{label="value"}` in what `recorder` renders now.

@@ -464,11 +464,13 @@ async fn waking_lanes_claim_only_when_something_is_due(backend: Backend) {
     let h = harness(backend).await;
     let queue = h.queue.clone();
     let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, 30_000, 1_500).await });
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    // Waiting before the admissions (its first read done), so that they reach it.
+    h.settled_due_reads().await;
     for seq in 1..=20 {
         let phone = format!("phone-{seq}");
         h.admit(&alert(seq, &[phone.as_str()])).await;
     }
+    assert!(!waiting.is_finished(), "still waiting");
     let claimed = waiting.await.unwrap().unwrap();
     assert!(claimed.is_empty(), "every window is still open");
     assert_eq!(
