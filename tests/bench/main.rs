@@ -765,27 +765,51 @@ fn mode_verdicts(report: &ModeReport, mode: Mode) -> Vec<Verdict> {
             met: admitted.rate >= tps / 2.0,
         });
     }
-    if let Some(open) = find(report, "send", "open")
+    // The issue ties its p99 to the admission scenario's peak; the send scenario's (two phones a
+    // host, providers answering) is judged only where the admission scenario did not run.
+    let half_peak = find(report, "admission", "open loop")
+        .map(|row| (row, "admission"))
+        .or_else(|| find(report, "send", "open").map(|row| (row, "send")));
+    if let Some((open, scenario)) = half_peak
         && let Some(l) = &open.latency_ms
     {
         verdicts.push(Verdict {
-            target: "send p99 < 25 ms at half the peak rate".into(),
-            measured: format!("p99 {:.1} ms", l.p99),
-            met: l.p99 < 25.0,
+            target: format!("send p99 < 25 ms at half the peak rate ({scenario} scenario)"),
+            measured: format!("p99 {:.1} ms at {:.0}/s", l.p99, open.rate),
+            met: l.p99 < 25.0 && open.errors == 0,
         });
     }
+    if let Some(row) = find(report, "admission", "closed loop, 64 connections") {
+        // The bench's client names a 503 by its code (`503 busy`), wrk's script counts them.
+        let busy: u64 = row
+            .error_kinds
+            .iter()
+            .filter(|(kind, _)| kind.starts_with("503"))
+            .map(|(_, n)| n)
+            .sum();
+        verdicts.push(Verdict {
+            target: "no 503 at 64 connections (admission)".into(),
+            measured: format!("{busy} answered 503, {} errors in all", row.errors),
+            met: busy == 0,
+        });
+    }
+    // The issue's two delivery targets: 0.8 of the ideal at 100 flows, 5,000/s at 1,000.
     for row in report.phases.iter().filter(|p| {
         p.scenario == "deliver" && p.phase.starts_with("APNs") && p.phase.ends_with("window 0")
     }) {
         let ratio = row.extra.get("ratio_to_ideal").copied().unwrap_or(0.0);
+        let ideal = row.extra.get("ideal_per_second").copied().unwrap_or(0.0);
+        let (target, met) = if row.phase.starts_with("APNs, 100 flows") {
+            ("APNs deliveries ≥ 0.8 × flows / 40 ms", ratio >= 0.8)
+        } else if row.phase.starts_with("APNs, 1000 flows") {
+            ("APNs deliveries ≥ 5,000/s", row.rate >= 5000.0)
+        } else {
+            continue;
+        };
         verdicts.push(Verdict {
-            target: format!("APNs deliveries ≥ 0.8 × flows / 40 ms ({})", row.phase),
-            measured: format!(
-                "{:.0}/s of an ideal {:.0}/s ({ratio:.2}×)",
-                row.rate,
-                row.extra.get("ideal_per_second").copied().unwrap_or(0.0)
-            ),
-            met: ratio >= 0.8,
+            target: format!("{target} ({})", row.phase),
+            measured: format!("{:.0}/s of an ideal {ideal:.0}/s ({ratio:.2}×)", row.rate),
+            met,
         });
     }
     if let Some(idle) = find(report, "idle", "") {

@@ -136,6 +136,35 @@ pub async fn admission(
         .await;
         rows.push(row);
     }
+    // The latency target's load: half the best closed loop's rate, offered open loop (latency
+    // from each request's scheduled start, so a stall is not hidden), on the same gateway and
+    // hosts, the providers still refusing.
+    let peak = rows.iter().map(|r| r.rate).fold(0.0, f64::max);
+    if peak > 0.0 {
+        let rate = (peak / 2.0).max(1.0);
+        let (open, _) = measure(
+            target,
+            "admission",
+            &format!("open loop at {rate:.0}/s (half the peak)"),
+            seconds,
+            |recorder, deadline| async move {
+                let dropped = open_loop(rate, deadline, 4096, |scheduled| {
+                    let recorder = recorder.clone();
+                    let pool = pool.clone();
+                    async move {
+                        send_one(pool, &recorder, scheduled, "h").await;
+                    }
+                })
+                .await;
+                BTreeMap::from([
+                    ("offered_per_second".into(), rate),
+                    ("not_started_over_4096_in_flight".into(), dropped as f64),
+                ])
+            },
+        )
+        .await;
+        rows.push(open);
+    }
     Ok(rows)
 }
 
@@ -193,7 +222,11 @@ async fn admission_by_wrk(
     }
     row.errors = figures.errors();
     row.error_kinds = [
-        ("not queued", figures.refused),
+        ("503", figures.busy),
+        (
+            "not queued",
+            figures.refused - figures.busy.min(figures.refused),
+        ),
         ("connect", figures.connect_errors),
         ("read", figures.read_errors),
         ("write", figures.write_errors),

@@ -52,6 +52,9 @@ pub struct Figures {
     pub requests: u64,
     /// Answers that were not a 200 naming the recipient `queued`.
     pub refused: u64,
+    /// Of those, the 503s (`busy`, or a dependency unavailable).
+    #[serde(default)]
+    pub busy: u64,
     pub connect_errors: u64,
     pub read_errors: u64,
     pub write_errors: u64,
@@ -149,6 +152,7 @@ end
 
 n = 0
 refused = 0
+busy = 0
 
 request = function()
   local k = n * {threads} + tid
@@ -170,19 +174,24 @@ response = function(status, headers, body)
   if status ~= 200 or not string.find(body, '"queued"', 1, true) then
     refused = refused + 1
   end
+  if status == 503 then
+    busy = busy + 1
+  end
 end
 
 done = function(summary, latency, requests)
   local refused = 0
+  local busy = 0
   for _, thread in ipairs(threads) do
     refused = refused + thread:get("refused")
+    busy = busy + thread:get("busy")
   end
   local e = summary.errors
   io.write(string.format(
-    '{FIGURES}{{"requests":%d,"refused":%d,"connect_errors":%d,"read_errors":%d,' ..
+    '{FIGURES}{{"requests":%d,"refused":%d,"busy":%d,"connect_errors":%d,"read_errors":%d,' ..
     '"write_errors":%d,"timeouts":%d,"duration_us":%d,"p50_us":%.1f,"p90_us":%.1f,' ..
     '"p99_us":%.1f,"p999_us":%.1f,"max_us":%.1f}}\n',
-    summary.requests, refused, e.connect, e.read, e.write, e.timeout,
+    summary.requests, refused, busy, e.connect, e.read, e.write, e.timeout,
     summary.duration, latency:percentile(50), latency:percentile(90),
     latency:percentile(99), latency:percentile(99.9), latency.max))
 end
