@@ -106,12 +106,13 @@ async fn a_sender_killed_mid_burst_loses_nothing(backend: Backend) {
         );
     }
     // Only what was in flight at the kill can repeat: sent in the last moments before it (the
-    // provider's 400 ms, the report's flush, slack), not whatever was ever delivered before it.
+    // provider's 400 ms, the report's flush, a loaded machine's slack), not whatever was ever
+    // delivered before it.
     assert!(twice.len() <= at_kill);
     for (id, _) in &twice {
         let first = first_at[id.as_str()];
         assert!(
-            first <= killed_at && killed_at.duration_since(first) < Duration::from_millis(1_500),
+            first <= killed_at && killed_at.duration_since(first) < Duration::from_secs(3),
             "{id} was sent {:?} before the kill, answered and reported long before it, and sent again",
             killed_at.saturating_duration_since(first)
         );

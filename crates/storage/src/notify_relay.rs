@@ -90,12 +90,17 @@ async fn send_heartbeats(
             () = shutdown.cancelled() => return,
             _ = ticks.tick() => {
                 // A missed heartbeat only makes the listeners distrust what they kept for a while.
-                if let Err(error) = sqlx::query("SELECT pg_notify($1, '')")
-                    .bind(channel)
-                    .execute(&pool)
-                    .await
-                {
-                    tracing::debug!(%error, channel, "heartbeat not sent");
+                // One the server never answers (its connection dropped without a word) is given
+                // up, so that the next goes on another connection.
+                let sent = tokio::time::timeout(
+                    heartbeat * 5,
+                    sqlx::query("SELECT pg_notify($1, '')").bind(channel).execute(&pool),
+                )
+                .await;
+                match sent {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => tracing::debug!(%error, channel, "heartbeat not sent"),
+                    Err(_) => tracing::debug!(channel, "heartbeat unanswered; given up"),
                 }
             }
         }
@@ -199,8 +204,8 @@ mod tests {
         ));
         hear(&mut rx, "heartbeat").await;
         let pid: i32 = sqlx::query_scalar(
-            "SELECT pid FROM pg_stat_activity WHERE query LIKE '%LISTEN%' \
-             AND query LIKE '%orca_push_relay_silence_test%'",
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN%' \
+             AND query LIKE '%orca_push_relay_silence_test%' AND pid <> pg_backend_pid()",
         )
         .fetch_one(&pool)
         .await

@@ -463,7 +463,7 @@ async fn a_lane_woken_by_work_due_now_claims_without_a_read(backend: Backend) {
 async fn waking_lanes_claim_only_when_something_is_due(backend: Backend) {
     let h = harness(backend).await;
     let queue = h.queue.clone();
-    let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, 30_000, 1_500).await });
+    let waiting = tokio::spawn(async move { queue.claim("lane-wait", 64, 30_000, 4_000).await });
     // Waiting before the admissions (its first read done), so that they reach it.
     h.settled_due_reads().await;
     for seq in 1..=20 {

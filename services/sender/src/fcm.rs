@@ -203,13 +203,15 @@ impl Fcm {
             .expiration_time()
             .and_then(|at| u64::try_from(at.unix_timestamp()).ok())
             .unwrap_or_else(|| unix_now() + 300);
+        // Before the cache holds the new token: a refusal of that token (which sets the flag
+        // again) can only come once it is cached.
+        if forced {
+            self.refresh.store(false, Ordering::Release);
+        }
         self.cached.store(Some(Arc::new(CachedToken {
             bearer: bearer.clone(),
             refresh_at: expires.saturating_sub(TOKEN_MARGIN.as_secs()),
         })));
-        if forced {
-            self.refresh.store(false, Ordering::Release);
-        }
         Ok(bearer)
     }
 

@@ -130,8 +130,18 @@ async fn send_flush(
     }
     let mut recorded = Vec::with_capacity(reports.len());
     for report in reports {
+        // The flush's time bounds its calls too: once spent, the rest are answered without one.
         let within = give_up.saturating_duration_since(tokio::time::Instant::now());
-        recorded.push(until_answered(within, || flush.report_one(report.clone())).await);
+        let answered = tokio::time::timeout(
+            within,
+            until_answered(within, || flush.report_one(report.clone())),
+        )
+        .await;
+        recorded.push(answered.unwrap_or_else(|_| {
+            Err(tonic::Status::deadline_exceeded(
+                "the queue did not answer the flush in time",
+            ))
+        }));
     }
     recorded
 }
@@ -210,6 +220,8 @@ mod tests {
         failures: Arc<Mutex<Vec<tonic::Code>>>,
         /// The same for the next `Complete` calls.
         single_failures: Arc<Mutex<Vec<tonic::Code>>>,
+        /// `Complete` calls never answered (a queue that stalled).
+        singles_stall: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl Default for Recording {
@@ -220,6 +232,7 @@ mod tests {
                 gate: Arc::new(Semaphore::new(0)),
                 failures: Default::default(),
                 single_failures: Default::default(),
+                singles_stall: Default::default(),
             }
         }
     }
@@ -260,6 +273,9 @@ mod tests {
             report: queue_pb::CompleteRequest,
         ) -> Result<bool, tonic::Status> {
             self.singles.lock().unwrap().push(report.batch_id.clone());
+            if self.singles_stall.load(std::sync::atomic::Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
             let failure = {
                 let mut failures = self.single_failures.lock().unwrap();
                 (!failures.is_empty()).then(|| failures.remove(0))
@@ -435,6 +451,42 @@ mod tests {
         );
         drop(reporter);
         task.await.unwrap();
+    }
+
+    /// A queue that stalls holds a flush of single reports for `ANSWER_WITHIN` in all, not for
+    /// each report's call.
+    #[tokio::test(start_paused = true)]
+    async fn a_flush_of_single_reports_ends_within_its_time() {
+        let recording = Recording::default();
+        recording.gate.add_permits(usize::MAX >> 4);
+        *recording.failures.lock().unwrap() = vec![tonic::Code::Unimplemented];
+        let (reporter, task) = Reporter::spawn(recording.clone());
+        assert!(reporter.complete(report(2)).await.unwrap());
+        recording
+            .singles_stall
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let started = tokio::time::Instant::now();
+        let answers: Vec<_> = (0..4)
+            .map(|i| {
+                let reporter = reporter.clone();
+                tokio::spawn(async move { reporter.complete(report(10 + i)).await })
+            })
+            .collect();
+        let ended = tokio::time::timeout(ANSWER_WITHIN * 4, async {
+            for answer in answers {
+                let status = answer.await.unwrap().unwrap_err();
+                assert_eq!(status.code(), tonic::Code::DeadlineExceeded);
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "the flush waited on a call that never ends");
+        assert!(
+            started.elapsed() <= ANSWER_WITHIN + std::time::Duration::from_millis(1),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(reporter);
+        task.abort();
     }
 
     #[tokio::test]
