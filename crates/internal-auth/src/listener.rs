@@ -46,6 +46,7 @@ pub async fn serve_services(
     };
     let router = axum::Router::new().fallback_service(dispatch);
     tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(crate::server::HTTP2_KEEPALIVE))
         .add_routes(tonic::service::Routes::from(router))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.cancelled_owned())
         .await

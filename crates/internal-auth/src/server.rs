@@ -96,9 +96,21 @@ where
 /// answer is several small writes (headers, message, trailers): without it Nagle's algorithm holds
 /// the last of them until the caller's delayed ACK, 40 ms on Linux, on every call. The benchmark
 /// found this (docs/benchmarks.md).
+///
+/// And TCP keepalive: a caller that vanished without a word (its node lost, a partition) left a
+/// connection with no stream open that nothing would ever close, a descriptor and a task each.
 pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+    tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(TCP_KEEPALIVE))
 }
+
+/// Idle time before a service's accepted connection is probed at the TCP level.
+const TCP_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Between HTTP/2 pings on a service's accepted connections (answered within tonic's 20 s, or
+/// the connection is closed), as the callers' channels ping theirs.
+pub const HTTP2_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A service's routes: gRPC health (open) and reflection (behind the caller check); the caller
 /// adds its own service.
@@ -128,6 +140,7 @@ pub async fn serve_routes(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(HTTP2_KEEPALIVE))
         .layer(orca_push_telemetry::GrpcServerLayer::new(
             orca_push_proto::is_known_method,
         ))
