@@ -61,6 +61,11 @@ pub enum OpenError {
     },
     #[error("cannot open the database: {0}")]
     Connect(#[source] sqlx::Error),
+    #[error(
+        "cannot write the database {path} (SQLite opened it read-only: check the file's owner \
+         and mode): {source}"
+    )]
+    ReadOnly { path: PathBuf, source: sqlx::Error },
     #[error("cannot migrate the database: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
@@ -188,9 +193,30 @@ pub async fn open_sqlite(
         )
         .await
         .map_err(OpenError::Connect)?;
+    writable(&writer)
+        .await
+        .map_err(|source| OpenError::ReadOnly {
+            path: path.to_owned(),
+            source,
+        })?;
     let checkpointer = sqlite_pool_options(1).connect_lazy_with(options);
     tokio::spawn(checkpoint::in_background(writer.clone(), checkpointer));
     Ok(writer)
+}
+
+/// Whether `writer` can write its file. SQLite opens a file it may not write (restored as another
+/// user, say) read-only without a word: every write then fails (each send answered 503) while
+/// reads, the health ping among them, go on answering. A write that changes nothing finds out at
+/// start-up instead.
+async fn writable(writer: &SqlitePool) -> Result<(), sqlx::Error> {
+    let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+        .fetch_one(writer)
+        .await?;
+    // An integer read back from the file: nothing from outside is written into the statement.
+    sqlx::query(&format!("PRAGMA user_version = {version}"))
+        .execute(writer)
+        .await
+        .map(drop)
 }
 
 /// A pool of connections to a SQLite file. Its connections are never pinged when taken from the
@@ -328,6 +354,25 @@ pub fn db_span(system: &'static str, operation: &'static str) -> tracing::Span {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file SQLite can only read is found at start-up, not at the first write.
+    #[tokio::test]
+    async fn a_database_opened_read_only_is_found_before_any_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ro.sqlite");
+        let writer = open_sqlite(&path, SqliteDurability::Full).await.unwrap();
+        writable(&writer).await.unwrap();
+        writer.close().await;
+        // As SQLite opens a file it may not write (this test runs as root, whom file modes do
+        // not stop): read-only.
+        let read_only = sqlite_pool_options(1)
+            .connect_with(SqliteConnectOptions::new().filename(&path).read_only(true))
+            .await
+            .unwrap();
+        sqlx::query("SELECT 1").execute(&read_only).await.unwrap();
+        let refused = writable(&read_only).await.unwrap_err();
+        assert!(refused.to_string().contains("readonly"), "{refused}");
+    }
 
     /// Every pooled PostgreSQL connection bounds its idle transactions, unless the operator did.
     #[tokio::test]
