@@ -61,14 +61,6 @@ impl Checkpointed {
 /// while the copy beside it ran.
 const WRITER_COPIES_AT_MOST: i64 = 1024;
 
-/// Copies beside the writer per checkpoint at most: each after the first copies what was committed
-/// while the one before ran.
-const BESIDE_COPIES_AT_MOST: usize = 3;
-
-/// Frames committed during a copy beside the writer few enough for the writer's step to copy them:
-/// no further copy beside it.
-const WRITER_COPIES_QUICKLY: i64 = 64;
-
 /// Checkpoints every `CHECKPOINT_EVERY` until the writer's pool is closed (see the module's doc).
 pub(crate) async fn in_background(writer: SqlitePool, checkpointer: SqlitePool) {
     let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
@@ -101,22 +93,7 @@ async fn checkpoint(
     checkpointer: &SqlitePool,
     last: Checkpointed,
 ) -> Result<Checkpointed, sqlx::Error> {
-    let mut beside = Checkpointed::passive(checkpointer).await?;
-    // What was committed while that copy ran (a second's WAL, copied and synced in some 15-25 ms
-    // at the admission benchmark's half peak) is copied beside the writer too, in a copy as much
-    // shorter as it has less to do: the writer's step, which holds every write back, is then left
-    // with what came in during the last of these copies alone, rather than the first.
-    for _ in 1..BESIDE_COPIES_AT_MOST {
-        if beside.log == last.log {
-            break;
-        }
-        let again = Checkpointed::passive(checkpointer).await?;
-        let grew = again.log - beside.log;
-        beside = again;
-        if grew <= WRITER_COPIES_QUICKLY {
-            break;
-        }
-    }
+    let beside = Checkpointed::passive(checkpointer).await?;
     if !beside.writer_finishes(last) {
         return Ok(beside);
     }
