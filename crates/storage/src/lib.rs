@@ -209,11 +209,15 @@ pub async fn open_sqlite(
 /// reads, the health ping among them, go on answering. A write that changes nothing finds out at
 /// start-up instead.
 async fn writable(writer: &SqlitePool) -> Result<(), sqlx::Error> {
+    // Not kept prepared: run once, they would take two places in the cache the writer's own
+    // statements use.
     let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+        .persistent(false)
         .fetch_one(writer)
         .await?;
     // An integer read back from the file: nothing from outside is written into the statement.
     sqlx::query(&format!("PRAGMA user_version = {version}"))
+        .persistent(false)
         .execute(writer)
         .await
         .map(drop)
