@@ -435,23 +435,7 @@ pub async fn send(
             format!("open loop at {rate:.0}/s")
         };
         let (open, _) = measure(target, "send", &name, seconds, |recorder, deadline| {
-            let expected = expected.clone();
-            async move {
-                let dropped = open_loop(rate, deadline, 4096, |scheduled| {
-                    let recorder = recorder.clone();
-                    let expected = expected.clone();
-                    let pool = pool.clone();
-                    async move {
-                        let caused = send_one(pool, &recorder, scheduled, "o").await;
-                        expected.fetch_add(caused, Ordering::Relaxed);
-                    }
-                })
-                .await;
-                BTreeMap::from([
-                    ("offered_per_second".into(), rate),
-                    ("not_started_over_4096_in_flight".into(), dropped as f64),
-                ])
-            }
+            open_loop_of_sends(pool, recorder, rate, deadline, "o", expected.clone())
         })
         .await;
         rows.push(open);
@@ -484,6 +468,33 @@ pub async fn send(
     };
     rows.push(deliveries);
     rows
+}
+
+/// Sends from `pool` at `rate` per second until `deadline` ([`open_loop`], at most 4,096 in
+/// flight), each recorded from its scheduled start and adding the deliveries it should cause to
+/// `caused`; the row's extra figures.
+pub async fn open_loop_of_sends(
+    pool: &Arc<Pool>,
+    recorder: Arc<Recorder>,
+    rate: f64,
+    deadline: Instant,
+    label: &'static str,
+    caused: Arc<AtomicU64>,
+) -> BTreeMap<String, f64> {
+    let dropped = open_loop(rate, deadline, 4096, |scheduled| {
+        let recorder = recorder.clone();
+        let caused = caused.clone();
+        let pool = pool.clone();
+        async move {
+            let deliveries = send_one(pool, &recorder, scheduled, label).await;
+            caused.fetch_add(deliveries, Ordering::Relaxed);
+        }
+    })
+    .await;
+    BTreeMap::from([
+        ("offered_per_second".into(), rate),
+        ("not_started_over_4096_in_flight".into(), dropped as f64),
+    ])
 }
 
 /// Starts `task(scheduled_at)` at `rate` per second until `deadline`, never more than `cap` at
