@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::population::Pool;
-use crate::scenarios::{Phase, Target, measure, open_loop, open_loop_of_sends, send_one};
+use crate::scenarios::{
+    Phase, Target, measure, open_loop, open_loop_of_sends, send_one, warm_up_open_loop,
+};
 
 /// A provider endpoint (APNs over h2c and FCM over HTTP/1 or h2c, at one port) that refuses
 /// connections until told to answer.
@@ -138,22 +140,23 @@ pub async fn admission(
     }
     // The latency target's load: half the best closed loop's rate, offered open loop (latency
     // from each request's scheduled start, so a stall is not hidden), on the same gateway and
-    // hosts, the providers still refusing.
+    // hosts, the providers still refusing, once a warm-up at that rate has run.
     let peak = rows.iter().map(|r| r.rate).fold(0.0, f64::max);
     if peak > 0.0 {
         let rate = (peak / 2.0).max(1.0);
-        let (open, _) = measure(
+        // Nothing waits for these sends' deliveries: the providers refuse them.
+        let warm_up = warm_up_open_loop(pool, rate, "h", Arc::default()).await;
+        let (mut open, _) = measure(
             target,
             "admission",
             &format!("open loop at {rate:.0}/s (half the peak)"),
             seconds,
             |recorder, deadline| {
-                // Nothing waits for these sends' deliveries: the providers refuse them.
-                let caused = Arc::default();
-                open_loop_of_sends(pool, recorder, rate, deadline, "h", caused)
+                open_loop_of_sends(pool, recorder, rate, deadline, "h", Arc::default())
             },
         )
         .await;
+        open.extra.extend(warm_up);
         rows.push(open);
     }
     Ok(rows)
