@@ -8,11 +8,20 @@
 //! file (a journal commit in the filesystem each time, waiting for the checkpoint's writes to the
 //! database file), and the disk would have filled under a long enough load.
 //!
-//! So each checkpoint runs in two steps: the bulk on a connection of its own, beside the writer;
-//! then, if frames were committed meanwhile, the rest on the writer's own connection, taken from
-//! its pool like any write, so nothing new is committed until it is done and the next write
-//! starts the WAL over.
+//! So each checkpoint runs in steps: the bulk on a connection of its own, beside the writer; then,
+//! if frames were committed meanwhile, the rest on the writer's own connection, taken from its
+//! pool like any write, so nothing new is committed until it is done and the next write starts the
+//! WAL over.
+//!
+//! SQLite syncs the database file only in a checkpoint that copies the whole WAL, since only then
+//! may the WAL start over: under load the copy beside the writer never does, and the writer's step
+//! synced everything copied since the last one. In the admission benchmark that was a second's
+//! pages, 12-16 MB in some 2,000 writes, 17-24 ms every second while no admission could commit:
+//! the p99 (docs/benchmarks.md, round 46). So the database file is synced beside the writer too,
+//! between the two steps, and the writer's step syncs only what it copies itself.
 
+use std::io;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::SqlitePool;
@@ -61,8 +70,24 @@ impl Checkpointed {
 /// while the copy beside it ran.
 const WRITER_COPIES_AT_MOST: i64 = 1024;
 
+/// Makes what was copied into the database file durable (`fdatasync`), run on a blocking thread.
+pub(crate) type SyncFile = Arc<dyn Fn() -> io::Result<()> + Send + Sync>;
+
+/// Syncs the database file at `path` through a descriptor of its own, kept open for as long as
+/// the checkpoints run: closing any descriptor of a file drops every POSIX lock the process holds
+/// on it, SQLite's among them, so it is closed only once the writer's pool is. `None` for a file
+/// that cannot be opened (a database in memory): its checkpoints then sync only in SQLite.
+pub(crate) fn sync_file(path: &std::path::Path) -> Option<SyncFile> {
+    let file = std::fs::File::open(path).ok()?;
+    Some(Arc::new(move || file.sync_data()))
+}
+
 /// Checkpoints every `CHECKPOINT_EVERY` until the writer's pool is closed (see the module's doc).
-pub(crate) async fn in_background(writer: SqlitePool, checkpointer: SqlitePool) {
+pub(crate) async fn in_background(
+    writer: SqlitePool,
+    checkpointer: SqlitePool,
+    sync: Option<SyncFile>,
+) {
     let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = Checkpointed::default();
@@ -72,7 +97,7 @@ pub(crate) async fn in_background(writer: SqlitePool, checkpointer: SqlitePool) 
             checkpointer.close().await;
             return;
         }
-        match checkpoint(&writer, &checkpointer, last).await {
+        match checkpoint(&writer, &checkpointer, sync.as_ref(), last).await {
             Ok(done) => last = done,
             // Closed while the writer's step waited for its connection: shutting down.
             Err(sqlx::Error::PoolClosed) => {
@@ -85,20 +110,39 @@ pub(crate) async fn in_background(writer: SqlitePool, checkpointer: SqlitePool) 
 }
 
 /// One checkpoint after `last`: the bulk beside the writer (a PASSIVE checkpoint never waits for
-/// the writer or readers), then, if the WAL changed (`writer_finishes`), the rest on the writer's
-/// connection. That second step holds the writer back while it copies what the first left and
-/// what was committed meanwhile, and syncs the database file; an idle WAL skips it.
+/// the writer or readers), then, if the WAL changed (`writer_finishes`), the database file synced
+/// beside the writer, and the rest on the writer's connection. That last step holds the writer
+/// back while it copies what the first left and what was committed meanwhile, and syncs those
+/// pages; an idle WAL skips both. A sync beside that fails skips the writer's step: SQLite's own
+/// descriptor sees the same error at its next sync, so the WAL is not started over on pages the
+/// disk may not have.
 async fn checkpoint(
     writer: &SqlitePool,
     checkpointer: &SqlitePool,
+    sync: Option<&SyncFile>,
     last: Checkpointed,
 ) -> Result<Checkpointed, sqlx::Error> {
     let beside = Checkpointed::passive(checkpointer).await?;
     if !beside.writer_finishes(last) {
         return Ok(beside);
     }
+    if let Some(sync) = sync {
+        sync_beside(sync).await?;
+        // What was committed during that copy and sync, copied and synced beside the writer too,
+        // so that its step is left with what comes in during this shorter pass.
+        Checkpointed::passive(checkpointer).await?;
+        sync_beside(sync).await?;
+    }
     let mut connection = writer.acquire().await?;
     Checkpointed::passive(&mut *connection).await
+}
+
+async fn sync_beside(sync: &SyncFile) -> Result<(), sqlx::Error> {
+    let sync = sync.clone();
+    tokio::task::spawn_blocking(move || sync())
+        .await
+        .map_err(|joined| io::Error::other(joined.to_string()))??;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -126,10 +170,11 @@ mod tests {
     #[tokio::test]
     async fn the_wal_starts_over_under_a_steady_stream_of_writes() {
         let dir = tempfile::tempdir().unwrap();
-        let writer = open_sqlite(&dir.path().join("store.db"), SqliteDurability::Normal)
-            .await
-            .unwrap();
+        let path = dir.path().join("store.db");
+        let writer = open_sqlite(&path, SqliteDurability::Normal).await.unwrap();
         let checkpointer = crate::sqlite_readers(&writer, 1);
+        let sync = sync_file(&path);
+        assert!(sync.is_some(), "the database file opens for its syncs");
         sqlx::query("CREATE TABLE t (v BLOB)")
             .execute(&writer)
             .await
@@ -153,7 +198,9 @@ mod tests {
         let mut last = Checkpointed::default();
         for _ in 0..20 {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            last = checkpoint(&writer, &checkpointer, last).await.unwrap();
+            last = checkpoint(&writer, &checkpointer, sync.as_ref(), last)
+                .await
+                .unwrap();
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let commits = writes.await.unwrap();
@@ -165,6 +212,52 @@ mod tests {
             frames < commits / 2,
             "{frames} frames left in the WAL after {commits} commits"
         );
+    }
+
+    #[tokio::test]
+    async fn the_database_file_is_synced_beside_the_writer_when_its_step_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = open_sqlite(&dir.path().join("store.db"), SqliteDurability::Normal)
+            .await
+            .unwrap();
+        let checkpointer = crate::sqlite_readers(&writer, 1);
+        let syncs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let fails = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sync: SyncFile = {
+            let (syncs, fails) = (syncs.clone(), fails.clone());
+            Arc::new(move || {
+                syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if fails.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Err(io::Error::other("the disk is gone"));
+                }
+                Ok(())
+            })
+        };
+        let synced = || syncs.load(std::sync::atomic::Ordering::SeqCst);
+        sqlx::query("CREATE TABLE t (v BLOB)")
+            .execute(&writer)
+            .await
+            .unwrap();
+        // Frames since the last checkpoint: the writer's step runs, after two passes beside it,
+        // each synced.
+        let last = checkpoint(&writer, &checkpointer, Some(&sync), Checkpointed::default())
+            .await
+            .unwrap();
+        assert_eq!(synced(), 2);
+        // Nothing new: none of it runs.
+        let last = checkpoint(&writer, &checkpointer, Some(&sync), last)
+            .await
+            .unwrap();
+        assert_eq!(synced(), 2);
+        // A sync that fails ends the checkpoint there, as an error.
+        sqlx::query("INSERT INTO t VALUES (zeroblob(1024))")
+            .execute(&writer)
+            .await
+            .unwrap();
+        fails.store(true, std::sync::atomic::Ordering::SeqCst);
+        let failed = checkpoint(&writer, &checkpointer, Some(&sync), last).await;
+        assert!(matches!(failed, Err(sqlx::Error::Io(_))), "{failed:?}");
+        assert_eq!(synced(), 3, "stopped at the first sync");
     }
 
     #[tokio::test]

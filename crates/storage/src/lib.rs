@@ -200,7 +200,11 @@ pub async fn open_sqlite(
             source,
         })?;
     let checkpointer = sqlite_pool_options(1).connect_lazy_with(options);
-    tokio::spawn(checkpoint::in_background(writer.clone(), checkpointer));
+    tokio::spawn(checkpoint::in_background(
+        writer.clone(),
+        checkpointer,
+        checkpoint::sync_file(path),
+    ));
     Ok(writer)
 }
 
