@@ -198,3 +198,59 @@ impl Skip {
         )
     }
 }
+
+/// Live batches the next-due read looks at, in time order (`claims::NEXT_DUE_SQL`).
+pub(crate) const NEXT_DUE_READS_AT_MOST: i64 = 256;
+
+/// How soon a lane looks again when the batches due first are all of providers it skips, so many
+/// that the read stopped before finding one it would take.
+pub(crate) const LOOK_AGAIN_MS: i64 = 1_000;
+
+/// When the next batch of a provider not skipped is due, from the next-due read of the
+/// [`NEXT_DUE_READS_AT_MOST`] live batches due first: `next`, the first not skipped among them;
+/// `last`, when the last of them is due; `read`, how many there were. None: no live batch of a
+/// provider not skipped. When every batch read is skipped and there may be more, none not
+/// skipped is due before `last`, so that is the time to look again; if `last` has passed, a
+/// second from `now` (work admitted or retried meanwhile wakes the lanes before that; a lease
+/// that lapses does not, and waits at most that second more).
+pub(crate) fn next_due(next: Option<i64>, last: Option<i64>, read: i64, now: i64) -> Option<i64> {
+    match (next, last) {
+        (Some(next), _) => Some(next),
+        (None, Some(last)) if read >= NEXT_DUE_READS_AT_MOST => Some(if last > now {
+            last
+        } else {
+            now + LOOK_AGAIN_MS
+        }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_next_due_time_is_the_first_batch_not_skipped_or_when_to_look_again() {
+        const NOW: i64 = 1_000_000;
+        let all = NEXT_DUE_READS_AT_MOST;
+        // One not skipped among those read: its time, whatever else was read.
+        assert_eq!(
+            next_due(Some(NOW - 5), Some(NOW + 9), all, NOW),
+            Some(NOW - 5)
+        );
+        // None not skipped, and the read saw every live batch: nothing to wait for.
+        assert_eq!(next_due(None, Some(NOW + 9), all - 1, NOW), None);
+        assert_eq!(next_due(None, None, 0, NOW), None);
+        // None not skipped among as many as it reads: nothing taken is due before the last.
+        assert_eq!(next_due(None, Some(NOW + 9), all, NOW), Some(NOW + 9));
+        // ... which has passed: a second from now, not at once (a lane would claim for nothing).
+        assert_eq!(
+            next_due(None, Some(NOW - 9), all, NOW),
+            Some(NOW + LOOK_AGAIN_MS)
+        );
+        assert_eq!(
+            next_due(None, Some(NOW), all, NOW),
+            Some(NOW + LOOK_AGAIN_MS)
+        );
+    }
+}
