@@ -91,13 +91,22 @@ pub(crate) async fn in_background(
     let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last = Checkpointed::default();
+    let mut sync_failed = false;
     loop {
         tick.tick().await;
         if writer.is_closed() {
             checkpointer.close().await;
             return;
         }
-        match checkpoint(&writer, &checkpointer, sync.as_ref(), last).await {
+        match checkpoint(
+            &writer,
+            &checkpointer,
+            sync.as_ref(),
+            &mut sync_failed,
+            last,
+        )
+        .await
+        {
             Ok(done) => last = done,
             // Closed while the writer's step waited for its connection: shutting down.
             Err(sqlx::Error::PoolClosed) => {
@@ -113,25 +122,39 @@ pub(crate) async fn in_background(
 /// the writer or readers), then, if the WAL changed (`writer_finishes`), the database file synced
 /// beside the writer, and the rest on the writer's connection. That last step holds the writer
 /// back while it copies what the first left and what was committed meanwhile, and syncs those
-/// pages; an idle WAL skips both. A sync beside that fails skips the writer's step: SQLite's own
-/// descriptor sees the same error at its next sync, so the WAL is not started over on pages the
-/// disk may not have.
+/// pages; an idle WAL skips both.
+///
+/// A sync beside that fails sets `sync_failed`, and from then on the writer's step never runs:
+/// pages copied into the file may not be on the disk, and a later sync can succeed without them
+/// (the kernel reports a failed write once per descriptor), so the WAL, their only copy known to
+/// be on disk, must never start over. It grows instead, said in the log, until a restart (as
+/// `wal_sync` stops answering anything as durable after a failed sync of the WAL).
 async fn checkpoint(
     writer: &SqlitePool,
     checkpointer: &SqlitePool,
     sync: Option<&SyncFile>,
+    sync_failed: &mut bool,
     last: Checkpointed,
 ) -> Result<Checkpointed, sqlx::Error> {
     let beside = Checkpointed::passive(checkpointer).await?;
-    if !beside.writer_finishes(last) {
+    if *sync_failed || !beside.writer_finishes(last) {
         return Ok(beside);
     }
     if let Some(sync) = sync {
-        sync_beside(sync).await?;
-        // What was committed during that copy and sync, copied and synced beside the writer too,
-        // so that its step is left with what comes in during this shorter pass.
-        Checkpointed::passive(checkpointer).await?;
-        sync_beside(sync).await?;
+        let synced = async {
+            sync_beside(sync).await?;
+            // What was committed during that copy and sync, copied and synced beside the writer
+            // too, so that its step is left with what comes in during this shorter pass.
+            Checkpointed::passive(checkpointer).await?;
+            sync_beside(sync).await
+        };
+        if let Err(error) = synced.await {
+            if matches!(error, sqlx::Error::Io(_)) {
+                *sync_failed = true;
+                tracing::error!(%error, "a SQLite database file could not be synced; its WAL is not started over again until a restart");
+            }
+            return Err(error);
+        }
     }
     let mut connection = writer.acquire().await?;
     Checkpointed::passive(&mut *connection).await
@@ -198,7 +221,7 @@ mod tests {
         let mut last = Checkpointed::default();
         for _ in 0..20 {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            last = checkpoint(&writer, &checkpointer, sync.as_ref(), last)
+            last = checkpoint(&writer, &checkpointer, sync.as_ref(), &mut false, last)
                 .await
                 .unwrap();
         }
@@ -240,24 +263,41 @@ mod tests {
             .unwrap();
         // Frames since the last checkpoint: the writer's step runs, after two passes beside it,
         // each synced.
-        let last = checkpoint(&writer, &checkpointer, Some(&sync), Checkpointed::default())
-            .await
-            .unwrap();
+        let mut sync_failed = false;
+        let last = checkpoint(
+            &writer,
+            &checkpointer,
+            Some(&sync),
+            &mut sync_failed,
+            Checkpointed::default(),
+        )
+        .await
+        .unwrap();
         assert_eq!(synced(), 2);
         // Nothing new: none of it runs.
-        let last = checkpoint(&writer, &checkpointer, Some(&sync), last)
+        let last = checkpoint(&writer, &checkpointer, Some(&sync), &mut sync_failed, last)
             .await
             .unwrap();
         assert_eq!(synced(), 2);
         // A sync that fails ends the checkpoint there, as an error.
-        sqlx::query("INSERT INTO t VALUES (zeroblob(1024))")
-            .execute(&writer)
-            .await
-            .unwrap();
+        let write = || async {
+            sqlx::query("INSERT INTO t VALUES (zeroblob(1024))")
+                .execute(&writer)
+                .await
+                .unwrap();
+        };
+        write().await;
         fails.store(true, std::sync::atomic::Ordering::SeqCst);
-        let failed = checkpoint(&writer, &checkpointer, Some(&sync), last).await;
+        let failed = checkpoint(&writer, &checkpointer, Some(&sync), &mut sync_failed, last).await;
         assert!(matches!(failed, Err(sqlx::Error::Io(_))), "{failed:?}");
         assert_eq!(synced(), 3, "stopped at the first sync");
+        // The disk answers again: the writer's step still never runs (nor the syncs before it).
+        fails.store(false, std::sync::atomic::Ordering::SeqCst);
+        write().await;
+        checkpoint(&writer, &checkpointer, Some(&sync), &mut sync_failed, last)
+            .await
+            .unwrap();
+        assert_eq!(synced(), 3, "no step after a failed sync");
     }
 
     #[tokio::test]
