@@ -145,7 +145,7 @@ pub async fn admission(
     if peak > 0.0 {
         let rate = (peak / 2.0).max(1.0);
         // Nothing waits for these sends' deliveries: the providers refuse them.
-        let warm_up = warm_up_open_loop(pool, rate, "h", Arc::default()).await;
+        let warm_up = warm_up_open_loop(pool, rate, seconds, "h", Arc::default()).await;
         let (mut open, _) = measure(
             target,
             "admission",

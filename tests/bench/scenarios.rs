@@ -434,7 +434,7 @@ pub async fn send(
         } else {
             format!("open loop at {rate:.0}/s")
         };
-        let warm_up = warm_up_open_loop(pool, rate, "o", expected.clone()).await;
+        let warm_up = warm_up_open_loop(pool, rate, seconds, "o", expected.clone()).await;
         let (mut open, _) = measure(target, "send", &name, seconds, |recorder, deadline| {
             open_loop_of_sends(pool, recorder, rate, deadline, "o", expected.clone())
         })
@@ -499,7 +499,7 @@ pub async fn open_loop_of_sends(
     ])
 }
 
-/// How long an open loop runs before it is measured ([`warm_up_open_loop`]).
+/// How long an open loop runs before it is measured ([`warm_up_open_loop`]), at most.
 pub const OPEN_LOOP_WARM_UP: Duration = Duration::from_secs(2);
 
 /// Runs the open loop of [`open_loop_of_sends`] at `rate` for [`OPEN_LOOP_WARM_UP`] without
@@ -511,16 +511,20 @@ pub const OPEN_LOOP_WARM_UP: Duration = Duration::from_secs(2);
 pub async fn warm_up_open_loop(
     pool: &Arc<Pool>,
     rate: f64,
+    seconds: f64,
     label: &'static str,
     caused: Arc<AtomicU64>,
 ) -> BTreeMap<String, f64> {
+    // No longer than the loop it warms (a smoke run's loops last a second: the hosts' budget).
+    let warm_up = OPEN_LOOP_WARM_UP.min(Duration::from_secs_f64(seconds.max(0.0)));
     let recorder = Arc::new(Recorder::new());
-    let deadline = Instant::now() + OPEN_LOOP_WARM_UP;
+    let deadline = Instant::now() + warm_up;
     open_loop_of_sends(pool, recorder.clone(), rate, deadline, label, caused).await;
-    let mut figures = BTreeMap::from([(
-        "warm_up_seconds".to_owned(),
-        OPEN_LOOP_WARM_UP.as_secs_f64(),
-    )]);
+    let errors: u64 = recorder.errors.lock().unwrap().values().sum();
+    let mut figures = BTreeMap::from([
+        ("warm_up_seconds".to_owned(), warm_up.as_secs_f64()),
+        ("warm_up_errors".to_owned(), errors as f64),
+    ]);
     if let Some(latency) = recorder.percentiles() {
         figures.insert("warm_up_p99_ms".into(), latency.p99);
     }
