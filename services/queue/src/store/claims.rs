@@ -19,8 +19,7 @@ pub(super) const NEXT_DUE_SQL: &str = "SELECT MIN(available_at) FROM push_delive
      AND provider <> $1 AND provider <> $2";
 
 /// Among the `$3` live batches due first: when the first of a provider not skipped is due, when
-/// the last of them is, and how many there were (SQLite; `records::next_due` reads the answer,
-/// and when all are skipped and already due, `NEXT_DUE_SQL` decides).
+/// the last of them is, and how many there were (SQLite).
 ///
 /// The due index holds no provider: asked for the first batch of a provider not skipped
 /// (`NEXT_DUE_SQL`), SQLite read it in time order and looked every batch up until one was, so with
@@ -186,26 +185,23 @@ macro_rules! claim_statements {
 
             /// `QueueStore::next_available_at`.
             async fn next_due(&self, skip: Skip, now: i64) -> Result<Option<i64>, QueueError> {
-                use $crate::store::records::{NEXT_DUE_READS_AT_MOST, NextDue, next_due};
                 let (skip_a, skip_b) = skip.binds();
-                if Self::NEXT_DUE_BOUNDED {
-                    let (next, last, read): (Option<i64>, Option<i64>, i64) =
-                        sqlx::query_as($crate::store::claims::NEXT_DUE_BOUNDED_SQL)
-                            .bind(skip_a)
-                            .bind(skip_b)
-                            .bind(NEXT_DUE_READS_AT_MOST)
-                            .fetch_one(self.reader())
-                            .await?;
-                    if let NextDue::At(next) = next_due(next, last, read, now) {
-                        return Ok(next);
-                    }
+                if !Self::NEXT_DUE_BOUNDED {
+                    let next: Option<i64> = sqlx::query_scalar($crate::store::claims::NEXT_DUE_SQL)
+                        .bind(skip_a)
+                        .bind(skip_b)
+                        .fetch_one(self.reader())
+                        .await?;
+                    return Ok(next);
                 }
-                let next: Option<i64> = sqlx::query_scalar($crate::store::claims::NEXT_DUE_SQL)
-                    .bind(skip_a)
-                    .bind(skip_b)
-                    .fetch_one(self.reader())
-                    .await?;
-                Ok(next)
+                let (next, last, read): (Option<i64>, Option<i64>, i64) =
+                    sqlx::query_as($crate::store::claims::NEXT_DUE_BOUNDED_SQL)
+                        .bind(skip_a)
+                        .bind(skip_b)
+                        .bind($crate::store::records::NEXT_DUE_READS_AT_MOST)
+                        .fetch_one(self.reader())
+                        .await?;
+                Ok($crate::store::records::next_due(next, last, read, now))
             }
 
             /// `QueueStore::renew`.

@@ -199,36 +199,29 @@ impl Skip {
     }
 }
 
-/// Live batches the next-due read looks at, in time order (`claims::NEXT_DUE_BOUNDED_SQL`).
+/// Live batches the next-due read looks at, in time order (`claims::NEXT_DUE_SQL`).
 pub(crate) const NEXT_DUE_READS_AT_MOST: i64 = 256;
 
-/// What the bounded next-due read tells.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum NextDue {
-    /// When the next batch of a provider not skipped is due; None when there is none.
-    At(Option<i64>),
-    /// Every batch read is skipped and already due: one the lane takes may be due behind them,
-    /// and only the read of every live batch (`claims::NEXT_DUE_SQL`) can tell.
-    ReadAll,
-}
+/// How soon a lane looks again when the batches due first are all of providers it skips, so many
+/// that the read stopped before finding one it would take.
+pub(crate) const LOOK_AGAIN_MS: i64 = 1_000;
 
-/// From the next-due read of the [`NEXT_DUE_READS_AT_MOST`] live batches due first: `next`, the
-/// first not skipped among them; `last`, when the last of them is due; `read`, how many there
-/// were. When every batch read is skipped and there may be more, none not skipped is due before
-/// `last`: if that is still ahead, it is the time to look again (work admitted or retried
-/// meanwhile wakes the lanes sooner); if it has passed, work the lane takes may be due now behind
-/// the skipped backlog, and the whole read decides.
-pub(crate) fn next_due(next: Option<i64>, last: Option<i64>, read: i64, now: i64) -> NextDue {
+/// When the next batch of a provider not skipped is due, from the next-due read of the
+/// [`NEXT_DUE_READS_AT_MOST`] live batches due first: `next`, the first not skipped among them;
+/// `last`, when the last of them is due; `read`, how many there were. None: no live batch of a
+/// provider not skipped. When every batch read is skipped and there may be more, none not
+/// skipped is due before `last`, so that is the time to look again; if `last` has passed, a
+/// second from `now` (work admitted or retried meanwhile wakes the lanes before that; a lease
+/// that lapses does not, and waits at most that second more).
+pub(crate) fn next_due(next: Option<i64>, last: Option<i64>, read: i64, now: i64) -> Option<i64> {
     match (next, last) {
-        (Some(next), _) => NextDue::At(Some(next)),
-        (None, Some(last)) if read >= NEXT_DUE_READS_AT_MOST => {
-            if last > now {
-                NextDue::At(Some(last))
-            } else {
-                NextDue::ReadAll
-            }
-        }
-        _ => NextDue::At(None),
+        (Some(next), _) => Some(next),
+        (None, Some(last)) if read >= NEXT_DUE_READS_AT_MOST => Some(if last > now {
+            last
+        } else {
+            now + LOOK_AGAIN_MS
+        }),
+        _ => None,
     }
 }
 
@@ -243,21 +236,21 @@ mod tests {
         // One not skipped among those read: its time, whatever else was read.
         assert_eq!(
             next_due(Some(NOW - 5), Some(NOW + 9), all, NOW),
-            NextDue::At(Some(NOW - 5))
+            Some(NOW - 5)
         );
         // None not skipped, and the read saw every live batch: nothing to wait for.
-        assert_eq!(
-            next_due(None, Some(NOW + 9), all - 1, NOW),
-            NextDue::At(None)
-        );
-        assert_eq!(next_due(None, None, 0, NOW), NextDue::At(None));
+        assert_eq!(next_due(None, Some(NOW + 9), all - 1, NOW), None);
+        assert_eq!(next_due(None, None, 0, NOW), None);
         // None not skipped among as many as it reads: nothing taken is due before the last.
+        assert_eq!(next_due(None, Some(NOW + 9), all, NOW), Some(NOW + 9));
+        // ... which has passed: a second from now, not at once (a lane would claim for nothing).
         assert_eq!(
-            next_due(None, Some(NOW + 9), all, NOW),
-            NextDue::At(Some(NOW + 9))
+            next_due(None, Some(NOW - 9), all, NOW),
+            Some(NOW + LOOK_AGAIN_MS)
         );
-        // ... which has passed: work taken may be due behind them; the whole read decides.
-        assert_eq!(next_due(None, Some(NOW - 9), all, NOW), NextDue::ReadAll);
-        assert_eq!(next_due(None, Some(NOW), all, NOW), NextDue::ReadAll);
+        assert_eq!(
+            next_due(None, Some(NOW), all, NOW),
+            Some(NOW + LOOK_AGAIN_MS)
+        );
     }
 }
