@@ -671,7 +671,7 @@ mod tests {
         ) -> Result<Vec<ClaimedBatch>, QueueError> {
             Err(ONLY_ADMITS)
         }
-        async fn next_available_at(&self, _: Skip, _: i64) -> Result<Option<i64>, QueueError> {
+        async fn next_available_at(&self, _: Skip) -> Result<Option<i64>, QueueError> {
             Err(ONLY_ADMITS)
         }
         async fn renew(&self, _: &str, _: &str, _: i64) -> Result<bool, QueueError> {

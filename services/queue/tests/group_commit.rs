@@ -438,7 +438,6 @@ on_both_backends!(
     a_hosts_admissions_answered_in_turn_keep_their_order,
     waking_lanes_claim_only_when_something_is_due,
     a_claim_leaves_a_held_providers_work_alone,
-    a_held_backlog_is_not_read_through_for_the_next_due_time,
     lanes_woken_together_share_one_read,
     a_held_providers_new_work_does_not_wake_claims_that_skip_it,
     a_failed_round_wakes_the_lanes_to_look,
@@ -520,59 +519,6 @@ async fn a_claim_leaves_a_held_providers_work_alone(backend: Backend) {
     let claimed = h.claim_all().await;
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].registration_id, "phone-apns");
-}
-
-/// A lane skipping a held provider asks when other work is due. On SQLite the read looks at the
-/// batches due first only: other work among them is found as it is; a held backlog in front of
-/// everything else, of whatever size, costs the same read and tells the lane to look again within
-/// a second, instead of a read through every live batch.
-async fn a_held_backlog_is_not_read_through_for_the_next_due_time(backend: Backend) {
-    use orca_push_queue::model::Provider;
-    use orca_push_queue::store::Skip;
-    use orca_push_queue::{AnyQueueStore, open_and_migrate};
-    let h = harness_with(backend, 0).await;
-    let store = AnyQueueStore::new(open_and_migrate(&h.config).await.unwrap());
-    let fcm_held = Skip::of([Provider::Fcm]);
-    let mut to_apns = alert(0, &["phone-apns"]);
-    to_apns.recipients[0].provider = Provider::Apns;
-    h.admit(&to_apns).await;
-    h.clock.advance(1);
-    // A backlog past the read's reach, all of the held provider, due after the APNs batch.
-    for seq in 1..=300 {
-        let phone = format!("phone-fcm-{seq}");
-        let mut to_fcm = alert(seq, &[phone.as_str()]);
-        to_fcm.recipients[0].provider = Provider::Fcm;
-        h.admit(&to_fcm).await;
-    }
-    let now = T0 as i64 + 1;
-    assert_eq!(
-        store.next_available_at(fcm_held, now).await.unwrap(),
-        Some(T0 as i64),
-        "the APNs batch, first in time"
-    );
-    let claimed = h
-        .queue
-        .claim_skipping("lane", 64, 30_000, 0, fcm_held)
-        .await
-        .unwrap();
-    assert_eq!(claimed.len(), 1);
-    assert_eq!(claimed[0].registration_id, "phone-apns");
-    // Its lease ends after the whole backlog: no batch the lane would take is due before then.
-    // SQLite's read stops at the backlog and says to look again in a second; PostgreSQL's reads
-    // through it to the lease's end (`claims::NEXT_DUE_SQL` says why).
-    let look_again = match backend {
-        Backend::Sqlite => now + 1_000,
-        Backend::Postgres => now + 30_000,
-    };
-    assert_eq!(
-        store.next_available_at(fcm_held, now).await.unwrap(),
-        Some(look_again)
-    );
-    assert_eq!(
-        store.next_available_at(Skip::default(), now).await.unwrap(),
-        Some(now),
-        "skipping nothing, the backlog is due"
-    );
 }
 
 /// The lanes woken by one commit share reads of the earliest due time instead of one each; and an
@@ -1197,10 +1143,7 @@ async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_gro
     let before = probe.reads().await;
     cycle(8).await;
     // What a lane asks before it sleeps: the earliest due time, the minute's piled-up batches.
-    let next = store
-        .next_available_at(Skip::default(), T0 as i64)
-        .await
-        .unwrap();
+    let next = store.next_available_at(Skip::default()).await.unwrap();
     assert_eq!(next, Some(T0 as i64 + 60_000));
     let after = probe.reads().await;
     probe.assert_by_key(&before, &after, "one claim, its report and a next-due read");

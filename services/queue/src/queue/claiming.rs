@@ -218,10 +218,7 @@ impl<S: QueueStore> DeliveryQueue<S> {
             return Ok(read.next);
         }
         let began = std::time::Instant::now();
-        let next = self
-            .store
-            .next_available_at(skip, now(&*self.clock))
-            .await?;
+        let next = self.store.next_available_at(skip).await?;
         self.due_reads.fetch_add(1, Ordering::Relaxed);
         *last = Some(DueRead { began, skip, next });
         Ok(next)

@@ -172,8 +172,8 @@ impl QueueStore for AnyQueueStore {
     ) -> Result<Vec<ClaimedBatch>, QueueError> {
         delegate!(self, s => s.claim(lane, max, lease_ms, now, skip))
     }
-    async fn next_available_at(&self, skip: Skip, now: i64) -> Result<Option<i64>, QueueError> {
-        delegate!(self, s => s.next_available_at(skip, now))
+    async fn next_available_at(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
+        delegate!(self, s => s.next_available_at(skip))
     }
     async fn renew(&self, batch_id: &str, token: &str, until: i64) -> Result<bool, QueueError> {
         delegate!(self, s => s.renew(batch_id, token, until))

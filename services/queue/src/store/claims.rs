@@ -12,29 +12,11 @@ pub(super) const EXPIRE_MEMBER_SQL: &str = "UPDATE push_event_recipients \
      SET status = 'expired', updated_at = $3 \
      WHERE event_id = $1 AND batch_id = $2 AND status = 'pending'";
 
-/// When the next batch of a provider not skipped becomes due (PostgreSQL). `available_at >= 0`,
-/// always true, lets PostgreSQL read `push_delivery_batches_due` (queue migration 0007).
+/// When the next batch of a provider not skipped becomes due. `available_at >= 0`, always true,
+/// lets PostgreSQL read `push_delivery_batches_due` (queue migration 0007).
 pub(super) const NEXT_DUE_SQL: &str = "SELECT MIN(available_at) FROM push_delivery_batches \
      WHERE state IN ('open', 'pending', 'leased') AND available_at >= 0 \
      AND provider <> $1 AND provider <> $2";
-
-/// Among the `$3` live batches due first: when the first of a provider not skipped is due, when
-/// the last of them is, and how many there were (SQLite).
-///
-/// The due index holds no provider: asked for the first batch of a provider not skipped
-/// (`NEXT_DUE_SQL`), SQLite read it in time order and looked every batch up until one was, so with
-/// a provider held (its breaker open, its backlog piling up) and no batch of another, the read
-/// went through every live batch. In the admission benchmark that was some 15,000, a read per
-/// lane woken at each probe, and the admissions stalled for 50-100 ms (docs/benchmarks.md, round
-/// 46). PostgreSQL keeps `NEXT_DUE_SQL`: made on small tables, its kept plan of this read took
-/// the whole index and sorted it (`postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_
-/// they_grow`).
-pub(super) const NEXT_DUE_BOUNDED_SQL: &str = "SELECT \
-     MIN(CASE WHEN provider <> $1 AND provider <> $2 THEN available_at END), \
-     MAX(available_at), COUNT(*) \
-     FROM (SELECT available_at, provider FROM push_delivery_batches \
-       WHERE state IN ('open', 'pending', 'leased') AND available_at >= 0 \
-       ORDER BY available_at LIMIT $3) first_due";
 
 /// A lease extended to `$3`, if `$2` still holds it.
 pub(super) const RENEW_SQL: &str = "UPDATE push_delivery_batches SET available_at = $3 \
@@ -184,24 +166,14 @@ macro_rules! claim_statements {
             }
 
             /// `QueueStore::next_available_at`.
-            async fn next_due(&self, skip: Skip, now: i64) -> Result<Option<i64>, QueueError> {
+            async fn next_due(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
                 let (skip_a, skip_b) = skip.binds();
-                if !Self::NEXT_DUE_BOUNDED {
-                    let next: Option<i64> = sqlx::query_scalar($crate::store::claims::NEXT_DUE_SQL)
-                        .bind(skip_a)
-                        .bind(skip_b)
-                        .fetch_one(self.reader())
-                        .await?;
-                    return Ok(next);
-                }
-                let (next, last, read): (Option<i64>, Option<i64>, i64) =
-                    sqlx::query_as($crate::store::claims::NEXT_DUE_BOUNDED_SQL)
-                        .bind(skip_a)
-                        .bind(skip_b)
-                        .bind($crate::store::records::NEXT_DUE_READS_AT_MOST)
-                        .fetch_one(self.reader())
-                        .await?;
-                Ok($crate::store::records::next_due(next, last, read, now))
+                let next: Option<i64> = sqlx::query_scalar($crate::store::claims::NEXT_DUE_SQL)
+                    .bind(skip_a)
+                    .bind(skip_b)
+                    .fetch_one(self.reader())
+                    .await?;
+                Ok(next)
             }
 
             /// `QueueStore::renew`.

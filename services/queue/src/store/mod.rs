@@ -180,12 +180,9 @@ pub trait QueueStore: Clone + Send + Sync + 'static {
         now: i64,
         skip: Skip,
     ) -> impl Future<Output = Result<Vec<ClaimedBatch>, QueueError>> + Send;
-    /// When the next batch of a provider not in `skip` is due (at `now` or later for a lane to
-    /// look again; see `records::next_due`); None when there is none.
     fn next_available_at(
         &self,
         skip: Skip,
-        now: i64,
     ) -> impl Future<Output = Result<Option<i64>, QueueError>> + Send;
     fn renew(
         &self,
@@ -315,12 +312,8 @@ macro_rules! queue_store {
             ) -> Result<Vec<ClaimedBatch>, QueueError> {
                 self.claim_due(lane, max, lease_ms, now, skip).await
             }
-            async fn next_available_at(
-                &self,
-                skip: Skip,
-                now: i64,
-            ) -> Result<Option<i64>, QueueError> {
-                self.next_due(skip, now).await
+            async fn next_available_at(&self, skip: Skip) -> Result<Option<i64>, QueueError> {
+                self.next_due(skip).await
             }
             async fn renew(
                 &self,

@@ -124,8 +124,6 @@ impl PgQueueStore {
     /// After the quota count's window start: the condition that opens `push_events_quota` to it
     /// (queue migration 0008), always true of a time.
     pub(in crate::store) const QUOTA_BY_TIME: &'static str = " AND q.accepted_at >= 0";
-    /// The next-due read is `claims::NEXT_DUE_SQL`, which says why.
-    pub(in crate::store) const NEXT_DUE_BOUNDED: bool = false;
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);

@@ -51,8 +51,6 @@ impl SqliteQueueStore {
     /// quota index's time it seeks from the first it reads, so an always-true `>= 0` ahead of
     /// the window's start would count every event the host kept for the day.
     pub(in crate::store) const QUOTA_BY_TIME: &'static str = "";
-    /// The next-due read looks at the batches due first only (`claims::NEXT_DUE_BOUNDED_SQL`).
-    pub(in crate::store) const NEXT_DUE_BOUNDED: bool = true;
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
