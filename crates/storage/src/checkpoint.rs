@@ -16,9 +16,10 @@
 //! SQLite syncs the database file only in a checkpoint that copies the whole WAL, since only then
 //! may the WAL start over: under load the copy beside the writer never does, and the writer's step
 //! synced everything copied since the last one. In the admission benchmark that was a second's
-//! pages, 12-16 MB in some 2,000 writes, 17-24 ms every second while no admission could commit:
-//! the p99 (docs/benchmarks.md, round 46). So the database file is synced beside the writer too,
-//! between the two steps, and the writer's step syncs only what it copies itself.
+//! pages, 12-16 MB in some 2,000 writes (an `fsync` of 16-20 ms), and the writer was held 25-35 ms
+//! every second: the p99 (docs/benchmarks.md, round 46). So before the writer's step the database
+//! file is synced beside the writer, what came in meanwhile is copied and synced beside it too,
+//! and the step syncs only what it copies itself (the writer held 5-13 ms).
 
 use std::io;
 use std::sync::Arc;
