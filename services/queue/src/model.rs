@@ -181,6 +181,10 @@ pub enum Provider {
 }
 
 impl Provider {
+    /// Every provider a batch can be stored with: the claims read each one's due batches apart
+    /// (`store::claims`), so a batch of a provider missing here would never be claimed.
+    pub const ALL: [Self; 3] = [Self::Unknown, Self::Apns, Self::Fcm];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Unknown => "",

@@ -6,7 +6,7 @@ mod support;
 use std::collections::HashMap;
 
 use orca_push_queue::model::{AdmissionStatus, Kind, QUOTA_PER_KIND};
-use orca_push_queue::store::QueueStore as _;
+use orca_push_queue::store::{QueueStore as _, Skip};
 use orca_push_storage::Pool;
 use orca_push_storage::testing::Backend;
 use support::*;
@@ -438,6 +438,7 @@ on_both_backends!(
     a_hosts_admissions_answered_in_turn_keep_their_order,
     waking_lanes_claim_only_when_something_is_due,
     a_claim_leaves_a_held_providers_work_alone,
+    a_claim_takes_the_earliest_due_across_providers,
     lanes_woken_together_share_one_read,
     a_held_providers_new_work_does_not_wake_claims_that_skip_it,
     a_failed_round_wakes_the_lanes_to_look,
@@ -487,7 +488,6 @@ async fn waking_lanes_claim_only_when_something_is_due(backend: Backend) {
 /// outage costs no claim and no hand-back per new send; the other provider's work flows on.
 async fn a_claim_leaves_a_held_providers_work_alone(backend: Backend) {
     use orca_push_queue::model::Provider;
-    use orca_push_queue::store::Skip;
     let h = harness_with(backend, 0).await;
     let mut to_apns = alert(1, &["phone-apns"]);
     to_apns.recipients[0].provider = Provider::Apns;
@@ -519,6 +519,79 @@ async fn a_claim_leaves_a_held_providers_work_alone(backend: Backend) {
     let claimed = h.claim_all().await;
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].registration_id, "phone-apns");
+}
+
+/// Each provider's due work is read apart (`push_delivery_batches_due` is keyed by provider,
+/// then time), and a claim still takes the earliest due first across the providers it takes, up
+/// to its size; the earliest due time leaves the skipped providers out the same way.
+async fn a_claim_takes_the_earliest_due_across_providers(backend: Backend) {
+    use orca_push_queue::model::Provider;
+    let (config, _guard) = orca_push_storage::testing::fresh(backend).await;
+    let store = orca_push_queue::AnyQueueStore::new(
+        orca_push_queue::open_and_migrate(&config).await.unwrap(),
+    );
+    // One phone each, due 1 ms apart, providers interleaved.
+    let due = [
+        (1, Provider::Fcm),
+        (2, Provider::Apns),
+        (3, Provider::Unknown),
+        (4, Provider::Fcm),
+        (5, Provider::Apns),
+    ];
+    for (at, provider) in due {
+        let mut admission = alert(at, &[format!("phone-{at}").as_str()]);
+        admission.recipients[0].provider = provider;
+        for result in store
+            .enqueue_group(&[&admission], T0 as i64 + at, 0, None)
+            .await
+        {
+            result.unwrap();
+        }
+    }
+    let fcm_held = Skip::of([Provider::Fcm]);
+    let both_held = Skip::of([Provider::Apns, Provider::Fcm]);
+    for (skip, next) in [
+        (Skip::default(), 1),
+        (Skip::of([Provider::Apns]), 1),
+        (fcm_held, 2),
+        (both_held, 3),
+    ] {
+        assert_eq!(
+            store.next_available_at(skip).await.unwrap(),
+            Some(T0 as i64 + next),
+            "{skip:?}"
+        );
+    }
+    let now = T0 as i64 + 10;
+    let phones = |claimed: Vec<orca_push_queue::store::ClaimedBatch>| -> Vec<String> {
+        claimed.into_iter().map(|b| b.registration_id).collect()
+    };
+    let claimed = store
+        .claim("lane", 2, LEASE, now, Skip::default())
+        .await
+        .unwrap();
+    assert_eq!(phones(claimed), ["phone-1", "phone-2"], "the two due first");
+    let claimed = store.claim("lane", 64, LEASE, now, fcm_held).await.unwrap();
+    assert_eq!(
+        phones(claimed),
+        ["phone-3", "phone-5"],
+        "all but FCM's, in order"
+    );
+    assert_eq!(
+        store.next_available_at(fcm_held).await.unwrap(),
+        Some(now + LEASE),
+        "only leases are left to lapse"
+    );
+    let claimed = store
+        .claim("lane", 64, LEASE, now, both_held)
+        .await
+        .unwrap();
+    assert!(claimed.is_empty(), "only FCM's is left");
+    let claimed = store
+        .claim("lane", 64, LEASE, now, Skip::default())
+        .await
+        .unwrap();
+    assert_eq!(phones(claimed), ["phone-4"]);
 }
 
 /// The lanes woken by one commit share reads of the earliest due time instead of one each; and an
@@ -592,7 +665,6 @@ async fn a_failed_round_wakes_the_lanes_to_look(backend: Backend) {
 /// admission benchmark). News of the other provider's work still wakes it at once.
 async fn a_held_providers_new_work_does_not_wake_claims_that_skip_it(backend: Backend) {
     use orca_push_queue::model::Provider;
-    use orca_push_queue::store::Skip;
     let h = harness_with(backend, 0).await;
     let fcm_held = Skip::of([Provider::Fcm]);
     let queue = h.queue.clone();
@@ -1070,54 +1142,33 @@ async fn postgresql_lanes_woken_while_one_claims_wait_for_its_turn() {
     );
 }
 
-/// A lane's transactions (its claim and its report, with the report's payload clean-up) plan as
-/// a group's do: made on the empty tables of a fresh deployment and kept, PostgreSQL's own plans
-/// scanned the recipients and events whole on every report (round 29, docs/benchmarks.md).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
-    use orca_push_queue::store::{Completion, Outcome, Skip};
-    let probe = PlanProbe::new(&[
-        "push_events",
-        "push_delivery_batches",
-        "push_event_recipients",
-    ])
-    .await;
-    let pg = probe.pg.clone();
-    let store = orca_push_queue::AnyQueueStore::new(probe.pool.clone());
-    // One alert to a phone of its own, due at once; claimed, and reported sent.
-    let cycle = |seq: i64| {
-        let store = store.clone();
-        async move {
-            let now = T0 as i64 + seq;
-            let admission = from(HOST, seq, &format!("lane-phone-{seq}"));
-            for result in store.enqueue_group(&[&admission], now, 0, None).await {
-                result.unwrap();
-            }
-            let claimed = store
-                .claim("lane", 1, 30_000, now, Skip::default())
-                .await
-                .unwrap();
-            assert_eq!(claimed.len(), 1, "cycle {seq}: the alert was due");
-            let completions: Vec<Completion> = claimed
-                .into_iter()
-                .map(|b| Completion {
-                    batch_id: b.batch_id,
-                    lease_token: b.lease_token,
-                    outcome: Outcome::Sent,
-                    reason: "200".into(),
-                    answered: true,
-                })
-                .collect();
-            assert_eq!(store.complete(&completions, now).await.unwrap(), vec![true]);
-        }
-    };
-    // PostgreSQL plans a kept statement itself five times, then settles on a generic plan.
-    for seq in 1..=7 {
-        cycle(seq).await;
+/// One alert to a phone of its own (an APNs one), due at once; claimed by a lane skipping `skip`,
+/// and reported sent.
+async fn lane_cycle(store: &orca_push_queue::AnyQueueStore, seq: i64, skip: Skip) {
+    use orca_push_queue::store::{Completion, Outcome};
+    let now = T0 as i64 + seq;
+    let admission = from(HOST, seq, &format!("lane-phone-{seq}"));
+    for result in store.enqueue_group(&[&admission], now, 0, None).await {
+        result.unwrap();
     }
-    // The tables grow: 20,000 events of other hosts, each with its batch and recipient, the
-    // batches live and due in a minute (as a held provider's pile up): the claim must find what
-    // is due by time, not walk every live batch.
+    let claimed = store.claim("lane", 1, 30_000, now, skip).await.unwrap();
+    assert_eq!(claimed.len(), 1, "cycle {seq}: the alert was due");
+    let completions: Vec<Completion> = claimed
+        .into_iter()
+        .map(|b| Completion {
+            batch_id: b.batch_id,
+            lease_token: b.lease_token,
+            outcome: Outcome::Sent,
+            reason: "200".into(),
+            answered: true,
+        })
+        .collect();
+    assert_eq!(store.complete(&completions, now).await.unwrap(), vec![true]);
+}
+
+/// 20,000 events of other hosts, each with its batch for `provider` and its recipient, the batches
+/// live and due at `due_at` (as a held provider's pile up).
+async fn grow_with_live_batches(pg: &sqlx::PgPool, provider: &str, due_at: i64) {
     for statement in [
         "INSERT INTO push_events (event_id, host_fingerprint, kind, notification_epoch, \
          notification_seq, content_hash, accepted_at, expires_at, payload_json) \
@@ -1127,26 +1178,71 @@ async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_gro
          state, coalescible, window_ends_at, available_at, member_count, members_bytes, \
          routing_bytes, deadline, silent, attempts, created_at, provider) \
          SELECT 'bulk-' || i, 'bulkphone-' || i, 'bulkhost' || (i % 500), 'alert', 'pending', 0, \
-         $1, $1 + 60000, 1, 10, 10, $1 + 60000, 0, 1, $1, 'apns' \
+         $1, $3, 1, 10, 10, $1 + 60000, 0, 1, $1, $2 \
          FROM generate_series(1, 20000) AS i",
         "INSERT INTO push_event_recipients (event_id, registration_id, batch_id, status, silent, \
          created_at, updated_at) \
          SELECT 'bulk-' || i, 'bulkphone-' || i, 'bulk-' || i, 'pending', 0, $1, $1 \
          FROM generate_series(1, 20000) AS i",
     ] {
-        sqlx::query(statement)
-            .bind(T0 as i64)
-            .execute(&pg)
-            .await
-            .unwrap();
+        let query = sqlx::query(statement).bind(T0 as i64);
+        let query = if statement.contains("$3") {
+            query.bind(provider).bind(due_at)
+        } else {
+            query
+        };
+        query.execute(pg).await.unwrap();
     }
+}
+
+const LANE_TABLES: &[&str] = &[
+    "push_events",
+    "push_delivery_batches",
+    "push_event_recipients",
+];
+
+/// A lane's transactions (its claim and its report, with the report's payload clean-up) plan as
+/// a group's do: made on the empty tables of a fresh deployment and kept, PostgreSQL's own plans
+/// scanned the recipients and events whole on every report (round 29, docs/benchmarks.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_lane_plans_made_on_empty_tables_look_up_by_key_once_they_grow() {
+    let probe = PlanProbe::new(LANE_TABLES).await;
+    let store = orca_push_queue::AnyQueueStore::new(probe.pool.clone());
+    // PostgreSQL plans a kept statement itself five times, then settles on a generic plan.
+    for seq in 1..=7 {
+        lane_cycle(&store, seq, Skip::default()).await;
+    }
+    // The tables grow, the batches due in a minute: the claim must find what is due by time, not
+    // walk every live batch.
+    grow_with_live_batches(&probe.pg, "apns", T0 as i64 + 60_000).await;
     let before = probe.reads().await;
-    cycle(8).await;
+    lane_cycle(&store, 8, Skip::default()).await;
     // What a lane asks before it sleeps: the earliest due time, the minute's piled-up batches.
     let next = store.next_available_at(Skip::default()).await.unwrap();
     assert_eq!(next, Some(T0 as i64 + 60_000));
     let after = probe.reads().await;
     probe.assert_by_key(&before, &after, "one claim, its report and a next-due read");
+}
+
+/// A lane whose breaker holds a provider reads none of that provider's piled-up work, with plans
+/// made on empty tables: with the due index keyed by time alone, its claim and its next-due read
+/// walked every held batch due before the other providers' work (round 47, docs/benchmarks.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_a_lane_leaving_a_held_provider_alone_reads_none_of_its_work() {
+    use orca_push_queue::model::Provider;
+    let probe = PlanProbe::new(LANE_TABLES).await;
+    let store = orca_push_queue::AnyQueueStore::new(probe.pool.clone());
+    let fcm_held = Skip::of([Provider::Fcm]);
+    for seq in 1..=7 {
+        lane_cycle(&store, seq, fcm_held).await;
+    }
+    // FCM's work piles up, all of it due.
+    grow_with_live_batches(&probe.pg, "fcm", T0 as i64).await;
+    let before = probe.reads().await;
+    lane_cycle(&store, 8, fcm_held).await;
+    assert_eq!(store.next_available_at(fcm_held).await.unwrap(), None);
+    let after = probe.reads().await;
+    probe.assert_by_key(&before, &after, "a claim and a next-due read skipping FCM");
 }
 
 /// The clean-up's payload sweep finds events by acceptance time, a step at a time from where the

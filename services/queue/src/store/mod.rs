@@ -250,7 +250,7 @@ fn flag(value: bool) -> i32 {
 }
 
 /// The SQL of every operation, expanded once per backend. `$store` provides `begin_group_write`,
-/// `begin_claim`, `wake_replicas` and `CLAIM_SQL`.
+/// `begin_claim`, `wake_replicas` and `claim_sql`.
 ///
 /// This is the trait's side: each operation is a helper that `admit`, `claims`, `reports` or
 /// `cleanup` generates for `$store`; `backends` defines what `$store` provides.
@@ -531,6 +531,31 @@ mod tests {
                 !batches.is_empty() && batches.iter().all(|step| step.contains("USING INDEX")),
                 "{sql}\n{plan:#?}"
             );
+        }
+    }
+
+    /// A claim and the earliest-due read seek each provider they take in the due index (provider,
+    /// then time): keyed by time alone, a lane leaving a held provider alone read every due batch
+    /// of it to reach another's (round 47, docs/benchmarks.md).
+    #[tokio::test]
+    async fn sqlite_reads_each_providers_due_batches_by_seek() {
+        let pool = migrated_sqlite().await;
+        for apns in [false, true] {
+            for fcm in [false, true] {
+                let skip = Skip { apns, fcm };
+                let taken = Provider::ALL.iter().filter(|p| skip.takes(**p)).count();
+                let next_due = claims::next_due_sql(skip);
+                for sql in [SqliteQueueStore::claim_sql(skip), next_due.as_str()] {
+                    let (batches, plan) = batch_steps(&pool, sql).await;
+                    assert_eq!(batches.len(), taken, "{sql}\n{plan:#?}");
+                    assert!(
+                        batches.iter().all(|step| step.contains(
+                            "USING INDEX push_delivery_batches_due (provider=? AND available_at"
+                        )),
+                        "{sql}\n{plan:#?}"
+                    );
+                }
+            }
         }
     }
 

@@ -159,9 +159,6 @@ pub struct Skip {
 }
 
 impl Skip {
-    /// Matches no provider (`Provider::Unknown` is stored as '').
-    const NONE: &'static str = "-";
-
     pub fn of(providers: impl IntoIterator<Item = Provider>) -> Self {
         providers
             .into_iter()
@@ -180,21 +177,5 @@ impl Skip {
             Provider::Fcm => !self.fcm,
             Provider::Unknown => true,
         }
-    }
-
-    /// The two provider names `provider <> $a AND provider <> $b` excludes.
-    pub(super) fn binds(self) -> (&'static str, &'static str) {
-        (
-            if self.apns {
-                Provider::Apns.as_str()
-            } else {
-                Self::NONE
-            },
-            if self.fcm {
-                Provider::Fcm.as_str()
-            } else {
-                Self::NONE
-            },
-        )
     }
 }

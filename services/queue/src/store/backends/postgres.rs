@@ -107,11 +107,22 @@ impl Backend for PgQueueStore {
 }
 
 impl PgQueueStore {
-    pub(in crate::store) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
-         deadline, silent, attempts, retries, provider FROM push_delivery_batches \
-         WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
-         AND available_at >= 0 \
-         AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2 FOR UPDATE SKIP LOCKED";
+    /// A claim of the work `skip` takes (`claims::claim_sql`): `available_at >= 0` opens
+    /// `push_delivery_batches_due` (queue migration 0007), and each provider's read locks its
+    /// rows, skipping those another replica's claim holds.
+    pub(in crate::store) fn claim_sql(skip: crate::store::Skip) -> &'static str {
+        static CLAIMS: std::sync::LazyLock<crate::store::claims::PerSkip> =
+            std::sync::LazyLock::new(|| {
+                crate::store::claims::PerSkip::new(|skip| {
+                    crate::store::claims::claim_sql(
+                        skip,
+                        " AND available_at >= 0",
+                        " FOR UPDATE SKIP LOCKED",
+                    )
+                })
+            });
+        CLAIMS.get(skip)
+    }
     /// Row locks taken by a reading statement.
     pub(in crate::store) const FOR_UPDATE: &'static str = " FOR UPDATE";
     /// A kept statement's generic plan is made once per connection, often on small tables: reads

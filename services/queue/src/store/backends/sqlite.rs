@@ -28,10 +28,16 @@ impl Backend for SqliteQueueStore {
 }
 
 impl SqliteQueueStore {
-    pub(in crate::store) const CLAIM_SQL: &'static str = "SELECT batch_id, registration_id, host_fingerprint, kind, state, \
-         deadline, silent, attempts, retries, provider FROM push_delivery_batches \
-         WHERE state IN ('open', 'pending', 'leased') AND available_at <= $1 \
-         AND provider <> $3 AND provider <> $4 ORDER BY available_at LIMIT $2";
+    /// A claim of the work `skip` takes (`claims::claim_sql`).
+    pub(in crate::store) fn claim_sql(skip: crate::store::Skip) -> &'static str {
+        static CLAIMS: std::sync::LazyLock<crate::store::claims::PerSkip> =
+            std::sync::LazyLock::new(|| {
+                crate::store::claims::PerSkip::new(|skip| {
+                    crate::store::claims::claim_sql(skip, "", "")
+                })
+            });
+        CLAIMS.get(skip)
+    }
     /// One writer at a time: nothing to lock.
     pub(in crate::store) const FOR_UPDATE: &'static str = "";
     /// SQLite plans a statement when it prepares it, preferring an index where one applies: a
