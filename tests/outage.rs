@@ -81,6 +81,55 @@ async fn a_provider_down_for_everyone_is_probed_not_hammered_and_drains_when_it_
     );
 }
 
+/// Once a hold is over, one lane claims one batch to be the probe, and the provider's other work
+/// stays in the queue. Before, every lane claimed that work in full and handed all but the probe
+/// back, one write each: 96 at one probe in the admission benchmark (docs/benchmarks.md, round
+/// 47), 56 ms in which admissions waited for SQLite's writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_claims_one_batch_and_hands_none_back() {
+    const HELD: &str = "orca_push_delivery_hand_backs_total{reason=\"provider_held\"}";
+    const OPEN: &str = "orca_push_provider_circuit_open{provider=\"apns\"}";
+    let mut w = World::start_with(Backend::Sqlite, "0", &[("ORCA_PUSH_RETRY_BASE_MS", "50")]).await;
+    let mut phones = Vec::new();
+    for i in 0..60 {
+        let token = ios_token(i);
+        w.apns
+            .always(&token, Answer::status(503, Some("ServiceUnavailable")));
+        phones.push(w.register_ios(&format!("iphone-{i}"), &token).await);
+    }
+    let ids: Vec<&str> = phones.iter().map(String::as_str).collect();
+    // The first 20 open the breaker (eight failures in a row): held for 2 s.
+    w.send(&ids[..20], alert(1)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while metric(&mut w, OPEN).await < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the breaker never opened"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let opened = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = metric(&mut w, HELD).await;
+    let calls_before = w.apns.calls().len();
+    // 40 more while it is held: due at once, they wait for the probe.
+    for chunk in ids[20..].chunks(20) {
+        assert!(w.send(chunk, alert(2)).await.iter().all(|s| s == "queued"));
+    }
+    // The probe goes out when the hold ends, fails, and the work is held again (4 s).
+    tokio::time::sleep(
+        (opened + Duration::from_millis(3500)).saturating_duration_since(std::time::Instant::now()),
+    )
+    .await;
+    assert!(w.apns.calls().len() > calls_before, "the probe went out");
+    let handed_back = metric(&mut w, HELD).await - before;
+    assert!(
+        handed_back <= 3.0,
+        "{handed_back} batches claimed at the probe and handed back"
+    );
+    assert_eq!(metric(&mut w, OPEN).await, 1.0, "held again");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_provider_token_is_re_signed_once_however_many_requests_saw_it() {
     let mut w = World::start(Backend::Sqlite, "0").await;

@@ -4,7 +4,8 @@
 //! [`TRIP_AFTER`] failures in a row the breaker opens: work for that provider is held (the queue
 //! moves its pending batches in one statement) and one probe goes out per hold period, which
 //! doubles from [`FIRST_HOLD`] up to [`MAX_HOLD`]. The first success closes it and the held work
-//! is released at once.
+//! is released at once. A probe is one batch: one lane claims it alone ([`Breaker::claim_probe`]),
+//! and the others leave the provider's work alone meanwhile.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -15,6 +16,12 @@ pub const TRIP_AFTER: u32 = 8;
 pub const FIRST_HOLD: Duration = Duration::from_secs(2);
 /// The longest hold: the backlog waits at most this long after the provider recovers.
 pub const MAX_HOLD: Duration = Duration::from_secs(30);
+/// How long a lane's claim of a provider's probe keeps the other lanes from claiming another: its
+/// claim waits at most half of it for the batch, which then goes to its gate and becomes the
+/// probe. Before, every lane claimed the provider's work in full once the hold was over, and all
+/// but the probe were handed back one by one, a write each: 96 at one probe in the admission
+/// benchmark, 56 ms in which admissions waited for the writer (docs/benchmarks.md, round 47).
+pub const PROBE_CLAIM_FOR: Duration = Duration::from_secs(1);
 
 /// What the breaker says of one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +62,9 @@ struct State {
     failures: u32,
     open_until: Option<Instant>,
     probing: bool,
+    /// When a lane claimed the probe (`Breaker::claim_probe`), if it did within
+    /// [`PROBE_CLAIM_FOR`] and the probe is not out yet.
+    probe_claimed: Option<Instant>,
     /// Holds in a row (1 for the first), for the doubling.
     holds: u32,
 }
@@ -92,9 +102,31 @@ impl Breaker {
             Some(_) if s.probing => Gate::Hold(now + FIRST_HOLD),
             Some(_) => {
                 s.probing = true;
+                s.probe_claimed = None;
                 Gate::Probe
             }
         }
+    }
+
+    /// Whether the caller may claim the probe's batch now, alone: the breaker is open, its hold
+    /// is over, no probe is out, and no other lane claimed one in the last [`PROBE_CLAIM_FOR`].
+    /// True marks the probe claimed: the provider's work stays held for every lane
+    /// ([`Breaker::held_until`]) while the caller claims one batch of it.
+    pub fn claim_probe(&self, now: Instant) -> bool {
+        let mut s = self.state();
+        let free = match s.open_until {
+            Some(until) => now >= until && !s.probing && !s.probe_claim_out(now),
+            None => false,
+        };
+        if free {
+            s.probe_claimed = Some(now);
+        }
+        free
+    }
+
+    /// The probe's claim brought back none of the provider's work: another lane may claim it.
+    pub fn probe_claim_empty(&self) {
+        self.state().probe_claimed = None;
     }
 
     /// The provider answered as it should (sent, a dead token, a refused payload).
@@ -130,6 +162,7 @@ impl Breaker {
             return Change::None;
         }
         s.probing = false;
+        s.probe_claimed = None;
         s.holds = s.holds.saturating_add(1);
         let until = now + hold_for(s.holds);
         s.open_until = Some(until);
@@ -165,18 +198,27 @@ impl Breaker {
         self.state().open_until.is_some()
     }
 
-    /// Until when the provider's work is held, if it is now: during the hold, and while its
-    /// probe is out (until the next look, as `gate` answers the work it meets then). Between the
-    /// two, the lanes claim the provider's work again, so that one batch becomes the probe.
-    /// Claimed while a probe is out (a stalled connection keeps one out for up to 30 s), every
-    /// batch would only be handed back, every 2 s.
+    /// Until when the provider's work is held, if it is now: during the hold, while a lane
+    /// claims its probe, and while its probe is out (until the next look, as `gate` answers the
+    /// work it meets then). Between the hold and the probe's claim, a lane claims the probe
+    /// ([`Breaker::claim_probe`]). Claimed while a probe is out (a stalled connection keeps one
+    /// out for up to 30 s), every batch would only be handed back, every 2 s.
     pub fn held_until(&self, now: Instant) -> Option<Instant> {
         let s = self.state();
         match s.open_until {
             Some(until) if now < until => Some(until),
             Some(_) if s.probing => Some(now + FIRST_HOLD),
+            Some(_) if s.probe_claim_out(now) => s.probe_claimed.map(|at| at + PROBE_CLAIM_FOR),
             _ => None,
         }
+    }
+}
+
+impl State {
+    /// A lane claimed the probe lately, and the probe is not out yet.
+    fn probe_claim_out(&self, now: Instant) -> bool {
+        self.probe_claimed
+            .is_some_and(|at| now < at + PROBE_CLAIM_FOR)
     }
 }
 
@@ -244,6 +286,42 @@ mod tests {
         assert_eq!(b.held_until(later), Some(later + FIRST_HOLD));
         b.success();
         assert_eq!(b.held_until(later), None);
+    }
+
+    #[test]
+    fn one_lane_at_a_time_claims_the_probe_and_the_others_leave_the_work_alone() {
+        let b = Breaker::new("fcm");
+        let t = Instant::now();
+        assert!(!b.claim_probe(t), "closed: nothing to probe");
+        for _ in 0..TRIP_AFTER {
+            b.failure(t);
+        }
+        assert!(!b.claim_probe(t), "held");
+        let due = t + FIRST_HOLD;
+        assert!(b.claim_probe(due), "the first lane to look claims it");
+        assert!(!b.claim_probe(due), "and no other lane");
+        assert_eq!(
+            b.held_until(due),
+            Some(due + PROBE_CLAIM_FOR),
+            "the others leave the provider's work alone meanwhile"
+        );
+        // A claim that found none of the provider's work lets another lane claim.
+        b.probe_claim_empty();
+        assert_eq!(b.held_until(due), None);
+        assert!(b.claim_probe(due));
+        // A claim whose batch never reached its gate lets another lane claim once it is stale.
+        let stale = due + PROBE_CLAIM_FOR;
+        assert_eq!(b.held_until(stale), None);
+        assert!(b.claim_probe(stale));
+        // The claimed batch reaches its gate: it is the probe, and while it is out no lane claims.
+        assert_eq!(b.gate(stale), Gate::Probe);
+        let later = stale + PROBE_CLAIM_FOR * 2;
+        assert!(!b.claim_probe(later), "a probe is out");
+        assert_eq!(b.held_until(later), Some(later + FIRST_HOLD));
+        // It failed: held again, and the next hold's end brings the next claim.
+        assert!(matches!(b.failure_of(later, true), Change::Opened(_)));
+        assert!(!b.claim_probe(later));
+        assert!(b.claim_probe(later + MAX_HOLD));
     }
 
     #[test]

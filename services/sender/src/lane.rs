@@ -85,9 +85,22 @@ const CLAIM_BATCHES_BACKLOGGED: usize = 64;
 const REPORT_GRACE: Duration = Duration::from_secs(1);
 /// How long a claim waits for due work before asking again.
 const CLAIM_WAIT: Duration = Duration::from_secs(10);
+/// How long a lane claiming a provider's probe waits for a batch of it: half of
+/// `breaker::PROBE_CLAIM_FOR`, so that the batch reaches its gate while the claim still keeps the
+/// other lanes off the provider's work.
+const PROBE_CLAIM_WAIT_MS: u32 = 500;
 /// How long a lane whose share of a provider is (nearly) full waits, at most, before it asks again
 /// for the other provider's work, when its last claim found none.
 const SATURATED_POLL: Duration = Duration::from_millis(100);
+
+/// The providers other than `provider`, for a claim of `provider`'s work alone.
+fn others(provider: queue_pb::Provider) -> Vec<i32> {
+    [queue_pb::Provider::Apns, queue_pb::Provider::Fcm]
+        .into_iter()
+        .filter(|other| *other != provider)
+        .map(|other| other as i32)
+        .collect()
+}
 
 /// How many batches the lane's claims ask for at most (never more than it has room for), after
 /// one that could ask for `size`, asked for `asked` and got `got`: twice as many (up to
@@ -163,6 +176,14 @@ impl Breakers {
             }
         }
         (providers, first_end)
+    }
+
+    /// A provider whose probe the caller now claims alone ([`Breaker::claim_probe`]), if one
+    /// is due.
+    fn claim_probe(&self, now: std::time::Instant) -> Option<queue_pb::Provider> {
+        [queue_pb::Provider::Apns, queue_pb::Provider::Fcm]
+            .into_iter()
+            .find(|provider| self.by(*provider).claim_probe(now))
     }
 
     /// The breaker of `provider`'s work.
@@ -245,8 +266,12 @@ impl Sender {
                 },
             };
             // A held provider's work stays in the queue until its probe is due: claiming it
-            // would only hand it back (a claim and a retry per new send during an outage).
-            let (held, hold_ends) = self.breakers.held(std::time::Instant::now());
+            // would only hand it back (a claim and a retry per new send during an outage). Once
+            // it is due, one lane claims one batch to be the probe, and the provider's work stays
+            // held for the others meanwhile.
+            let now = std::time::Instant::now();
+            let probe = self.breakers.claim_probe(now);
+            let (held, hold_ends) = self.breakers.held(now);
             let hold_wait = hold_ends.map_or(CLAIM_WAIT, |left| left.min(CLAIM_WAIT));
             // So is the work of a provider whose share of this lane is (nearly) full: another
             // lane takes it, or this one once places free. Taken and found with no place, it
@@ -257,7 +282,7 @@ impl Sender {
                 .filter(|provider| !held.contains(provider))
                 .copied()
                 .collect();
-            if !saturated.is_empty() && least_free.is_none() {
+            if probe.is_none() && !saturated.is_empty() && least_free.is_none() {
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     () = provider_room.freed(&saturated) => {}
@@ -276,6 +301,12 @@ impl Sender {
             } else {
                 u32::try_from(hold_wait.as_millis()).unwrap_or(u32::MAX)
             };
+            // The probe's claim: one batch, of that provider only (or of no known provider), and
+            // not waiting past its claim's time.
+            let (want, wait_ms, skip_providers) = match probe {
+                Some(provider) => (1, PROBE_CLAIM_WAIT_MS, others(provider)),
+                None => (want, wait_ms, skip_providers),
+            };
             let mut queue = self.queue.clone();
             let claimed = tokio::select! {
                 _ = stop.cancelled() => break,
@@ -287,13 +318,25 @@ impl Sender {
                     skip_providers,
                 }) => r,
             };
+            if let Some(provider) = probe
+                && claimed
+                    .as_ref()
+                    .is_ok_and(|r| r.get_ref().batches.is_empty())
+            {
+                self.breakers.by(provider).probe_claim_empty();
+            }
             let batches = match claimed {
                 Ok(r) => {
                     let batches = r.into_inner().batches;
-                    claim_size = next_claim_size(claim_size, want, batches.len());
+                    if probe.is_none() {
+                        claim_size = next_claim_size(claim_size, want, batches.len());
+                    }
                     batches
                 }
                 Err(status) => {
+                    if let Some(provider) = probe {
+                        self.breakers.by(provider).probe_claim_empty();
+                    }
                     claim_size = CLAIM_BATCHES;
                     tracing::warn!(lane = index, code = ?status.code(), "claim failed; retrying shortly");
                     tokio::select! {
@@ -302,7 +345,7 @@ impl Sender {
                     }
                 }
             };
-            if !saturated.is_empty() && batches.is_empty() {
+            if probe.is_none() && !saturated.is_empty() && batches.is_empty() {
                 tokio::select! {
                     _ = stop.cancelled() => break,
                     () = provider_room.freed(&saturated) => {}

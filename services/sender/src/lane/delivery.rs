@@ -38,7 +38,7 @@ impl Sender {
         &self,
         job: &Job,
         at: i64,
-        reason: &str,
+        reason: &'static str,
     ) -> Result<bool, tonic::Status> {
         self.hand_back_trying(job, at, reason, ANSWER_WITHIN).await
     }
@@ -50,9 +50,10 @@ impl Sender {
         &self,
         job: &Job,
         at: i64,
-        reason: &str,
+        reason: &'static str,
         within: Duration,
     ) -> Result<bool, tonic::Status> {
+        metrics::counter!("orca_push_delivery_hand_backs_total", "reason" => reason).increment(1);
         let request = queue_pb::RetryRequest {
             batch_id: job.batch_id.clone(),
             lease_token: job.lease_token.clone(),
