@@ -16,9 +16,10 @@ pub const TRIP_AFTER: u32 = 8;
 pub const FIRST_HOLD: Duration = Duration::from_secs(2);
 /// The longest hold: the backlog waits at most this long after the provider recovers.
 pub const MAX_HOLD: Duration = Duration::from_secs(30);
-/// How long a lane's claim of a provider's probe keeps the other lanes from claiming another: its
-/// claim waits at most half of it for the batch, which then goes to its gate and becomes the
-/// probe. Before, every lane claimed the provider's work in full once the hold was over, and all
+/// How long a lane's claim of a provider's probe keeps the other lanes off that provider's work:
+/// the claimed batch reaches its gate and becomes the probe well within it, and a claim that
+/// found none of the provider's work due is made again this much later, by whichever lane looks
+/// first. Before, every lane claimed the provider's work in full once the hold was over, and all
 /// but the probe were handed back one by one, a write each: 96 at one probe in the admission
 /// benchmark, 56 ms in which admissions waited for the writer (docs/benchmarks.md, round 47).
 pub const PROBE_CLAIM_FOR: Duration = Duration::from_secs(1);
@@ -122,11 +123,6 @@ impl Breaker {
             s.probe_claimed = Some(now);
         }
         free
-    }
-
-    /// The probe's claim brought back none of the provider's work: another lane may claim it.
-    pub fn probe_claim_empty(&self) {
-        self.state().probe_claimed = None;
     }
 
     /// The provider answered as it should (sent, a dead token, a refused payload).
@@ -305,11 +301,8 @@ mod tests {
             Some(due + PROBE_CLAIM_FOR),
             "the others leave the provider's work alone meanwhile"
         );
-        // A claim that found none of the provider's work lets another lane claim.
-        b.probe_claim_empty();
-        assert_eq!(b.held_until(due), None);
-        assert!(b.claim_probe(due));
-        // A claim whose batch never reached its gate lets another lane claim once it is stale.
+        // A claim that found none of the provider's work, or whose batch never reached its gate,
+        // lets a lane claim again once it is stale.
         let stale = due + PROBE_CLAIM_FOR;
         assert_eq!(b.held_until(stale), None);
         assert!(b.claim_probe(stale));

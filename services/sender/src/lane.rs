@@ -85,10 +85,6 @@ const CLAIM_BATCHES_BACKLOGGED: usize = 64;
 const REPORT_GRACE: Duration = Duration::from_secs(1);
 /// How long a claim waits for due work before asking again.
 const CLAIM_WAIT: Duration = Duration::from_secs(10);
-/// How long a lane claiming a provider's probe waits for a batch of it: half of
-/// `breaker::PROBE_CLAIM_FOR`, so that the batch reaches its gate while the claim still keeps the
-/// other lanes off the provider's work.
-const PROBE_CLAIM_WAIT_MS: u32 = 500;
 /// How long a lane whose share of a provider is (nearly) full waits, at most, before it asks again
 /// for the other provider's work, when its last claim found none.
 const SATURATED_POLL: Duration = Duration::from_millis(100);
@@ -301,10 +297,11 @@ impl Sender {
             } else {
                 u32::try_from(hold_wait.as_millis()).unwrap_or(u32::MAX)
             };
-            // The probe's claim: one batch, of that provider only (or of no known provider), and
-            // not waiting past its claim's time.
+            // The probe's claim: one batch, of that provider only (or of no known provider), not
+            // waiting for one (this lane's other work waits meanwhile). None due: the lanes look
+            // again once the claim is stale (`breaker::PROBE_CLAIM_FOR`).
             let (want, wait_ms, skip_providers) = match probe {
-                Some(provider) => (1, PROBE_CLAIM_WAIT_MS, others(provider)),
+                Some(provider) => (1, 0, others(provider)),
                 None => (want, wait_ms, skip_providers),
             };
             let mut queue = self.queue.clone();
@@ -318,13 +315,6 @@ impl Sender {
                     skip_providers,
                 }) => r,
             };
-            if let Some(provider) = probe
-                && claimed
-                    .as_ref()
-                    .is_ok_and(|r| r.get_ref().batches.is_empty())
-            {
-                self.breakers.by(provider).probe_claim_empty();
-            }
             let batches = match claimed {
                 Ok(r) => {
                     let batches = r.into_inner().batches;
@@ -334,9 +324,6 @@ impl Sender {
                     batches
                 }
                 Err(status) => {
-                    if let Some(provider) = probe {
-                        self.breakers.by(provider).probe_claim_empty();
-                    }
                     claim_size = CLAIM_BATCHES;
                     tracing::warn!(lane = index, code = ?status.code(), "claim failed; retrying shortly");
                     tokio::select! {
