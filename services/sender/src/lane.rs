@@ -85,6 +85,9 @@ const CLAIM_BATCHES_BACKLOGGED: usize = 64;
 const REPORT_GRACE: Duration = Duration::from_secs(1);
 /// How long a claim waits for due work before asking again.
 const CLAIM_WAIT: Duration = Duration::from_secs(10);
+/// How long a lane's claim of a provider's probe waits for a batch of it, and for its turn: short,
+/// since this lane's other work waits meanwhile.
+const PROBE_CLAIM_WAIT_MS: u32 = 100;
 /// How long a lane whose share of a provider is (nearly) full waits, at most, before it asks again
 /// for the other provider's work, when its last claim found none.
 const SATURATED_POLL: Duration = Duration::from_millis(100);
@@ -175,11 +178,15 @@ impl Breakers {
     }
 
     /// A provider whose probe the caller now claims alone ([`Breaker::claim_probe`]), if one
-    /// is due.
-    fn claim_probe(&self, now: std::time::Instant) -> Option<queue_pb::Provider> {
+    /// is due and `room` says the caller has a place for it.
+    fn claim_probe(
+        &self,
+        now: std::time::Instant,
+        room: impl Fn(queue_pb::Provider) -> bool,
+    ) -> Option<queue_pb::Provider> {
         [queue_pb::Provider::Apns, queue_pb::Provider::Fcm]
             .into_iter()
-            .find(|provider| self.by(*provider).claim_probe(now))
+            .find(|provider| room(*provider) && self.by(*provider).claim_probe(now))
     }
 
     /// The breaker of `provider`'s work.
@@ -266,7 +273,9 @@ impl Sender {
             // it is due, one lane claims one batch to be the probe, and the provider's work stays
             // held for the others meanwhile.
             let now = std::time::Instant::now();
-            let probe = self.breakers.claim_probe(now);
+            let probe = self
+                .breakers
+                .claim_probe(now, |provider| provider_room.has_room(provider));
             let (held, hold_ends) = self.breakers.held(now);
             let hold_wait = hold_ends.map_or(CLAIM_WAIT, |left| left.min(CLAIM_WAIT));
             // So is the work of a provider whose share of this lane is (nearly) full: another
@@ -297,11 +306,12 @@ impl Sender {
             } else {
                 u32::try_from(hold_wait.as_millis()).unwrap_or(u32::MAX)
             };
-            // The probe's claim: one batch, of that provider only (or of no known provider), not
-            // waiting for one (this lane's other work waits meanwhile). None due: the lanes look
+            // The probe's claim: one batch, of that provider only (or of no known provider),
+            // waiting briefly (for its turn among the lanes' claims, too: a claim that may not
+            // wait at all comes back empty while another lane claims). None due: the lanes look
             // again once the claim is stale (`breaker::PROBE_CLAIM_FOR`).
             let (want, wait_ms, skip_providers) = match probe {
-                Some(provider) => (1, 0, others(provider)),
+                Some(provider) => (1, PROBE_CLAIM_WAIT_MS, others(provider)),
                 None => (want, wait_ms, skip_providers),
             };
             let mut queue = self.queue.clone();

@@ -40,6 +40,15 @@ impl ProviderRoom {
         room.clone().try_acquire_owned().ok()
     }
 
+    /// Whether this lane has a place free for `provider`'s work (a probe claimed without one
+    /// would reach its gate, find no place and be handed back, and another lane would claim the
+    /// next probe at once).
+    pub(super) fn has_room(&self, provider: queue_pb::Provider) -> bool {
+        self.each()
+            .iter()
+            .any(|(p, room)| *p == provider && room.available_permits() > 0)
+    }
+
     /// What the lane's next claim may take: the providers to leave alone (`held` ones and those
     /// with fewer than `CLAIM_BATCHES` places free) and the fewest places free among the rest,
     /// so that no batch it brings back finds its provider's share full. None when every provider
@@ -119,6 +128,22 @@ mod tests {
         drop(more);
         assert_eq!(room.claimable(&[FCM]), (vec![FCM], Some(20)));
         drop(apns);
+    }
+
+    /// A lane claims a provider's probe only with a place for it: without one, the probe would
+    /// be handed back at its gate and another lane would claim the next at once.
+    #[test]
+    fn a_lane_has_room_for_a_probe_while_one_place_is_free() {
+        let room = ProviderRoom::new();
+        let mut taken: Vec<_> = (0..IN_FLIGHT_PER_PROVIDER - 1)
+            .map(|_| room.try_take(ANDROID).unwrap())
+            .collect();
+        assert!(room.has_room(queue_pb::Provider::Fcm), "one place left");
+        taken.push(room.try_take(ANDROID).unwrap());
+        assert!(!room.has_room(queue_pb::Provider::Fcm));
+        assert!(room.has_room(queue_pb::Provider::Apns));
+        drop(taken);
+        assert!(room.has_room(queue_pb::Provider::Fcm));
     }
 
     #[test]
