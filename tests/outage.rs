@@ -20,16 +20,22 @@ async fn metric(w: &mut World, name: &str) -> f64 {
     orca_push_tests::scrape_sum(&w.gateway.process("all").metrics_url(), name, &[]).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_provider_down_for_everyone_is_probed_not_hammered_and_drains_when_it_recovers() {
-    let mut w = World::start_with(Backend::Sqlite, "0", &[("ORCA_PUSH_RETRY_BASE_MS", "50")]).await;
+/// `n` iPhones registered, each of whose sends APNs answers 503 (down for everyone).
+async fn iphones_apns_refuses(w: &mut World, n: usize) -> Vec<String> {
     let mut phones = Vec::new();
-    for i in 0..40 {
+    for i in 0..n {
         let token = ios_token(i);
         w.apns
             .always(&token, Answer::status(503, Some("ServiceUnavailable")));
         phones.push(w.register_ios(&format!("iphone-{i}"), &token).await);
     }
+    phones
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_down_for_everyone_is_probed_not_hammered_and_drains_when_it_recovers() {
+    let mut w = World::start_with(Backend::Sqlite, "0", &[("ORCA_PUSH_RETRY_BASE_MS", "50")]).await;
+    let phones = iphones_apns_refuses(&mut w, 40).await;
     let pixel = w.register_android("pixel", ANDROID).await;
     for (n, chunk) in phones.chunks(20).enumerate() {
         let ids: Vec<&str> = chunk.iter().map(String::as_str).collect();
@@ -90,13 +96,7 @@ async fn a_probe_claims_one_batch_and_hands_none_back() {
     const HELD: &str = "orca_push_delivery_hand_backs_total{reason=\"provider_held\"}";
     const OPEN: &str = "orca_push_provider_circuit_open{provider=\"apns\"}";
     let mut w = World::start_with(Backend::Sqlite, "0", &[("ORCA_PUSH_RETRY_BASE_MS", "50")]).await;
-    let mut phones = Vec::new();
-    for i in 0..60 {
-        let token = ios_token(i);
-        w.apns
-            .always(&token, Answer::status(503, Some("ServiceUnavailable")));
-        phones.push(w.register_ios(&format!("iphone-{i}"), &token).await);
-    }
+    let phones = iphones_apns_refuses(&mut w, 60).await;
     let ids: Vec<&str> = phones.iter().map(String::as_str).collect();
     // The first 20 open the breaker (eight failures in a row): held for 2 s.
     w.send(&ids[..20], alert(1)).await;

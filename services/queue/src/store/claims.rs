@@ -52,7 +52,7 @@ fn taken(skip: Skip) -> impl Iterator<Item = &'static str> {
 /// When the next batch of a provider not skipped becomes due: the earliest of each provider's,
 /// each read as the first in time order (PostgreSQL plans a `MIN` of its own, made on a small
 /// table, as an aggregate over the whole range). `available_at >= 0`, always true, lets
-/// PostgreSQL read `push_delivery_batches_due` (queue migration 0007 there).
+/// PostgreSQL read `push_delivery_batches_due` (queue migrations 0007 and 0009 there).
 pub(super) fn next_due_sql(skip: Skip) -> String {
     let each: Vec<String> = taken(skip)
         .enumerate()

@@ -108,8 +108,8 @@ impl Backend for PgQueueStore {
 
 impl PgQueueStore {
     /// A claim of the work `skip` takes (`claims::claim_sql`): `available_at >= 0` opens
-    /// `push_delivery_batches_due` (queue migrations 0007 and 0009), and each provider's read locks its
-    /// rows, skipping those another replica's claim holds.
+    /// `push_delivery_batches_due` (queue migrations 0007 and 0009), and each provider's read
+    /// locks its rows, skipping those another replica's claim holds.
     pub(in crate::store) fn claim_sql(skip: crate::store::Skip) -> &'static str {
         static CLAIMS: std::sync::LazyLock<crate::store::claims::PerSkip> =
             std::sync::LazyLock::new(|| {
