@@ -144,11 +144,27 @@ pub async fn open(config: &DatabaseConfig, service: &ServiceStorage) -> Result<P
     }
 }
 
-/// The writer of a SQLite database (see `sqlite_readers` for reads outside a transaction).
+/// The writer of a SQLite database (see `sqlite_readers` for reads outside a transaction), with
+/// its WAL checkpointed in the background for as long as it is open.
 pub async fn open_sqlite(
     path: &Path,
     durability: SqliteDurability,
 ) -> Result<SqlitePool, OpenError> {
+    let (writer, options) = open_sqlite_writer(path, durability).await?;
+    let checkpointer = sqlite_pool_options(1).connect_lazy_with(options);
+    tokio::spawn(checkpoint::in_background(
+        writer.clone(),
+        checkpointer,
+        checkpoint::sync_file(path),
+    ));
+    Ok(writer)
+}
+
+/// `open_sqlite` without its checkpoints, and the options its connections were made with.
+async fn open_sqlite_writer(
+    path: &Path,
+    durability: SqliteDurability,
+) -> Result<(SqlitePool, SqliteConnectOptions), OpenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         // Owner only: the files hold push tokens, payloads and the session key. A folder the
         // operator made is left as it is.
@@ -199,13 +215,7 @@ pub async fn open_sqlite(
             path: path.to_owned(),
             source,
         })?;
-    let checkpointer = sqlite_pool_options(1).connect_lazy_with(options);
-    tokio::spawn(checkpoint::in_background(
-        writer.clone(),
-        checkpointer,
-        checkpoint::sync_file(path),
-    ));
-    Ok(writer)
+    Ok((writer, options))
 }
 
 /// Whether `writer` can write its file. SQLite opens a file it may not write (restored as another
