@@ -46,8 +46,8 @@ const RESTART_AT: i64 = 65_536;
 /// room for `RESTART_AT` frames and a second of the heaviest load measured after them, so that
 /// the file's blocks are written over rather than allocated again. Cut back to 64 MiB, half of
 /// each second's syncs extended the file, and each such sync wrote its inode and block maps as
-/// well (docs/benchmarks.md, round 26). A WAL this size is read whole at start-up after a crash:
-/// about a second on this machine.
+/// well (docs/benchmarks.md, round 26). The WAL is read whole at start-up after a crash: 0.26 s
+/// for 358 MB with the page cache dropped (round 48).
 pub(crate) const WAL_BYTES_KEPT: &str = "536870912";
 
 /// What a PASSIVE checkpoint reports: the frames in the WAL when it began, and how many of them
