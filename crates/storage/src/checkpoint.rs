@@ -19,13 +19,14 @@
 //! pages, 12-16 MB in some 2,000 writes (an `fsync` of 16-20 ms), and the writer was held 25-35 ms
 //! every second: the p99 (docs/benchmarks.md, round 46). So each copy beside the writer is synced
 //! beside it too, what comes in meanwhile is copied and synced beside before the writer's step,
-//! and the step syncs only what it copies itself (the writer held 5-13 ms).
+//! and the step syncs only what it copies itself.
 //!
-//! Even so, that step made a bump of 20-35 ms in the admission benchmark's latency every second,
-//! and those bumps set its p99 (round 47). The WAL need not start over every second, only before
-//! it takes too much of the disk: so the writer's step runs once the WAL holds `RESTART_AT`
-//! frames (every two to three seconds under the benchmark's load; a lighter load's WAL starts
-//! over on its own, at the first write after a copy beside that caught up).
+//! Even so, those syncs made a bump of 20-50 ms in the admission benchmark's latency every second
+//! and set its p99 (round 48): each kept the disk busy with a second's pages at once, and every
+//! commit's sync of the WAL waited behind it. So the syncs beside the writer are paced (`Pace`):
+//! the second's copy goes out in parts with pauses between them, then what came in meanwhile in
+//! parts with shorter pauses, then the little left at once, and the writer's step is left with
+//! what came in during that last, short pass.
 
 use std::io;
 use std::sync::Arc;
@@ -36,19 +37,14 @@ use sqlx::SqlitePool;
 /// How often the WAL is copied back into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 
-/// The frames (of a 4 KiB page each) a WAL may hold before the writer's step starts it over:
-/// 256 MiB. The queue's took 120-135 MB a second at half the admission benchmark's peak and
-/// 220-240 MB a second at its peak (docs/benchmarks.md, round 48), so the step runs every two to
-/// three seconds there, rather than every second.
-const RESTART_AT: i64 = 65_536;
-
 /// The size a WAL is cut back to when it starts over (SQLite's `journal_size_limit`, in bytes):
-/// room for `RESTART_AT` frames and a second of the heaviest load measured after them, so that
-/// the file's blocks are written over rather than allocated again. Cut back to 64 MiB, half of
-/// each second's syncs extended the file, and each such sync wrote its inode and block maps as
-/// well (docs/benchmarks.md, round 26). The WAL is read whole at start-up after a crash: 0.26 s
-/// for 358 MB with the page cache dropped (round 48).
-pub(crate) const WAL_BYTES_KEPT: &str = "536870912";
+/// room for a second of the heaviest load measured, so that the file's blocks are written over
+/// rather than allocated again. The queue's WAL took 220-240 MB a second at the admission
+/// benchmark's peak (docs/benchmarks.md, round 48); cut back to 64 MiB, half of each second's
+/// syncs extended the file, and each such sync wrote its inode and block maps as well (round 26).
+/// A WAL that started over only every 256 MiB was measured too (round 48): a fresh file then grew
+/// for three to four seconds, and the 8-connection admission benchmark lost 6%.
+pub(crate) const WAL_BYTES_KEPT: &str = "268435456";
 
 /// What a PASSIVE checkpoint reports: the frames in the WAL when it began, and how many of them
 /// are now in the database file. Frames committed while it ran are in neither.
@@ -70,20 +66,19 @@ impl Checkpointed {
         Ok(Self { log, checkpointed })
     }
 
-    /// Whether anything was committed since `last`: there is something to copy and sync. A WAL
-    /// that started over and holds as many frames as at `last` looks unchanged; that tick then
-    /// skips its sync, which costs nothing but latency: a copy that caught up was synced by
-    /// SQLite, and the writer's step syncs beside it first.
+    /// Whether anything was committed since `last` (frames may have come in while this copy
+    /// ran), or some frames were left behind: there is something to copy and sync. A WAL that
+    /// started over and holds as many frames as at `last` looks unchanged; that tick then does
+    /// nothing, and the next does it all.
     fn changed_since(self, last: Self) -> bool {
         self.log != last.log || self.checkpointed != self.log
     }
 
-    /// Whether the writer finishes the checkpoint, so that the WAL starts over: it holds
-    /// `restart_at` frames or more, and what this copy left behind (a reader of an older
-    /// snapshot limits how far it copies) is small, since the writer waits for all of it. More
-    /// left behind waits for the next tick's copy beside it.
-    fn writer_finishes(self, restart_at: i64) -> bool {
-        self.log >= restart_at && self.log - self.checkpointed <= WRITER_COPIES_AT_MOST
+    /// Whether the writer finishes the checkpoint, so that the WAL starts over: what this copy
+    /// left behind (a reader of an older snapshot limits how far it copies) is small, since the
+    /// writer waits for all of it. More left behind waits for the next tick's copy beside it.
+    fn writer_finishes(self) -> bool {
+        self.log - self.checkpointed <= WRITER_COPIES_AT_MOST
     }
 }
 
@@ -94,8 +89,8 @@ const WRITER_COPIES_AT_MOST: i64 = 1024;
 /// How a sync of the database file writes its dirty pages out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Pace {
-    /// In `WRITE_BACK_STEPS` parts of the file, `WRITE_BACK_PAUSE` apart, then synced.
-    Steps,
+    /// In `WRITE_BACK_STEPS` parts of the file, this long apart, then synced.
+    Steps(Duration),
     /// All at once.
     Now,
 }
@@ -106,8 +101,11 @@ pub(crate) type SyncFile = Arc<dyn Fn(Pace) -> io::Result<()> + Send + Sync>;
 /// The parts a paced sync writes the database file out in, one after another.
 const WRITE_BACK_STEPS: u64 = 16;
 
-/// The pause after each part of a paced sync.
+/// The pause after each part of a second's paced sync.
 const WRITE_BACK_PAUSE: Duration = Duration::from_millis(10);
+
+/// The pause after each part of the paced sync that follows it before the writer's step.
+const WRITE_BACK_PAUSE_BEFORE_STEP: Duration = Duration::from_millis(2);
 
 /// Syncs the database file at `path` through a descriptor of its own, kept open for as long as
 /// the checkpoints run: closing any descriptor of a file drops every POSIX lock the process holds
@@ -117,17 +115,17 @@ const WRITE_BACK_PAUSE: Duration = Duration::from_millis(10);
 /// A second's copy is 12-16 MB of pages in the admission benchmark, scattered over the file.
 /// Synced at once, it kept the disk busy for 30-50 ms, the WAL's syncs (each commit's) waited
 /// behind it, 3-10 ms instead of under one, and every send in flight took 20-50 ms more: the p99
-/// (docs/benchmarks.md, round 48). Paced, it goes out a sixteenth of the file at a time, each part
-/// written before the next starts and a pause after it, so a commit's sync waits for one part at
-/// most; the `fdatasync` after finds little left to write.
+/// (docs/benchmarks.md, round 48). Paced (`Pace::Steps`), it goes out a sixteenth of the file at a
+/// time, each part written before the next starts and a pause after it, so a commit's sync waits
+/// for one part at most; the `fdatasync` after finds little left to write.
 pub(crate) fn sync_file(path: &std::path::Path) -> Option<SyncFile> {
     let file = std::fs::File::open(path).ok()?;
     Some(Arc::new(move |pace| {
-        if pace == Pace::Steps {
+        if let Pace::Steps(pause) = pace {
             let part = file.metadata()?.len().div_ceil(WRITE_BACK_STEPS).max(1);
             for step in 0..WRITE_BACK_STEPS {
                 write_back(&file, step * part, part)?;
-                std::thread::sleep(WRITE_BACK_PAUSE);
+                std::thread::sleep(pause);
             }
         }
         file.sync_data()
@@ -173,7 +171,7 @@ pub(crate) async fn in_background(
 ) {
     let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut checkpoints = Checkpoints::new(writer, checkpointer, sync, RESTART_AT);
+    let mut checkpoints = Checkpoints::new(writer, checkpointer, sync);
     loop {
         tick.tick().await;
         if checkpoints.writer.is_closed() {
@@ -201,33 +199,25 @@ struct Checkpoints {
     sync_failed: bool,
     /// What the last copy beside the writer reported.
     last: Checkpointed,
-    /// The frames at which the writer's step starts the WAL over (`RESTART_AT`; tests set less).
-    restart_at: i64,
 }
 
 impl Checkpoints {
-    fn new(
-        writer: SqlitePool,
-        checkpointer: SqlitePool,
-        sync: Option<SyncFile>,
-        restart_at: i64,
-    ) -> Self {
+    fn new(writer: SqlitePool, checkpointer: SqlitePool, sync: Option<SyncFile>) -> Self {
         Self {
             writer,
             checkpointer,
             sync,
             sync_failed: false,
             last: Checkpointed::default(),
-            restart_at,
         }
     }
 
     /// One checkpoint: the WAL copied beside the writer (a PASSIVE checkpoint never waits for the
-    /// writer or readers) and, if that copied anything, the database file synced beside it too.
-    /// Once the WAL is long enough (`writer_finishes`), what came in meanwhile is copied and
-    /// synced beside the writer, and the rest on the writer's connection: that step holds the
-    /// writer back while it copies and syncs what this pass left, and the next write starts the
-    /// WAL over. An idle WAL skips all of it.
+    /// writer or readers) and the database file synced beside it, paced. Unless a reader held
+    /// that copy back too far (`writer_finishes`), what came in meanwhile is then copied and
+    /// synced beside the writer in two shorter passes, and the rest on the writer's connection:
+    /// that step holds the writer back while it copies and syncs what the last pass left, and the
+    /// next write starts the WAL over. An idle WAL skips all of it.
     ///
     /// A sync beside that fails sets `sync_failed`, and from then on the writer's step never
     /// runs: pages copied into the file may not be on the disk, and a later sync can succeed
@@ -242,17 +232,19 @@ impl Checkpoints {
         if self.sync_failed || !changed {
             return Ok(());
         }
-        let finish = beside.writer_finishes(self.restart_at);
+        let finish = beside.writer_finishes();
         if let Some(sync) = self.sync.clone() {
             let checkpointer = &self.checkpointer;
             let synced = async {
-                sync_beside(&sync, Pace::Steps).await?;
+                sync_beside(&sync, Pace::Steps(WRITE_BACK_PAUSE)).await?;
                 if finish {
                     // What was committed during that copy and sync, copied and synced beside the
-                    // writer too, so that its step is left with what comes in during this
-                    // shorter pass.
-                    Checkpointed::passive(checkpointer).await?;
-                    sync_beside(&sync, Pace::Now).await?;
+                    // writer too, in passes each shorter than the one before, so that its step
+                    // is left with what comes in during the shortest.
+                    for pace in [Pace::Steps(WRITE_BACK_PAUSE_BEFORE_STEP), Pace::Now] {
+                        Checkpointed::passive(checkpointer).await?;
+                        sync_beside(&sync, pace).await?;
+                    }
                 }
                 Ok(())
             };
@@ -286,24 +278,28 @@ mod tests {
     use crate::{SqliteDurability, open_sqlite, open_sqlite_writer};
 
     #[test]
-    fn a_checkpoint_syncs_what_changed_and_the_writer_finishes_a_long_wal() {
+    fn a_checkpoint_syncs_what_changed_and_the_writer_finishes_it_unless_much_is_left() {
         let at = |log, checkpointed| Checkpointed { log, checkpointed };
         // Idle: nothing new since the last checkpoint, everything copied.
         assert!(!at(500, 500).changed_since(at(500, 500)));
         // Frames committed since, or some left behind by a reader: copied, then synced.
         assert!(at(800, 800).changed_since(at(500, 500)));
         assert!(at(500, 400).changed_since(at(500, 400)));
-        // Short of `restart_at`: the writer is left alone.
-        assert!(!at(999, 999).writer_finishes(1_000));
-        // Long enough: the writer copies the rest, including a little a reader held back.
-        assert!(at(1_000, 1_000).writer_finishes(1_000));
-        assert!(at(5_000, 4_000).writer_finishes(1_000));
+        // The writer copies the rest, including a little a reader held back.
+        assert!(at(800, 800).writer_finishes());
+        assert!(at(5_000, 4_000).writer_finishes());
         // Held back a lot: the writer would wait for all of it; the next tick copies it beside.
-        assert!(!at(5_000, 100).writer_finishes(1_000));
+        assert!(!at(5_000, 100).writer_finishes());
     }
 
     async fn wal_frames(pool: &SqlitePool) -> i64 {
         Checkpointed::passive(pool).await.unwrap().log
+    }
+
+    /// The WAL's checkpoint sequence (its header's), one more each time it starts over.
+    fn wal_generation(path: &std::path::Path) -> u32 {
+        let header = std::fs::read(path).unwrap();
+        u32::from_be_bytes(header[12..16].try_into().unwrap())
     }
 
     async fn opened() -> (tempfile::TempDir, SqlitePool, SqlitePool, Option<SyncFile>) {
@@ -348,7 +344,7 @@ mod tests {
                 commits
             }
         });
-        let mut checkpoints = Checkpoints::new(writer, checkpointer.clone(), sync, 200);
+        let mut checkpoints = Checkpoints::new(writer, checkpointer.clone(), sync);
         for _ in 0..20 {
             tokio::time::sleep(Duration::from_millis(50)).await;
             checkpoints.run().await.unwrap();
@@ -366,78 +362,58 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_writer_is_left_alone_until_the_wal_is_long() {
-        let (_dir, writer, checkpointer, sync) = opened().await;
-        // Whether a checkpoint ends while the writer's one connection is taken, as a long round
-        // would take it.
-        let runs_beside_a_busy_writer = |mut checkpoints: Checkpoints| {
-            let writer = writer.clone();
-            async move {
-                let busy = writer.acquire().await.unwrap();
-                let ran = tokio::time::timeout(Duration::from_millis(300), checkpoints.run()).await;
-                drop(busy);
-                ran.map(|ran| ran.unwrap()).is_ok()
-            }
-        };
-        write(&writer, 50).await;
-        let short = Checkpoints::new(writer.clone(), checkpointer.clone(), sync.clone(), i64::MAX);
-        assert!(
-            runs_beside_a_busy_writer(short).await,
-            "short of the restart point: copied and synced beside, the writer not waited for"
-        );
-        write(&writer, 1).await;
-        let long = Checkpoints::new(writer.clone(), checkpointer, sync, 1);
-        assert!(
-            !runs_beside_a_busy_writer(long).await,
-            "past it: the checkpoint waits for the writer's connection to finish there"
-        );
-    }
-
-    #[tokio::test]
-    async fn the_database_file_is_synced_beside_the_writer_when_its_step_runs() {
-        let (_dir, writer, checkpointer, _) = opened().await;
-        let syncs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    async fn the_database_file_is_synced_beside_the_writer_in_shorter_passes_before_its_step() {
+        let (dir, writer, checkpointer, _) = opened().await;
+        let path = dir.path().join("store.db-wal");
+        let paces = Arc::new(std::sync::Mutex::new(Vec::new()));
         let fails = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let sync: SyncFile = {
-            let (syncs, fails) = (syncs.clone(), fails.clone());
-            Arc::new(move |_| {
-                syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let (paces, fails) = (paces.clone(), fails.clone());
+            Arc::new(move |pace| {
+                paces.lock().unwrap().push(pace);
                 if fails.load(std::sync::atomic::Ordering::SeqCst) {
                     return Err(io::Error::other("the disk is gone"));
                 }
                 Ok(())
             })
         };
-        let synced = || syncs.load(std::sync::atomic::Ordering::SeqCst);
-        let mut short = Checkpoints::new(
-            writer.clone(),
-            checkpointer.clone(),
-            Some(sync.clone()),
-            i64::MAX,
-        );
-        // Frames since the last checkpoint, short of the restart point: one pass beside, synced.
-        short.run().await.unwrap();
-        assert_eq!(synced(), 1);
-        // Past it: the writer's step runs, after two passes beside it, each synced.
-        let mut checkpoints = Checkpoints::new(writer.clone(), checkpointer, Some(sync), 1);
+        let synced = || paces.lock().unwrap().clone();
+        let mut checkpoints = Checkpoints::new(writer.clone(), checkpointer.clone(), Some(sync));
+        // Frames since the last checkpoint: three passes beside the writer, each paced closer,
+        // then its step, which starts the WAL over at the next write.
+        checkpoints.run().await.unwrap();
+        let passes = [
+            Pace::Steps(WRITE_BACK_PAUSE),
+            Pace::Steps(WRITE_BACK_PAUSE_BEFORE_STEP),
+            Pace::Now,
+        ];
+        assert_eq!(synced(), passes);
+        let generation = wal_generation(&path);
         write(&writer, 1).await;
+        assert_eq!(
+            wal_generation(&path),
+            generation + 1,
+            "the WAL started over"
+        );
+        // Nothing new since the last checkpoint: none of it runs.
         checkpoints.run().await.unwrap();
-        assert_eq!(synced(), 3);
-        // Nothing new: none of it runs.
+        let runs = synced().len();
         checkpoints.run().await.unwrap();
-        assert_eq!(synced(), 3);
-        // A sync that fails ends the checkpoint there, as an error. (Three commits: a WAL that
-        // started over holds more frames than the one or two of the last checkpoint.)
-        write(&writer, 3).await;
+        assert_eq!(synced().len(), runs);
+        // A sync that fails ends the checkpoint there, as an error. (A checkpoint tells that the
+        // WAL changed by its count of frames: written until that differs.)
+        while wal_frames(&checkpointer).await == checkpoints.last.log {
+            write(&writer, 1).await;
+        }
         fails.store(true, std::sync::atomic::Ordering::SeqCst);
         let failed = checkpoints.run().await;
         assert!(matches!(failed, Err(sqlx::Error::Io(_))), "{failed:?}");
-        assert_eq!(synced(), 4, "stopped at the first sync");
+        assert_eq!(synced().len(), runs + 1, "stopped at the first sync");
         // The disk answers again: the writer's step still never runs (nor the syncs before it).
         fails.store(false, std::sync::atomic::Ordering::SeqCst);
         write(&writer, 1).await;
         checkpoints.run().await.unwrap();
-        assert_eq!(synced(), 4, "no step after a failed sync");
+        assert_eq!(synced().len(), runs + 1, "no step after a failed sync");
     }
 
     #[tokio::test]
