@@ -139,6 +139,10 @@ struct Args {
     /// Connections (requests in flight) of the admission scenario's closed loops.
     #[arg(long, value_delimiter = ',', default_value = "8,32,64")]
     admission_connections: Vec<usize>,
+    /// Extra open-loop rates (sends per second) of the admission scenario, after the one at half
+    /// its peak: to compare builds at one offered rate, where half of each one's own peak differs.
+    #[arg(long, value_delimiter = ',')]
+    admission_rates: Vec<f64>,
     /// What drives the admission scenario's closed loops: the bench's own HTTP/1 connections, or
     /// wrk (Debian: `wrk`), the load generator the performance issue measured with.
     #[arg(long, value_enum, default_value_t = outage::Client::Bench)]
@@ -159,6 +163,11 @@ struct Args {
     /// setting or turn on `RUST_LOG=sqlx::query=debug` while profiling.
     #[arg(long = "gateway-env", value_parser = parse_env)]
     gateway_env: Vec<(String, String)>,
+    /// Writes each open loop's timeline into this folder, a file per mode and phase
+    /// (`<dir>/<mode>/<scenario>-<phase>.txt`): every success's start (Unix microseconds) and
+    /// latency (microseconds), a line each, to find when its stalls were.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
     /// Appends the gateway's log (its stderr) to this file after each gateway run.
     #[arg(long)]
     gateway_log: Option<PathBuf>,
@@ -472,6 +481,11 @@ impl ModeRun<'_> {
             arrivals: self.arrivals.clone(),
             apns: self.apns.clone(),
             provider_latency: Duration::from_millis(self.args.provider_latency_ms),
+            timeline: self
+                .args
+                .timeline
+                .as_ref()
+                .map(|dir| dir.join(format!("{:?}", self.mode).to_lowercase())),
         }
     }
 
@@ -565,6 +579,7 @@ impl ModeRun<'_> {
                     &pool,
                     args.admission_seconds,
                     &args.admission_connections,
+                    &args.admission_rates,
                     args.admission_client,
                 )
                 .await?,

@@ -109,6 +109,7 @@ pub async fn admission(
     pool: &Arc<Pool>,
     seconds: f64,
     levels: &[usize],
+    rates: &[f64],
     client: Client,
 ) -> anyhow::Result<Vec<Phase>> {
     let mut rows = Vec::new();
@@ -140,16 +141,18 @@ pub async fn admission(
     }
     // The latency target's load: half the best closed loop's rate, offered open loop (latency
     // from each request's scheduled start, so a stall is not hidden), on the same gateway and
-    // hosts, the providers still refusing, once a warm-up at that rate has run.
+    // hosts, the providers still refusing, once a warm-up at that rate has run. Then any rates
+    // asked for, the same way.
     let peak = rows.iter().map(|r| r.rate).fold(0.0, f64::max);
-    if peak > 0.0 {
-        let rate = (peak / 2.0).max(1.0);
+    let half_peak = (peak > 0.0).then(|| ((peak / 2.0).max(1.0), " (half the peak)"));
+    let asked = rates.iter().filter(|&&r| r > 0.0).map(|&r| (r, ""));
+    for (rate, why) in half_peak.into_iter().chain(asked) {
         // Nothing waits for these sends' deliveries: the providers refuse them.
         let warm_up = warm_up_open_loop(pool, rate, seconds, "h", Arc::default()).await;
         let (mut open, _) = measure(
             target,
             "admission",
-            &format!("open loop at {rate:.0}/s (half the peak)"),
+            &format!("open loop at {rate:.0}/s{why}"),
             seconds,
             |recorder, deadline| {
                 open_loop_of_sends(pool, recorder, rate, deadline, "h", Arc::default())

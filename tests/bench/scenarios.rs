@@ -57,6 +57,8 @@ pub struct Recorder {
     latency: Mutex<Histogram<u64>>,
     ok: AtomicU64,
     errors: Mutex<BTreeMap<String, u64>>,
+    /// Each success's start (Unix microseconds) and latency (microseconds), when asked for.
+    timeline: Option<Mutex<Vec<(u128, u64)>>>,
 }
 
 impl Recorder {
@@ -67,6 +69,14 @@ impl Recorder {
             ),
             ok: AtomicU64::new(0),
             errors: Mutex::new(BTreeMap::new()),
+            timeline: None,
+        }
+    }
+
+    fn with_timeline() -> Self {
+        Self {
+            timeline: Some(Mutex::new(Vec::new())),
+            ..Self::new()
         }
     }
 
@@ -74,6 +84,25 @@ impl Recorder {
         self.ok.fetch_add(1, Ordering::Relaxed);
         let micros = (latency.as_micros() as u64).clamp(1, 120_000_000);
         let _ = self.latency.lock().unwrap().record(micros);
+        if let Some(timeline) = &self.timeline {
+            let started = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .saturating_sub(latency);
+            timeline.lock().unwrap().push((started.as_micros(), micros));
+        }
+    }
+
+    /// The timeline as text, one success a line: its start (Unix microseconds) and latency
+    /// (microseconds), in the order they finished.
+    fn timeline_text(&self) -> Option<String> {
+        let timeline = self.timeline.as_ref()?.lock().unwrap();
+        Some(
+            timeline
+                .iter()
+                .map(|(at, took)| format!("{at} {took}\n"))
+                .collect(),
+        )
     }
 
     pub fn error(&self, kind: impl Into<String>) {
@@ -173,6 +202,8 @@ pub struct Target {
     pub arrivals: Arc<Arrivals>,
     pub apns: Arc<orca_push_tests::mock_apns::MockApns>,
     pub provider_latency: Duration,
+    /// Where each open loop's timeline goes (`--timeline`), if anywhere.
+    pub timeline: Option<std::path::PathBuf>,
 }
 
 /// Runs `work` as one measured phase of `seconds` (the work stops itself at the deadline it is
@@ -188,7 +219,16 @@ where
     F: FnOnce(Arc<Recorder>, Instant) -> Fut,
     Fut: Future<Output = BTreeMap<String, f64>>,
 {
-    let recorder = Arc::new(Recorder::new());
+    // Open loops only: their latency counts from each send's scheduled start, so a stall shows
+    // at the time it happened.
+    let timeline = target
+        .timeline
+        .as_ref()
+        .filter(|_| phase.starts_with("open loop"));
+    let recorder = Arc::new(match timeline {
+        Some(_) => Recorder::with_timeline(),
+        None => Recorder::new(),
+    });
     let bar = crate::report::phase_bar(&format!("{scenario} {phase}"), seconds);
     let ticking = {
         let bar = bar.clone();
@@ -223,6 +263,16 @@ where
     let bench_cpu = procstat::own_cpu_seconds() - bench_before;
     ticking.abort();
     bar.finish_and_clear();
+    if let (Some(dir), Some(text)) = (timeline, recorder.timeline_text()) {
+        let name: String = format!("{scenario} {phase}")
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        let path = dir.join(format!("{name}.txt"));
+        if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, text)) {
+            eprintln!("orca-push-bench: cannot write {}: {e}", path.display());
+        }
+    }
     let errors = recorder.errors.lock().unwrap().clone();
     let ops = recorder.count();
     let row = Phase {
