@@ -9,9 +9,9 @@
 //! database file), and the disk would have filled under a long enough load.
 //!
 //! So each checkpoint runs in steps: the bulk on a connection of its own, beside the writer; then,
-//! if frames were committed meanwhile, the rest on the writer's own connection, taken from its
-//! pool like any write, so nothing new is committed until it is done and the next write starts the
-//! WAL over.
+//! if anything was committed since the last checkpoint, the rest on the writer's own connection,
+//! taken from its pool like any write, so nothing new is committed until it is done and the next
+//! write starts the WAL over.
 //!
 //! SQLite syncs the database file only in a checkpoint that copies the whole WAL, since only then
 //! may the WAL start over: under load the copy beside the writer never does, and the writer's step
@@ -122,14 +122,29 @@ pub(crate) fn sync_file(path: &std::path::Path) -> Option<SyncFile> {
     let file = std::fs::File::open(path).ok()?;
     Some(Arc::new(move |pace| {
         if let Pace::Steps(pause) = pace {
-            let part = file.metadata()?.len().div_ceil(WRITE_BACK_STEPS).max(1);
-            for step in 0..WRITE_BACK_STEPS {
-                write_back(&file, step * part, part)?;
-                std::thread::sleep(pause);
-            }
+            write_back_in_steps(&file, pause)?;
         }
         file.sync_data()
     }))
+}
+
+/// Writes `file`'s dirty pages out in `WRITE_BACK_STEPS` parts, `pause` between each two.
+#[cfg(target_os = "linux")]
+fn write_back_in_steps(file: &std::fs::File, pause: Duration) -> io::Result<()> {
+    let part = file.metadata()?.len().div_ceil(WRITE_BACK_STEPS).max(1);
+    for step in 0..WRITE_BACK_STEPS {
+        if step > 0 {
+            std::thread::sleep(pause);
+        }
+        write_back(file, step * part, part)?;
+    }
+    Ok(())
+}
+
+/// Elsewhere the `fdatasync` after writes everything at once.
+#[cfg(not(target_os = "linux"))]
+fn write_back_in_steps(_: &std::fs::File, _: Duration) -> io::Result<()> {
+    Ok(())
 }
 
 /// Writes the dirty pages of `len` bytes of `file` from `offset` out to the disk, and waits for
@@ -155,12 +170,6 @@ fn write_back(file: &std::fs::File, offset: u64, len: u64) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
-}
-
-/// Elsewhere the `fdatasync` after writes everything at once.
-#[cfg(not(target_os = "linux"))]
-fn write_back(_: &std::fs::File, _: u64, _: u64) -> io::Result<()> {
-    Ok(())
 }
 
 /// Checkpoints every `CHECKPOINT_EVERY` until the writer's pool is closed (see the module's doc).
@@ -219,41 +228,48 @@ impl Checkpoints {
     /// that step holds the writer back while it copies and syncs what the last pass left, and the
     /// next write starts the WAL over. An idle WAL skips all of it.
     ///
-    /// A sync beside that fails sets `sync_failed`, and from then on the writer's step never
-    /// runs: pages copied into the file may not be on the disk, and a later sync can succeed
-    /// without them (the kernel reports a failed write once per descriptor), so the WAL, their
-    /// only copy known to be on disk, must never start over. It grows instead, said in the log,
+    /// A sync beside that fails, or a checkpoint that fails with an I/O error (`lost_writes`),
+    /// sets `sync_failed`, and from then on no checkpoint runs: pages copied into the file may
+    /// not be on the disk, and a later sync can succeed without them (the kernel reports a failed
+    /// write once per descriptor), so the WAL, their only copy known to be on disk, must never
+    /// start over. Not even a copy beside the writer runs: one that caught up with the WAL would
+    /// sync the file through SQLite's own descriptor, which can then succeed, and mark the whole
+    /// WAL copied, and the next write would start it over. It grows instead, said in the log,
     /// until a restart (as `wal_sync` stops answering anything as durable after a failed sync of
     /// the WAL).
     async fn run(&mut self) -> Result<(), sqlx::Error> {
+        if self.sync_failed {
+            return Ok(());
+        }
+        let ran = self.copy_and_sync().await;
+        if let Err(error) = &ran
+            && lost_writes(error)
+        {
+            self.sync_failed = true;
+            tracing::error!(%error, "a SQLite database file could not be synced; its WAL is not copied back or started over again until a restart");
+        }
+        ran
+    }
+
+    /// `run` until a sync fails.
+    async fn copy_and_sync(&mut self) -> Result<(), sqlx::Error> {
         let beside = Checkpointed::passive(&self.checkpointer).await?;
         let changed = beside.changed_since(self.last);
         self.last = beside;
-        if self.sync_failed || !changed {
+        if !changed {
             return Ok(());
         }
         let finish = beside.writer_finishes();
         if let Some(sync) = self.sync.clone() {
-            let checkpointer = &self.checkpointer;
-            let synced = async {
-                sync_beside(&sync, Pace::Steps(WRITE_BACK_PAUSE)).await?;
-                if finish {
-                    // What was committed during that copy and sync, copied and synced beside the
-                    // writer too, in passes each shorter than the one before, so that its step
-                    // is left with what comes in during the shortest.
-                    for pace in [Pace::Steps(WRITE_BACK_PAUSE_BEFORE_STEP), Pace::Now] {
-                        Checkpointed::passive(checkpointer).await?;
-                        sync_beside(&sync, pace).await?;
-                    }
+            sync_beside(&sync, Pace::Steps(WRITE_BACK_PAUSE)).await?;
+            if finish {
+                // What was committed during that copy and sync, copied and synced beside the
+                // writer too, in passes each shorter than the one before, so that its step is
+                // left with what comes in during the shortest.
+                for pace in [Pace::Steps(WRITE_BACK_PAUSE_BEFORE_STEP), Pace::Now] {
+                    Checkpointed::passive(&self.checkpointer).await?;
+                    sync_beside(&sync, pace).await?;
                 }
-                Ok(())
-            };
-            if let Err(error) = synced.await {
-                if matches!(error, sqlx::Error::Io(_)) {
-                    self.sync_failed = true;
-                    tracing::error!(%error, "a SQLite database file could not be synced; its WAL is not started over again until a restart");
-                }
-                return Err(error);
             }
         }
         if finish {
@@ -261,6 +277,23 @@ impl Checkpoints {
             self.last = Checkpointed::passive(&mut *connection).await?;
         }
         Ok(())
+    }
+}
+
+/// SQLite's result code for an I/O error (`SQLITE_IOERR`), the low byte of its extended codes
+/// (`SQLITE_IOERR_FSYNC`, `SQLITE_IOERR_WRITE`, ...).
+const SQLITE_IOERR: i32 = 10;
+
+/// Whether `error` may mean that writes to the file were lost: a failed sync of our own, or a
+/// checkpoint that failed to read, write or sync (SQLite's `SQLITE_IOERR` codes).
+fn lost_writes(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(error) => error
+            .code()
+            .and_then(|code| code.parse::<i32>().ok())
+            .is_some_and(|code| code & 0xff == SQLITE_IOERR),
+        _ => false,
     }
 }
 
@@ -290,6 +323,19 @@ mod tests {
         assert!(at(5_000, 4_000).writer_finishes());
         // Held back a lot: the writer would wait for all of it; the next tick copies it beside.
         assert!(!at(5_000, 100).writer_finishes());
+    }
+
+    #[tokio::test]
+    async fn only_io_errors_are_taken_for_lost_writes() {
+        let (_dir, writer, _, _) = opened().await;
+        assert!(lost_writes(&sqlx::Error::Io(io::Error::other("EIO"))));
+        let not_io = sqlx::query("SELECT * FROM no_such_table")
+            .execute(&writer)
+            .await
+            .unwrap_err();
+        assert!(matches!(not_io, sqlx::Error::Database(_)), "{not_io:?}");
+        assert!(!lost_writes(&not_io));
+        assert!(!lost_writes(&sqlx::Error::PoolClosed));
     }
 
     async fn wal_frames(pool: &SqlitePool) -> i64 {
@@ -409,11 +455,16 @@ mod tests {
         let failed = checkpoints.run().await;
         assert!(matches!(failed, Err(sqlx::Error::Io(_))), "{failed:?}");
         assert_eq!(synced().len(), runs + 1, "stopped at the first sync");
-        // The disk answers again: the writer's step still never runs (nor the syncs before it).
+        // The disk answers again: no checkpoint runs again (no sync, no copy), so the WAL never
+        // starts over. (The first write may: the failed pass's copy had caught up, and SQLite's
+        // own sync of it, which this test does not fail, succeeded.)
         fails.store(false, std::sync::atomic::Ordering::SeqCst);
         write(&writer, 1).await;
+        let generation = wal_generation(&path);
         checkpoints.run().await.unwrap();
-        assert_eq!(synced().len(), runs + 1, "no step after a failed sync");
+        write(&writer, 1).await;
+        assert_eq!(synced().len(), runs + 1, "no sync after a failed one");
+        assert_eq!(wal_generation(&path), generation, "the WAL started over");
     }
 
     #[tokio::test]
