@@ -136,3 +136,48 @@ async fn admission_runs_under_wrk() {
         );
     }
 }
+
+/// `--admission-rates` adds one open loop per rate after the one at half the peak (rates that
+/// round to the same whole number once), and `--timeline` writes each open loop's sends, one a
+/// line: its start (Unix microseconds) and latency (microseconds).
+#[tokio::test(flavor = "multi_thread")]
+async fn admission_rates_add_open_loops_and_timelines_record_them() {
+    let timelines = tempfile::tempdir().unwrap();
+    let (report, stdout) = smoke(&[
+        "--modes",
+        "sqlite",
+        "--scenarios",
+        "admission",
+        "--admission-rates",
+        "40,40.2",
+        "--timeline",
+        timelines.path().to_str().unwrap(),
+    ])
+    .await;
+    let open: Vec<&str> = report["modes"][0]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["scenario"] == "admission")
+        .filter_map(|p| p["phase"].as_str())
+        .filter(|phase| phase.starts_with("open loop at "))
+        .collect();
+    assert_eq!(open.len(), 2, "{stdout}");
+    assert!(open[0].ends_with("(half the peak)"), "{open:?}");
+    assert_eq!(open[1], "open loop at 40/s", "{open:?}");
+    let files: Vec<_> = std::fs::read_dir(timelines.path().join("sqlite"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 2, "{files:?}");
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let line = text
+            .lines()
+            .next()
+            .unwrap_or_else(|| panic!("{file:?} empty"));
+        let fields: Vec<u128> = line.split(' ').map(|f| f.parse().unwrap()).collect();
+        assert_eq!(fields.len(), 2, "{line}");
+        assert!(fields[0] > 1_700_000_000_000_000 && fields[1] > 0, "{line}");
+    }
+}

@@ -145,7 +145,16 @@ pub async fn admission(
     // asked for, the same way.
     let peak = rows.iter().map(|r| r.rate).fold(0.0, f64::max);
     let half_peak = (peak > 0.0).then(|| ((peak / 2.0).max(1.0), " (half the peak)"));
-    let asked = rates.iter().filter(|&&r| r > 0.0).map(|&r| (r, ""));
+    // Rates named as their rows are (whole sends a second), each once: one row and one timeline
+    // file per rate.
+    let mut asked: Vec<f64> = rates
+        .iter()
+        .map(|r| r.round())
+        .filter(|&r| r > 0.0)
+        .collect();
+    asked.sort_by(f64::total_cmp);
+    asked.dedup();
+    let asked = asked.into_iter().map(|r| (r, ""));
     for (rate, why) in half_peak.into_iter().chain(asked) {
         // Nothing waits for these sends' deliveries: the providers refuse them.
         let warm_up = warm_up_open_loop(pool, rate, seconds, "h", Arc::default()).await;
