@@ -28,6 +28,16 @@ async fn smoke(args: &[&str]) -> (Value, String) {
     (report, stdout)
 }
 
+/// The first mode's admission rows, in the order they ran.
+fn admission_rows(report: &Value) -> Vec<&Value> {
+    report["modes"][0]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["scenario"] == "admission")
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_scenario_runs_in_every_mode() {
     let (report, stdout) = smoke(&["--modes", "sqlite,postgres,split", "--label", "smoke"]).await;
@@ -106,12 +116,7 @@ async fn admission_runs_under_wrk() {
         "wrk",
     ])
     .await;
-    let rows: Vec<&Value> = report["modes"][0]["phases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["scenario"] == "admission")
-        .collect();
+    let rows = admission_rows(&report);
     // The two closed loops, then the open loop at half their peak that the latency target is
     // judged at (the bench's own client: wrk offers no open loop).
     assert_eq!(rows.len(), 3, "{stdout}");
@@ -154,11 +159,8 @@ async fn admission_rates_add_open_loops_and_timelines_record_them() {
         timelines.path().to_str().unwrap(),
     ])
     .await;
-    let open: Vec<&str> = report["modes"][0]["phases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["scenario"] == "admission")
+    let open: Vec<&str> = admission_rows(&report)
+        .into_iter()
         .filter_map(|p| p["phase"].as_str())
         .filter(|phase| phase.starts_with("open loop at "))
         .collect();

@@ -43,7 +43,7 @@ const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 /// benchmark's peak (docs/benchmarks.md, round 48); cut back to 64 MiB, half of each second's
 /// syncs extended the file, and each such sync wrote its inode and block maps as well (round 26).
 /// A WAL that started over only every 256 MiB was measured too (round 48): a fresh file then grew
-/// for three to four seconds, and the 8-connection admission benchmark lost 6%.
+/// for three to four seconds, and the 8-connection admission benchmark lost 5-10%.
 pub(crate) const WAL_BYTES_KEPT: &str = "268435456";
 
 /// What a PASSIVE checkpoint reports: the frames in the WAL when it began, and how many of them
@@ -204,7 +204,7 @@ struct Checkpoints {
     writer: SqlitePool,
     checkpointer: SqlitePool,
     sync: Option<SyncFile>,
-    /// Set by a sync beside the writer that failed (see `run`).
+    /// Set by a sync beside the writer that failed, or a checkpoint's I/O error (see `run`).
     sync_failed: bool,
     /// What the last copy beside the writer reported.
     last: Checkpointed,
@@ -251,7 +251,7 @@ impl Checkpoints {
         ran
     }
 
-    /// `run` until a sync fails.
+    /// `run`'s copies, syncs and the writer's step, stopping at the first error.
     async fn copy_and_sync(&mut self) -> Result<(), sqlx::Error> {
         let beside = Checkpointed::passive(&self.checkpointer).await?;
         let changed = beside.changed_since(self.last);
