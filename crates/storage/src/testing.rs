@@ -63,7 +63,7 @@ pub async fn fresh_postgres_url() -> String {
 }
 
 /// Removes a SQLite test folder when dropped.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct TestDbGuard {
     dir: Option<std::path::PathBuf>,
 }

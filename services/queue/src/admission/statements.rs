@@ -8,11 +8,12 @@ pub const ROWS_PER_STATEMENT: usize = 1000;
 
 /// Before the rows of `read_seen`: each admission's index and identity.
 pub const READ_SEEN_HEAD: &str = "WITH a (i, host, kind, epoch, seq, nid) AS (";
-/// After them, then the quota window's start, the backend's `QUOTA_BY_TIME`, then `READ_SEEN_TAIL`.
-pub const READ_SEEN_MIDDLE: &str = ") SELECT a.i AS i, e.event_id AS event_id, \
-     (SELECT COUNT(*) FROM push_events q \
+/// After them, then the quota use (`READ_SEEN_COUNT`, the window's start, the backend's
+/// `QUOTA_BY_TIME` and `)`; or `0` where the writer counts it, SQLite), then `READ_SEEN_TAIL`.
+pub const READ_SEEN_MIDDLE: &str = ") SELECT a.i AS i, e.event_id AS event_id, ";
+pub const READ_SEEN_COUNT: &str = "(SELECT COUNT(*) FROM push_events q \
        WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at > ";
-pub const READ_SEEN_TAIL: &str = ") AS used, \
+pub const READ_SEEN_TAIL: &str = " AS used, \
      (SELECT d.dismissed_seq FROM push_dismissed_events d \
        WHERE d.host_fingerprint = a.host AND d.notification_epoch = a.epoch \
        AND d.notification_id = a.nid) AS fence \
@@ -149,8 +150,10 @@ macro_rules! batched_admission {
             /// the backend notifies other replicas (`WAKES_IN_WRITES`), the recipients' insert
             /// tells them what of the group's work is news after `told`, signed with `origin`,
             /// and `Batched::Done` says what.
+            #[allow(clippy::too_many_arguments)]
             async fn admit_batched(
                 tx: &mut <$store as Backend>::Tx,
+                quota: &mut RoundQuota,
                 group: &[&Admission],
                 now: i64,
                 coalesce_ms: i64,
@@ -162,7 +165,7 @@ macro_rules! batched_admission {
                 if !batch::eligible(group) {
                     return Ok(Batched::RowByRow);
                 }
-                let seen = Self::read_seen(tx, group, now).await?;
+                let seen = Self::read_seen(tx, quota, group, now).await?;
                 if seen.iter().any(|s| s.stored) {
                     return Ok(Batched::RowByRow);
                 }
@@ -311,13 +314,17 @@ macro_rules! batched_admission {
                 // What a statement carried was told; if none did (no recipient to carry it, which
                 // `plan` never leaves), the round tells it on its own.
                 let told = news.filter(|news| news.is_empty() || counted_at.is_some());
+                for e in &plan.events {
+                    quota.admitted(&e.admission.host_fingerprint, e.admission.kind, now);
+                }
                 Ok(Batched::Done(plan.results, handed, told))
             }
 
-            /// One row per admission: whether its identity is stored, its host's quota use, and
-            /// its notification's dismissal fence.
+            /// One row per admission: whether its identity is stored, its host's quota use (from
+            /// the statement, or `quota`'s ledger), and its notification's dismissal fence.
             async fn read_seen(
                 tx: &mut <$store as Backend>::Tx,
+                quota: &RoundQuota,
                 group: &[&Admission],
                 now: i64,
             ) -> Result<Vec<$crate::admission::Seen>, sqlx::Error> {
@@ -332,8 +339,14 @@ macro_rules! batched_admission {
                         .push_bind(a.content.notification_id.as_deref());
                 });
                 q.push(batch::READ_SEEN_MIDDLE);
-                q.push_bind(now - QUOTA_WINDOW_MS);
-                q.push(Self::QUOTA_BY_TIME).push(batch::READ_SEEN_TAIL);
+                if quota.in_sql() {
+                    q.push(batch::READ_SEEN_COUNT);
+                    q.push_bind(now - QUOTA_WINDOW_MS);
+                    q.push(Self::QUOTA_BY_TIME).push(")");
+                } else {
+                    q.push("0");
+                }
+                q.push(batch::READ_SEEN_TAIL);
                 let rows = q
                     .persistent(Self::keep_statement(group.len()))
                     .fetch_all(tx)
@@ -341,15 +354,18 @@ macro_rules! batched_admission {
                 let mut seen = vec![batch::Seen::default(); group.len()];
                 for row in rows {
                     let i: i64 = row.col("i")?;
-                    let slot = usize::try_from(i)
+                    let (slot, a) = usize::try_from(i)
                         .ok()
-                        .and_then(|i| seen.get_mut(i))
+                        .and_then(|i| Some((seen.get_mut(i)?, group.get(i)?)))
                         .ok_or_else(|| {
                             sqlx::Error::Protocol(format!("admission index {i} out of range"))
                         })?;
                     *slot = batch::Seen {
                         stored: row.col::<Option<String>>("event_id")?.is_some(),
-                        used: row.col("used")?,
+                        used: match quota.used(&a.host_fingerprint, a.kind, now) {
+                            Some(used) => used,
+                            None => row.col("used")?,
+                        },
                         fence: row.col("fence")?,
                     };
                 }

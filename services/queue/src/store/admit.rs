@@ -7,11 +7,12 @@ pub(super) const LOCK_ACTIVE_BATCHES_HEAD: &str = "SELECT batch_id FROM push_del
      WHERE state IN ('open', 'pending', 'leased') AND registration_id";
 
 /// The event `($1, $2, $3, $4)` if stored, the host's quota use since `$5`, and the dismissal fence
-/// of notification `$6`: this, the backend's `QUOTA_BY_TIME`, then `SEEN_TAIL`.
-pub(super) const SEEN_HEAD: &str = "SELECT e.event_id, e.content_hash, e.expires_at, \
-     (SELECT COUNT(*) FROM push_events q \
+/// of notification `$6`: this, then the quota use (`SEEN_COUNT`, the backend's `QUOTA_BY_TIME` and
+/// `)`; or `0` where the writer counts it, SQLite), then `SEEN_TAIL`.
+pub(super) const SEEN_HEAD: &str = "SELECT e.event_id, e.content_hash, e.expires_at, ";
+pub(super) const SEEN_COUNT: &str = "(SELECT COUNT(*) FROM push_events q \
        WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at > $5";
-pub(super) const SEEN_TAIL: &str = ") AS used, \
+pub(super) const SEEN_TAIL: &str = " AS used, \
      (SELECT d.dismissed_seq FROM push_dismissed_events d \
        WHERE d.host_fingerprint = $1 AND d.notification_epoch = $3 \
        AND d.notification_id = $6) AS fence \
@@ -105,6 +106,7 @@ macro_rules! row_by_row_admission {
             /// The group one admission at a time, each statement on its own.
             async fn admit_each(
                 tx: &mut <$store as Backend>::Tx,
+                quota: &mut RoundQuota,
                 group: &[&Admission],
                 now: i64,
                 coalesce_ms: i64,
@@ -112,7 +114,7 @@ macro_rules! row_by_row_admission {
                 Self::lock_dismissed_batches(tx, group).await?;
                 let mut admitted = Vec::with_capacity(group.len());
                 for a in group {
-                    admitted.push(Self::admit(tx, a, now, coalesce_ms).await?);
+                    admitted.push(Self::admit(tx, quota, a, now, coalesce_ms).await?);
                 }
                 Ok(admitted)
             }
@@ -153,6 +155,7 @@ macro_rules! row_by_row_admission {
             /// dismissals' batch locks (`lock_dismissed_batches`).
             async fn admit(
                 tx: &mut <$store as Backend>::Tx,
+                quota: &mut RoundQuota,
                 a: &Admission,
                 now: i64,
                 coalesce_ms: i64,
@@ -169,8 +172,14 @@ macro_rules! row_by_row_admission {
                 // One read for what admission needs to know first: the event if it is a retry, the
                 // host's quota use, and the dismissal fence of the notification.
                 let mut seen = Stmt::new($crate::store::admit::SEEN_HEAD);
-                seen.push(Self::QUOTA_BY_TIME)
-                    .push($crate::store::admit::SEEN_TAIL);
+                if quota.in_sql() {
+                    seen.push($crate::store::admit::SEEN_COUNT)
+                        .push(Self::QUOTA_BY_TIME)
+                        .push(")");
+                } else {
+                    seen.push("0");
+                }
+                seen.push($crate::store::admit::SEEN_TAIL);
                 let seen = seen
                     .bind(&a.host_fingerprint)
                     .bind(a.kind.as_str())
@@ -204,7 +213,10 @@ macro_rules! row_by_row_admission {
                         if a.expires_at_ms.is_some_and(|at| at <= now) {
                             return Ok(every(AdmissionStatus::Error));
                         }
-                        let used: i64 = seen.col("used")?;
+                        let used: i64 = match quota.used(&a.host_fingerprint, a.kind, now) {
+                            Some(used) => used,
+                            None => seen.col("used")?,
+                        };
                         if used >= QUOTA_PER_KIND {
                             return Ok(every(AdmissionStatus::RateLimited));
                         }
@@ -225,6 +237,7 @@ macro_rules! row_by_row_admission {
                             .bind(deadline)
                             .execute(tx)
                             .await?;
+                        quota.admitted(&a.host_fingerprint, a.kind, now);
                         (event_id, deadline)
                     }
                 };

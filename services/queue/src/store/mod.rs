@@ -17,6 +17,7 @@ mod claims;
 mod cleanup;
 mod direct;
 mod gate;
+mod quota;
 mod records;
 mod reports;
 mod rounds;
@@ -46,6 +47,7 @@ use crate::model::{
     MAX_BATCH_MEMBERS, MAX_LIFETIME_MS, Member, PAYLOAD_SWEEP_LAG_MS, PAYLOAD_SWEEP_STEP_MS,
     Provider, QUOTA_PER_KIND, QUOTA_WINDOW_MS, RETENTION_MS, member_bytes, summary_fits,
 };
+use quota::RoundQuota;
 use rounds::Together;
 
 /// Migrations a newer build applied are left alone (`ignore_missing`): the previous build keeps
@@ -556,48 +558,6 @@ mod tests {
                     );
                 }
             }
-        }
-    }
-
-    /// SQLite counts a host's quota from the window's start: its seek into the quota index is
-    /// the window's `accepted_at > ?`. Of two lower bounds on that column it seeks from the first
-    /// it reads, and an always-true `accepted_at >= 0` there (PostgreSQL's, queue migration 0008)
-    /// made it count every event the host kept for the day (`SeekGE` from 0: 21 ms for 200,000
-    /// events, against 0.15 ms).
-    #[tokio::test]
-    async fn sqlite_counts_a_hosts_quota_from_the_windows_start() {
-        use crate::admission as batch;
-        let pool = migrated_sqlite().await;
-        let quota: i64 = sqlx::query_scalar(
-            "SELECT rootpage FROM sqlite_master WHERE name = 'push_events_quota'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        let by_time = SqliteQueueStore::QUOTA_BY_TIME;
-        let one = format!("{}{by_time}{}", admit::SEEN_HEAD, admit::SEEN_TAIL);
-        let group = format!(
-            "{}VALUES (0, 'h', 'alert', 'e', 1, 'n'){}?{by_time}{}",
-            batch::READ_SEEN_HEAD,
-            batch::READ_SEEN_MIDDLE,
-            batch::READ_SEEN_TAIL
-        );
-        for sql in [one, group] {
-            let program: Vec<(String, i64, i64)> = explain(&pool, &sql, false)
-                .await
-                .iter()
-                .map(|row| (row.get("opcode"), row.get("p1"), row.get("p2")))
-                .collect();
-            let cursor = program
-                .iter()
-                .find(|(opcode, _, root)| opcode == "OpenRead" && *root == quota)
-                .map(|(_, cursor, _)| *cursor);
-            let seeks: Vec<&str> = program
-                .iter()
-                .filter(|(opcode, c, _)| opcode.starts_with("Seek") && Some(*c) == cursor)
-                .map(|(opcode, _, _)| opcode.as_str())
-                .collect();
-            assert_eq!(seeks, ["SeekGT"], "{sql}\n{program:#?}");
         }
     }
 }

@@ -172,6 +172,12 @@ macro_rules! round_statements {
             ) -> Result<Together, QueueError> {
                 use $crate::admission::Batched;
                 let mut tx = self.begin_group_write(group).await?;
+                // Where the writer counts the quota (SQLite), it reads what it counts from the
+                // table on its first round.
+                let mut quota = self.round_quota();
+                if !group.is_empty() {
+                    quota.prepare(&mut tx, now).await?;
+                }
                 // What waited in the table is older than this round's work: the claims take it
                 // first.
                 let mut claimed = Self::claim_round(&mut tx, claims, now).await?;
@@ -196,6 +202,7 @@ macro_rules! round_statements {
                 } else {
                     Self::admit_batched(
                         &mut tx,
+                        &mut quota,
                         group,
                         now,
                         coalesce_ms,
@@ -214,7 +221,7 @@ macro_rules! round_statements {
                         (admitted, handed, told)
                     }
                     Batched::RowByRow => (
-                        Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
+                        Self::admit_each(&mut tx, &mut quota, group, now, coalesce_ms).await?,
                         Vec::new(),
                         None,
                     ),
@@ -225,7 +232,7 @@ macro_rules! round_statements {
                         tx = self.begin_group_write(group).await?;
                         claimed = Self::claim_round(&mut tx, claims, now).await?;
                         (
-                            Self::admit_each(&mut tx, group, now, coalesce_ms).await?,
+                            Self::admit_each(&mut tx, &mut quota, group, now, coalesce_ms).await?,
                             Vec::new(),
                             None,
                         )
@@ -255,6 +262,7 @@ macro_rules! round_statements {
                     }
                 };
                 if let Err(error) = tx.commit().await {
+                    quota.commit_failed();
                     // The server may have committed before the answer was lost with the
                     // connection (PostgreSQL), or may still be committing: the batches leased to
                     // this round's claims would then wait out their leases with no lane to send
@@ -280,6 +288,7 @@ macro_rules! round_statements {
                     }
                     return Err(error.into());
                 }
+                quota.committed(now);
                 self.heard_told(&told);
                 if let Some(handoff) = handoff {
                     for (offer, batches) in handed {

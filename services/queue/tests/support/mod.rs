@@ -89,6 +89,28 @@ pub fn dismiss(of: &Admission, seq: i64, recipients: &[&str]) -> Admission {
 }
 
 impl Harness {
+    /// The queue as a restarted process finds it: a new store on the same database, sharing the
+    /// clock. The harness keeps the database.
+    pub async fn reopened(&self) -> Harness {
+        let pool = open_and_migrate(&self.config)
+            .await
+            .expect("open and migrate");
+        let wake = Arc::new(orca_push_queue::Wake::new());
+        let queue = DeliveryQueue::new(
+            AnyQueueStore::new(pool),
+            Arc::new(self.clock.clone()),
+            WINDOW,
+            wake.clone(),
+        );
+        Harness {
+            queue: Arc::new(queue),
+            clock: self.clock.clone(),
+            config: self.config.clone(),
+            wake,
+            _db: TestDbGuard::default(),
+        }
+    }
+
     pub async fn admit(&self, a: &Admission) -> Vec<AdmissionStatus> {
         self.queue
             .enqueue(a)

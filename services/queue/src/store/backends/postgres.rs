@@ -159,6 +159,11 @@ impl PgQueueStore {
         }
     }
 
+    /// A round's quota counts: its statements count them, under the hosts' locks.
+    pub(in crate::store) fn round_quota(&self) -> crate::store::RoundQuota {
+        crate::store::RoundQuota::Sql
+    }
+
     /// What signs this replica's notifications (`crate::wake::payload_from`).
     pub fn origin(&self) -> &str {
         &self.origin

@@ -20,6 +20,8 @@ pub struct SqliteQueueStore {
     pub(in crate::store) direct: std::sync::Arc<crate::store::direct::Direct>,
     /// Where the clean-up's payload sweep ended.
     pub(in crate::store) payload_sweep: std::sync::Arc<crate::store::cleanup::PayloadSweep>,
+    /// The quota window's events, counted by the writer (`crate::store::quota`).
+    pub(in crate::store) quota: std::sync::Arc<crate::store::quota::Ledger>,
 }
 
 impl Backend for SqliteQueueStore {
@@ -53,9 +55,7 @@ impl SqliteQueueStore {
     /// the gateway's samples at 1,000 end-to-end flows. The recipients' insert keeps `ABORT`: its
     /// foreign key (checked at the statement's end) needs the journal either way.
     pub(in crate::store) const OR_FAIL: &'static str = " OR FAIL";
-    /// Nothing: SQLite plans each statement as it prepares it, and of two lower bounds on the
-    /// quota index's time it seeks from the first it reads, so an always-true `>= 0` ahead of
-    /// the window's start would count every event the host kept for the day.
+    /// Not used: the writer counts the quota itself (`round_quota`).
     pub(in crate::store) const QUOTA_BY_TIME: &'static str = "";
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
@@ -70,7 +70,13 @@ impl SqliteQueueStore {
             wal_sync,
             direct,
             payload_sweep: std::sync::Arc::default(),
+            quota: std::sync::Arc::default(),
         }
+    }
+
+    /// A round's quota counts: the one writer keeps them (`crate::store::quota`).
+    pub(in crate::store) fn round_quota(&self) -> crate::store::RoundQuota {
+        crate::store::RoundQuota::ledger(self.quota.clone())
     }
 
     /// Where reads outside a transaction go.
