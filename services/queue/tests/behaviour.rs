@@ -114,12 +114,21 @@ async fn quota_counts_what_came_before_a_restart_and_a_clock_stepped_back(backen
         restarted.admit(&alert(302, &["r1"])).await,
         [AdmissionStatus::RateLimited]
     );
-    // A dismissal, which takes the path one statement at a time, counts apart and is admitted.
+    // Dismissals, which take the path one statement at a time, count apart: 300, then refused.
+    for seq in 0..300 {
+        assert_eq!(
+            restarted
+                .admit(&dismiss(&alert(seq, &["r1"]), 1000 + seq, &["r1"]))
+                .await,
+            [AdmissionStatus::Queued],
+            "dismissal {seq}"
+        );
+    }
     assert_eq!(
         restarted
-            .admit(&dismiss(&alert(0, &["r1"]), 1000, &["r1"]))
+            .admit(&dismiss(&alert(300, &["r1"]), 1300, &["r1"]))
             .await,
-        [AdmissionStatus::Queued]
+        [AdmissionStatus::RateLimited]
     );
 }
 

@@ -362,7 +362,7 @@ macro_rules! batched_admission {
                         })?;
                     *slot = batch::Seen {
                         stored: row.col::<Option<String>>("event_id")?.is_some(),
-                        used: match quota.used(&a.host_fingerprint, a.kind, now) {
+                        used: match quota.used(&a.host_fingerprint, a.kind, now)? {
                             Some(used) => used,
                             None => row.col("used")?,
                         },

@@ -213,7 +213,7 @@ macro_rules! row_by_row_admission {
                         if a.expires_at_ms.is_some_and(|at| at <= now) {
                             return Ok(every(AdmissionStatus::Error));
                         }
-                        let used: i64 = match quota.used(&a.host_fingerprint, a.kind, now) {
+                        let used: i64 = match quota.used(&a.host_fingerprint, a.kind, now)? {
                             Some(used) => used,
                             None => seen.col("used")?,
                         };

@@ -481,6 +481,32 @@ mod tests {
         (batches, plan)
     }
 
+    /// The quota ledger's reads (`quota`) seek into `push_events_accepted` from the window's
+    /// start: they run inside the writer's round, which must not read the day's events. The index
+    /// the ledger replaced is gone.
+    #[tokio::test]
+    async fn sqlite_reads_the_quota_window_by_acceptance_time() {
+        let pool = migrated_sqlite().await;
+        for sql in [quota::LOAD_SQL, quota::COUNT_SQL] {
+            let plan: Vec<String> = explain(&pool, sql, true)
+                .await
+                .iter()
+                .map(|row| row.get("detail"))
+                .collect();
+            assert!(
+                plan.iter()
+                    .any(|step| step.contains("INDEX push_events_accepted (accepted_at>?)")),
+                "{sql}\n{plan:#?}"
+            );
+        }
+        let quota_index: Option<String> =
+            sqlx::query_scalar("SELECT name FROM sqlite_master WHERE name = 'push_events_quota'")
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+        assert_eq!(quota_index, None);
+    }
+
     /// Every statement that finds batches by registration reads the index of live batches:
     /// SQLite takes a partial index only for a query that states the index's condition word for
     /// word, so a statement that names fewer states would scan the table instead.

@@ -4,17 +4,18 @@
 //! PostgreSQL each admission counts them in `push_events_quota`, inside the transaction that holds
 //! the host's lock. On SQLite the queue's one writer admits every event, so it keeps each host's
 //! acceptance times of the window here instead: the index is gone from SQLite (queue migration
-//! 0008), and with it a random leaf page that every admission wrote (a third of the pages a commit
+//! 0008), and with it a random leaf page that every admission wrote (30% of the pages a commit
 //! wrote at the admission benchmark's peak, docs/benchmarks.md, round 49) and the count's walk
 //! through up to 300 entries per admission.
 //!
 //! The table stays the truth: the ledger is read from `push_events` on the writer's first round
-//! (`accepted_at` inside the window, through `push_events_accepted`), and again after a round whose
-//! commit failed (it may or may not have committed) or when the clock went back past what the
-//! ledger kept. A round counts what committed rounds left plus its own admissions so far
-//! (`RoundQuota`), and adds them to the ledger only once its transaction committed: a round rolled
-//! back leaves no trace. One process owns a SQLite queue (README, "Deploy"); a second writer on the
-//! same file would not be counted.
+//! (`accepted_at` inside the window, through `push_events_accepted`), and again when the clock went
+//! back past what the ledger kept. A round counts what committed rounds left plus its own
+//! admissions so far (`RoundQuota`), and adds them to the ledger only once its transaction
+//! committed: a round rolled back leaves no trace. A round whose commit failed may still have
+//! committed: the next round counts the window's events in the table (an index-only count) and
+//! finds which it was, or reads the ledger again if neither fits. One process owns a SQLite queue
+//! (README, "Deploy"); a second writer on the same file would not be counted.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -30,8 +31,11 @@ const KEPT_BEFORE_WINDOW_MS: i64 = 60_000;
 const SWEEP_EVERY_MS: i64 = 60_000;
 
 /// The window's events, read at the writer's first round.
-const LOAD_SQL: &str = "SELECT host_fingerprint, kind, accepted_at FROM push_events \
+pub(super) const LOAD_SQL: &str = "SELECT host_fingerprint, kind, accepted_at FROM push_events \
      WHERE accepted_at > $1 ORDER BY accepted_at";
+
+/// How many of them there are, after a round whose commit failed.
+pub(super) const COUNT_SQL: &str = "SELECT COUNT(*) AS n FROM push_events WHERE accepted_at > $1";
 
 /// The acceptance times of the events of the quota window, per host and kind.
 #[derive(Debug, Default)]
@@ -39,12 +43,17 @@ pub struct Ledger {
     kept: Mutex<Option<Kept>>,
 }
 
+/// A round's admissions: host, kind, acceptance time.
+type Admitted = Vec<(String, Kind, i64)>;
+
 #[derive(Debug)]
 struct Kept {
     hosts: HashMap<Box<str>, PerHost>,
     /// Every event accepted after this is in `hosts`; older ones may have been dropped.
     after: i64,
     next_sweep: i64,
+    /// The admissions of a round whose commit failed, not yet known to be in the table or not.
+    unsure: Option<Admitted>,
 }
 
 /// One host's acceptance times, oldest first, alerts and dismissals apart.
@@ -73,6 +82,44 @@ impl Kept {
             hosts: HashMap::new(),
             after: window_start(now) - KEPT_BEFORE_WINDOW_MS,
             next_sweep: now + SWEEP_EVERY_MS,
+            unsure: None,
+        }
+    }
+
+    /// The events it holds accepted after `after`: as many as the table has, if it is right.
+    fn total(&self) -> i64 {
+        let after = self.after;
+        let n: usize = self
+            .hosts
+            .values()
+            .flat_map(|per_host| &per_host.0)
+            .map(|times| times.len() - times.partition_point(|&at| at <= after))
+            .sum();
+        i64::try_from(n).unwrap_or(i64::MAX)
+    }
+
+    /// Settles a failed commit against `in_table`, the table's count of events accepted after
+    /// `after`: the round's admissions join if it committed, are dropped if not; `false` if the
+    /// count fits neither.
+    fn settle(&mut self, in_table: i64) -> bool {
+        let Some(unsure) = self.unsure.take() else {
+            return true;
+        };
+        let total = self.total();
+        let after = self.after;
+        let added: Vec<_> = unsure
+            .into_iter()
+            .filter(|(_, _, at)| *at > after)
+            .collect();
+        if in_table == total {
+            true
+        } else if in_table == total + i64::try_from(added.len()).unwrap_or(i64::MAX) {
+            for (host, kind, at) in &added {
+                self.add(host, *kind, *at);
+            }
+            true
+        } else {
+            false
         }
     }
 
@@ -127,11 +174,6 @@ impl Ledger {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
-
-    /// Forgets what it kept: the next round reads the table again.
-    pub fn forget(&self) {
-        *self.lock() = None;
-    }
 }
 
 /// Where a round's quota counts come from: the SQL (`Sql`, PostgreSQL), or SQLite's ledger and
@@ -141,8 +183,8 @@ pub enum RoundQuota {
     Sql,
     Ledger {
         ledger: Arc<Ledger>,
-        /// Admitted in this round's transaction: host, kind, acceptance time.
-        admitted: Vec<(String, Kind, i64)>,
+        /// Admitted in this round's transaction.
+        admitted: Admitted,
     },
 }
 
@@ -160,11 +202,27 @@ impl RoundQuota {
     }
 
     /// Reads the ledger from the table inside `tx` if it holds nothing yet, or not every event a
-    /// count at `now` reads (the clock went back).
+    /// count at `now` reads (the clock went back); after a failed commit, finds out from the table
+    /// whether it happened.
     pub async fn prepare<E: Exec>(&self, tx: &mut E, now: i64) -> Result<(), sqlx::Error> {
         let Self::Ledger { ledger, .. } = self else {
             return Ok(());
         };
+        let unsure_after = ledger
+            .lock()
+            .as_ref()
+            .and_then(|kept| kept.unsure.as_ref().map(|_| kept.after));
+        if let Some(after) = unsure_after {
+            let in_table: i64 = Stmt::new(COUNT_SQL)
+                .bind(after)
+                .fetch_one(tx)
+                .await?
+                .col("n")?;
+            let mut kept = ledger.lock();
+            if !kept.as_mut().is_some_and(|kept| kept.settle(in_table)) {
+                *kept = None;
+            }
+        }
         if ledger.lock().as_ref().is_some_and(|kept| kept.covers(now)) {
             return Ok(());
         }
@@ -182,18 +240,24 @@ impl RoundQuota {
     }
 
     /// The host's events of `kind` inside the window at `now`, counting this round's; `None` where
-    /// the statements count them (`Sql`), or if `prepare` did not run.
-    pub fn used(&self, host: &str, kind: Kind, now: i64) -> Option<i64> {
+    /// the statements count them (`Sql`). An error if `prepare` did not read the ledger: never a
+    /// count of nothing.
+    pub fn used(&self, host: &str, kind: Kind, now: i64) -> Result<Option<i64>, sqlx::Error> {
         let Self::Ledger { ledger, admitted } = self else {
-            return None;
+            return Ok(None);
         };
-        let committed = ledger.lock().as_mut()?.used(host, kind, now);
+        let committed = ledger
+            .lock()
+            .as_mut()
+            .filter(|kept| kept.unsure.is_none())
+            .ok_or_else(|| sqlx::Error::Protocol("the quota ledger was not read".into()))?
+            .used(host, kind, now);
         let start = window_start(now);
         let here = admitted
             .iter()
             .filter(|(h, k, at)| h == host && *k == kind && *at > start)
             .count();
-        Some(committed + i64::try_from(here).unwrap_or(i64::MAX))
+        Ok(Some(committed + i64::try_from(here).unwrap_or(i64::MAX)))
     }
 
     /// An event this round's transaction inserted.
@@ -209,7 +273,7 @@ impl RoundQuota {
             return;
         };
         let mut kept = ledger.lock();
-        // A ledger forgotten meanwhile is read again whole, this round's events with it.
+        // A ledger not read yet is read whole, this round's events with it.
         if let Some(kept) = kept.as_mut() {
             for (host, kind, at) in &admitted {
                 kept.add(host, *kind, *at);
@@ -218,10 +282,16 @@ impl RoundQuota {
         }
     }
 
-    /// The round's commit failed, and may still have happened: the ledger is read again.
+    /// The round's commit failed, and may still have happened: the next round finds out.
     pub fn commit_failed(self) {
-        if let Self::Ledger { ledger, .. } = self {
-            ledger.forget();
+        let Self::Ledger { ledger, admitted } = self else {
+            return;
+        };
+        if admitted.is_empty() {
+            return;
+        }
+        if let Some(kept) = ledger.lock().as_mut() {
+            kept.unsure = Some(admitted);
         }
     }
 }
@@ -237,6 +307,10 @@ mod tests {
         let ledger = Arc::new(Ledger::default());
         *ledger.lock() = Some(Kept::new(now));
         RoundQuota::ledger(ledger)
+    }
+
+    fn count(round: &RoundQuota, host: &str, kind: Kind, now: i64) -> Option<i64> {
+        round.used(host, kind, now).unwrap()
     }
 
     fn ledger_of(quota: &RoundQuota) -> Arc<Ledger> {
@@ -262,16 +336,19 @@ mod tests {
         commit_alerts(&ledger, "a", 3, T0);
         commit_alerts(&ledger, "b", 1, T0);
         let round = RoundQuota::ledger(ledger.clone());
-        assert_eq!(round.used("a", Kind::Alert, T0), Some(3));
-        assert_eq!(round.used("a", Kind::Dismiss, T0), Some(0));
-        assert_eq!(round.used("b", Kind::Alert, T0), Some(1));
-        assert_eq!(round.used("c", Kind::Alert, T0), Some(0));
+        assert_eq!(count(&round, "a", Kind::Alert, T0), Some(3));
+        assert_eq!(count(&round, "a", Kind::Dismiss, T0), Some(0));
+        assert_eq!(count(&round, "b", Kind::Alert, T0), Some(1));
+        assert_eq!(count(&round, "c", Kind::Alert, T0), Some(0));
         // 15 minutes later to the millisecond the events are out, as `accepted_at > start` has it.
         assert_eq!(
-            round.used("a", Kind::Alert, T0 + QUOTA_WINDOW_MS - 1),
+            count(&round, "a", Kind::Alert, T0 + QUOTA_WINDOW_MS - 1),
             Some(3)
         );
-        assert_eq!(round.used("a", Kind::Alert, T0 + QUOTA_WINDOW_MS), Some(0));
+        assert_eq!(
+            count(&round, "a", Kind::Alert, T0 + QUOTA_WINDOW_MS),
+            Some(0)
+        );
     }
 
     #[test]
@@ -281,18 +358,18 @@ mod tests {
         let mut round = RoundQuota::ledger(ledger.clone());
         round.admitted("a", Kind::Alert, T0);
         round.admitted("a", Kind::Alert, T0);
-        assert_eq!(round.used("a", Kind::Alert, T0), Some(2));
+        assert_eq!(count(&round, "a", Kind::Alert, T0), Some(2));
         drop(round);
         let mut round = RoundQuota::ledger(ledger.clone());
-        assert_eq!(round.used("a", Kind::Alert, T0), Some(0), "rolled back");
+        assert_eq!(count(&round, "a", Kind::Alert, T0), Some(0), "rolled back");
         round.admitted("a", Kind::Alert, T0);
         round.committed(T0);
         let round = RoundQuota::ledger(ledger);
-        assert_eq!(round.used("a", Kind::Alert, T0), Some(1));
+        assert_eq!(count(&round, "a", Kind::Alert, T0), Some(1));
     }
 
     #[test]
-    fn a_failed_commit_or_a_clock_gone_back_past_what_was_kept_needs_the_table_again() {
+    fn a_clock_gone_back_past_what_was_kept_needs_the_table_again() {
         let quota = loaded(T0);
         let ledger = ledger_of(&quota);
         commit_alerts(&ledger, "a", 1, T0);
@@ -305,14 +382,42 @@ mod tests {
             assert!(kept.covers(T0 + 60 * MINUTE - KEPT_BEFORE_WINDOW_MS));
             assert!(!kept.covers(T0 + 60 * MINUTE - KEPT_BEFORE_WINDOW_MS - 1));
         }
-        let round = RoundQuota::ledger(ledger.clone());
-        round.commit_failed();
-        let round = RoundQuota::ledger(ledger);
-        assert_eq!(
-            round.used("a", Kind::Alert, T0),
-            None,
-            "not counted until read again"
-        );
+    }
+
+    /// A round whose commit failed leaves the ledger unusable until the table's count says
+    /// whether it committed: its admissions are then kept or dropped, or the ledger is read again.
+    #[test]
+    fn a_failed_commit_is_settled_by_the_tables_count() {
+        for (in_table, settled, used) in [(2, true, 2), (5, true, 5), (4, false, 0)] {
+            let quota = loaded(T0);
+            let ledger = ledger_of(&quota);
+            commit_alerts(&ledger, "a", 2, T0);
+            let mut round = RoundQuota::ledger(ledger.clone());
+            for _ in 0..3 {
+                round.admitted("a", Kind::Alert, T0 + 1);
+            }
+            round.commit_failed();
+            let next = RoundQuota::ledger(ledger.clone());
+            assert!(
+                next.used("a", Kind::Alert, T0).is_err(),
+                "never a count of nothing"
+            );
+            let mut kept = ledger.lock();
+            assert_eq!(
+                kept.as_mut().unwrap().settle(in_table),
+                settled,
+                "{in_table}"
+            );
+            drop(kept);
+            if settled {
+                assert_eq!(count(&next, "a", Kind::Alert, T0 + 1), Some(used));
+            }
+        }
+        // A failed round that admitted nothing leaves nothing to find out.
+        let quota = loaded(T0);
+        let ledger = ledger_of(&quota);
+        RoundQuota::ledger(ledger.clone()).commit_failed();
+        assert!(ledger.lock().as_ref().unwrap().unsure.is_none());
     }
 
     #[test]
@@ -337,9 +442,9 @@ mod tests {
         commit_alerts(&ledger, "a", 1, T0 + MINUTE);
         let round = RoundQuota::ledger(ledger);
         let start_after_first = T0 + QUOTA_WINDOW_MS;
-        assert_eq!(round.used("a", Kind::Alert, start_after_first), Some(2));
+        assert_eq!(count(&round, "a", Kind::Alert, start_after_first), Some(2));
         assert_eq!(
-            round.used("a", Kind::Alert, start_after_first + MINUTE),
+            count(&round, "a", Kind::Alert, start_after_first + MINUTE),
             Some(1)
         );
     }
@@ -349,6 +454,12 @@ mod tests {
         let mut round = RoundQuota::Sql;
         assert!(round.in_sql());
         round.admitted("a", Kind::Alert, T0);
-        assert_eq!(round.used("a", Kind::Alert, T0), None);
+        assert_eq!(count(&round, "a", Kind::Alert, T0), None);
+    }
+
+    #[test]
+    fn a_ledger_not_read_counts_nothing_but_fails() {
+        let round = RoundQuota::ledger(Arc::default());
+        assert!(round.used("a", Kind::Alert, T0).is_err());
     }
 }
