@@ -270,3 +270,39 @@ async fn an_older_build_starts_on_a_database_a_newer_one_migrated_on_postgresql(
     )
     .await;
 }
+
+/// One process owns a SQLite queue (its writer counts the quota in memory): a second `serve` on
+/// the same data folder is refused at start, saying why, and the first goes on serving. Once the
+/// first has stopped, however it stopped, the folder can be served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_on_a_sqlite_data_folder_is_refused() {
+    let mut gateway = Gateway::start(Backend::Sqlite).await;
+    let second = || {
+        tokio::process::Command::new(orca_push_tests::binary())
+            .arg("serve")
+            .env("ORCA_PUSH_DATA_DIR", gateway.data_dir())
+            .env("PORT", orca_push_tests::free_port().to_string())
+            .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
+            .env_remove("ORCA_PUSH_DATABASE_URL")
+            .env_remove("ORCA_PUSH_GRPC_ADDR")
+            .kill_on_drop(true)
+            .output()
+    };
+    let out = tokio::time::timeout(Duration::from_secs(30), second())
+        .await
+        .expect("refused at once")
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("another process serves the SQLite queue"),
+        "{stderr}"
+    );
+    let (raw, auth, id) = host_with_device(&gateway, TOKEN).await;
+    assert_eq!(send(&raw, &auth, &id, 1).await.status, 200);
+    // SIGKILL: the kernel lets go of the lock with the process.
+    gateway.process("all").kill().await;
+    gateway.process("all").respawn().await;
+    let (raw, auth, id) = host_with_device(&gateway, TOKEN).await;
+    assert_eq!(send(&raw, &auth, &id, 2).await.status, 200);
+}

@@ -97,6 +97,7 @@ pub async fn serve_all_in_one(
     let queue_pool = orca_push_queue::open_and_migrate(&config.common.database)
         .await
         .context("queue database")?;
+    orca_push_queue::own_sqlite_queue(&queue_pool)?;
     let queue = orca_push_queue::routes(
         queue_pool,
         clock.clone(),
@@ -250,6 +251,7 @@ pub async fn serve_split(
             let pool = orca_push_queue::open_and_migrate(&config.common.database)
                 .await
                 .context("queue database")?;
+            orca_push_queue::own_sqlite_queue(&pool)?;
             orca_push_queue::serve(
                 listener,
                 pool,

@@ -58,6 +58,55 @@ pub async fn open_and_migrate(
     Ok(pool)
 }
 
+/// Another process serves the same SQLite queue.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "another process serves the SQLite queue {path} (it holds {path}.lock); one process owns a \
+     SQLite queue, whose writer counts the hosts' quota in its memory"
+)]
+pub struct SqliteQueueTaken {
+    pub path: String,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Makes this process the one that serves a SQLite queue, until it exits: an exclusive lock on
+/// `<file>.lock` beside it (`flock`, let go by the kernel when the process ends, however it ends).
+/// Its writer counts the hosts' quota in memory (`store::quota`): a second process admitting to
+/// the same file would count only its own admissions, and each host could spend its quota once
+/// per process. A second `serve` is refused at start instead. Nothing to do on PostgreSQL, whose
+/// replicas count in SQL; `orca-push migrate` does not take the lock.
+pub fn own_sqlite_queue(pool: &Pool) -> Result<(), SqliteQueueTaken> {
+    static OWNED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+    let Pool::Sqlite(pool) = pool else {
+        return Ok(());
+    };
+    let path = pool.connect_options().get_filename().to_owned();
+    let taken = |source| SqliteQueueTaken {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut lock_path = path.clone().into_os_string();
+    lock_path.push(".lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(taken)?;
+    file.try_lock().map_err(|e| {
+        taken(match e {
+            std::fs::TryLockError::WouldBlock => std::io::ErrorKind::WouldBlock.into(),
+            std::fs::TryLockError::Error(e) => e,
+        })
+    })?;
+    OWNED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .push(file);
+    Ok(())
+}
+
 /// Builds the queue over `pool`, and on PostgreSQL starts listening for other replicas' new work.
 pub fn delivery_queue(
     pool: Pool,
