@@ -272,8 +272,9 @@ async fn an_older_build_starts_on_a_database_a_newer_one_migrated_on_postgresql(
 }
 
 /// One process owns a SQLite queue (its writer counts the quota in memory): a second `serve` on
-/// the same data folder is refused at start, saying why, and the first goes on serving. Once the
-/// first has stopped, however it stopped, the folder can be served again.
+/// the same data folder is refused at start, saying why, before it migrates anything, and the
+/// first goes on serving. Once the first has stopped, however it stopped, the folder can be served
+/// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_process_on_a_sqlite_data_folder_is_refused() {
     let mut gateway = Gateway::start(Backend::Sqlite).await;
@@ -285,6 +286,9 @@ async fn a_second_process_on_a_sqlite_data_folder_is_refused() {
             .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
             .env_remove("ORCA_PUSH_DATABASE_URL")
             .env_remove("ORCA_PUSH_GRPC_ADDR")
+            .env_remove("ORCA_PUSH_PUBLIC_URL")
+            .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
+            .env_remove("ORCA_PUSH_INTERNAL_KEY")
             .kill_on_drop(true)
             .output()
     };

@@ -74,6 +74,8 @@ pub async fn serve_all_in_one(
         for_listener: internal_listener.as_ref().map(|_| Vec::new()),
     };
 
+    // Before anything in the folder is opened or migrated.
+    orca_push_queue::own_sqlite_queue(&config.common.database)?;
     let auth_pool = orca_push_auth::open_and_migrate(&config.common.database)
         .await
         .context("auth database")?;
@@ -97,7 +99,6 @@ pub async fn serve_all_in_one(
     let queue_pool = orca_push_queue::open_and_migrate(&config.common.database)
         .await
         .context("queue database")?;
-    orca_push_queue::own_sqlite_queue(&queue_pool)?;
     let queue = orca_push_queue::routes(
         queue_pool,
         clock.clone(),
@@ -248,10 +249,10 @@ pub async fn serve_split(
             orca_push_registry::serve(listener, pool, Arc::new(SystemClock), key, shutdown).await?
         }
         ServiceName::Queue => {
+            orca_push_queue::own_sqlite_queue(&config.common.database)?;
             let pool = orca_push_queue::open_and_migrate(&config.common.database)
                 .await
                 .context("queue database")?;
-            orca_push_queue::own_sqlite_queue(&pool)?;
             orca_push_queue::serve(
                 listener,
                 pool,

@@ -160,23 +160,26 @@ pub async fn open_sqlite(
     Ok(writer)
 }
 
+/// Makes the SQLite folder `dir` if it does not exist, owner only: the files hold push tokens,
+/// payloads and the session key. A folder the operator made is left as it is.
+pub fn data_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
 /// `open_sqlite` without its checkpoints, and the options its connections were made with.
 async fn open_sqlite_writer(
     path: &Path,
     durability: SqliteDurability,
 ) -> Result<(SqlitePool, SqliteConnectOptions), OpenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        // Owner only: the files hold push tokens, payloads and the session key. A folder the
-        // operator made is left as it is.
-        use std::os::unix::fs::DirBuilderExt as _;
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(|source| OpenError::DataDir {
-                path: dir.to_owned(),
-                source,
-            })?;
+        data_dir(dir).map_err(|source| OpenError::DataDir {
+            path: dir.to_owned(),
+            source,
+        })?;
     }
     let options = SqliteConnectOptions::new()
         .filename(path)

@@ -58,34 +58,40 @@ pub async fn open_and_migrate(
     Ok(pool)
 }
 
-/// Another process serves the same SQLite queue.
+/// Why this process cannot serve a SQLite queue.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "another process serves the SQLite queue {path} (it holds {path}.lock); one process owns a \
-     SQLite queue, whose writer counts the hosts' quota in its memory"
-)]
-pub struct SqliteQueueTaken {
-    pub path: String,
-    #[source]
-    pub source: std::io::Error,
+pub enum SqliteQueueLock {
+    #[error(
+        "another process serves the SQLite queue {path} (it holds {path}.lock); one process owns \
+         a SQLite queue, whose writer counts the hosts' quota in its memory"
+    )]
+    Taken { path: String },
+    #[error("cannot lock the SQLite queue {path} ({path}.lock)")]
+    Failed {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Makes this process the one that serves a SQLite queue, until it exits: an exclusive lock on
-/// `<file>.lock` beside it (`flock`, let go by the kernel when the process ends, however it ends).
-/// Its writer counts the hosts' quota in memory (`store::quota`): a second process admitting to
-/// the same file would count only its own admissions, and each host could spend its quota once
-/// per process. A second `serve` is refused at start instead. Nothing to do on PostgreSQL, whose
-/// replicas count in SQL; `orca-push migrate` does not take the lock.
-pub fn own_sqlite_queue(pool: &Pool) -> Result<(), SqliteQueueTaken> {
+/// `<file>.lock` beside it (`flock`, let go by the kernel when the process ends, however it ends),
+/// taken before anything in the folder is opened or migrated. Its writer counts the hosts' quota
+/// in memory (`store::quota`): a second process admitting to the same file would count only its
+/// own admissions, and each host could spend its quota once per process. A second `serve` is
+/// refused at start instead. Nothing to do on PostgreSQL, whose replicas count in SQL;
+/// `orca-push migrate` does not take the lock.
+pub fn own_sqlite_queue(database: &DatabaseConfig) -> Result<(), SqliteQueueLock> {
     static OWNED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
-    let Pool::Sqlite(pool) = pool else {
+    let DatabaseConfig::Sqlite { data_dir, .. } = database else {
         return Ok(());
     };
-    let path = pool.connect_options().get_filename().to_owned();
-    let taken = |source| SqliteQueueTaken {
+    let path = data_dir.join(STORAGE.sqlite_file);
+    let failed = |source| SqliteQueueLock::Failed {
         path: path.display().to_string(),
         source,
     };
+    orca_push_storage::data_dir(data_dir).map_err(failed)?;
     let mut lock_path = path.clone().into_os_string();
     lock_path.push(".lock");
     let file = std::fs::OpenOptions::new()
@@ -93,12 +99,12 @@ pub fn own_sqlite_queue(pool: &Pool) -> Result<(), SqliteQueueTaken> {
         .truncate(false)
         .write(true)
         .open(&lock_path)
-        .map_err(taken)?;
-    file.try_lock().map_err(|e| {
-        taken(match e {
-            std::fs::TryLockError::WouldBlock => std::io::ErrorKind::WouldBlock.into(),
-            std::fs::TryLockError::Error(e) => e,
-        })
+        .map_err(failed)?;
+    file.try_lock().map_err(|e| match e {
+        std::fs::TryLockError::WouldBlock => SqliteQueueLock::Taken {
+            path: path.display().to_string(),
+        },
+        std::fs::TryLockError::Error(e) => failed(e),
     })?;
     OWNED
         .lock()
