@@ -8,8 +8,8 @@ pub const ROWS_PER_STATEMENT: usize = 1000;
 
 /// Before the rows of `read_seen`: each admission's index and identity.
 pub const READ_SEEN_HEAD: &str = "WITH a (i, host, kind, epoch, seq, nid) AS (";
-/// After them, then the quota use (`READ_SEEN_COUNT`, the window's start, the backend's
-/// `QUOTA_BY_TIME` and `)`; or `0` where the writer counts it, SQLite), then `READ_SEEN_TAIL`.
+/// After them, then the quota use (`READ_SEEN_COUNT`, the window's start,
+/// `RoundQuota::by_time` and `)`; or `0` where the writer counts it, SQLite), then `READ_SEEN_TAIL`.
 pub const READ_SEEN_MIDDLE: &str = ") SELECT a.i AS i, e.event_id AS event_id, ";
 pub const READ_SEEN_COUNT: &str = "(SELECT COUNT(*) FROM push_events q \
        WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at > ";
@@ -339,10 +339,10 @@ macro_rules! batched_admission {
                         .push_bind(a.content.notification_id.as_deref());
                 });
                 q.push(batch::READ_SEEN_MIDDLE);
-                if quota.in_sql() {
+                if let Some(by_time) = quota.by_time() {
                     q.push(batch::READ_SEEN_COUNT);
                     q.push_bind(now - QUOTA_WINDOW_MS);
-                    q.push(Self::QUOTA_BY_TIME).push(")");
+                    q.push(by_time).push(")");
                 } else {
                     q.push("0");
                 }

@@ -7,8 +7,8 @@ pub(super) const LOCK_ACTIVE_BATCHES_HEAD: &str = "SELECT batch_id FROM push_del
      WHERE state IN ('open', 'pending', 'leased') AND registration_id";
 
 /// The event `($1, $2, $3, $4)` if stored, the host's quota use since `$5`, and the dismissal fence
-/// of notification `$6`: this, then the quota use (`SEEN_COUNT`, the backend's `QUOTA_BY_TIME` and
-/// `)`; or `0` where the writer counts it, SQLite), then `SEEN_TAIL`.
+/// of notification `$6`: this, then the quota use (`SEEN_COUNT`, `RoundQuota::by_time` and `)`; or
+/// `0` where the writer counts it, SQLite), then `SEEN_TAIL`.
 pub(super) const SEEN_HEAD: &str = "SELECT e.event_id, e.content_hash, e.expires_at, ";
 pub(super) const SEEN_COUNT: &str = "(SELECT COUNT(*) FROM push_events q \
        WHERE q.host_fingerprint = $1 AND q.kind = $2 AND q.accepted_at > $5";
@@ -172,9 +172,9 @@ macro_rules! row_by_row_admission {
                 // One read for what admission needs to know first: the event if it is a retry, the
                 // host's quota use, and the dismissal fence of the notification.
                 let mut seen = Stmt::new($crate::store::admit::SEEN_HEAD);
-                if quota.in_sql() {
+                if let Some(by_time) = quota.by_time() {
                     seen.push($crate::store::admit::SEEN_COUNT)
-                        .push(Self::QUOTA_BY_TIME)
+                        .push(by_time)
                         .push(")");
                 } else {
                     seen.push("0");

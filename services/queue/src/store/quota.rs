@@ -176,11 +176,13 @@ impl Ledger {
     }
 }
 
-/// Where a round's quota counts come from: the SQL (`Sql`, PostgreSQL), or SQLite's ledger and
-/// the round's own admissions so far.
+/// Where a round's quota counts come from: the SQL (`Sql`, PostgreSQL: the count's condition
+/// after the window's start), or SQLite's ledger and the round's own admissions so far.
 #[derive(Debug)]
 pub enum RoundQuota {
-    Sql,
+    Sql {
+        by_time: &'static str,
+    },
     Ledger {
         ledger: Arc<Ledger>,
         /// Admitted in this round's transaction.
@@ -196,9 +198,13 @@ impl RoundQuota {
         }
     }
 
-    /// Whether the statements count the quota themselves.
-    pub fn in_sql(&self) -> bool {
-        matches!(self, Self::Sql)
+    /// Where the statements count the quota themselves, what follows the window's start in
+    /// their count.
+    pub fn by_time(&self) -> Option<&'static str> {
+        match self {
+            Self::Sql { by_time } => Some(by_time),
+            Self::Ledger { .. } => None,
+        }
     }
 
     /// Reads the ledger from the table inside `tx` if it holds nothing yet, or not every event a
@@ -316,7 +322,7 @@ mod tests {
     fn ledger_of(quota: &RoundQuota) -> Arc<Ledger> {
         match quota {
             RoundQuota::Ledger { ledger, .. } => ledger.clone(),
-            RoundQuota::Sql => unreachable!("a ledger"),
+            RoundQuota::Sql { .. } => unreachable!("a ledger"),
         }
     }
 
@@ -451,8 +457,8 @@ mod tests {
 
     #[test]
     fn statements_count_for_a_backend_without_a_ledger() {
-        let mut round = RoundQuota::Sql;
-        assert!(round.in_sql());
+        let mut round = RoundQuota::Sql { by_time: "" };
+        assert_eq!(round.by_time(), Some(""));
         round.admitted("a", Kind::Alert, T0);
         assert_eq!(count(&round, "a", Kind::Alert, T0), None);
     }

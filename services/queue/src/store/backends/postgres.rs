@@ -161,7 +161,9 @@ impl PgQueueStore {
 
     /// A round's quota counts: its statements count them, under the hosts' locks.
     pub(in crate::store) fn round_quota(&self) -> crate::store::RoundQuota {
-        crate::store::RoundQuota::Sql
+        crate::store::RoundQuota::Sql {
+            by_time: Self::QUOTA_BY_TIME,
+        }
     }
 
     /// What signs this replica's notifications (`crate::wake::payload_from`).

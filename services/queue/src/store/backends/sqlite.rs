@@ -55,8 +55,6 @@ impl SqliteQueueStore {
     /// the gateway's samples at 1,000 end-to-end flows. The recipients' insert keeps `ABORT`: its
     /// foreign key (checked at the statement's end) needs the journal either way.
     pub(in crate::store) const OR_FAIL: &'static str = " OR FAIL";
-    /// Not used: the writer counts the quota itself (`round_quota`).
-    pub(in crate::store) const QUOTA_BY_TIME: &'static str = "";
 
     pub fn new(pool: sqlx::SqlitePool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
