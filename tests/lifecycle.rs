@@ -271,16 +271,29 @@ async fn an_older_build_starts_on_a_database_a_newer_one_migrated_on_postgresql(
     .await;
 }
 
-/// One process owns a SQLite queue (its writer counts the quota in memory): a second `serve` on
-/// the same data folder is refused at start, saying why, before it migrates anything, and the
-/// first goes on serving. Once the first has stopped, however it stopped, the folder can be served
-/// again.
+/// One process owns a SQLite queue (its writer counts the quota in memory): a second `serve` (all
+/// in one, or the queue alone) on the same data folder is refused at start, saying why, before it
+/// migrates anything, and the first goes on serving. Once the first has stopped, however it
+/// stopped, the folder can be served again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_process_on_a_sqlite_data_folder_is_refused() {
     let mut gateway = Gateway::start(Backend::Sqlite).await;
-    let second = || {
+    // All in one, and the queue alone (`--service queue`, as split mode runs it): each takes the
+    // folder's lock on its own path.
+    let all_in_one: [(&str, String); 0] = [];
+    let queue_alone = [
+        (
+            "ORCA_PUSH_INTERNAL_KEY",
+            orca_push_tests::INTERNAL_KEY.to_owned(),
+        ),
+        (
+            "ORCA_PUSH_GRPC_ADDR",
+            format!("127.0.0.1:{}", orca_push_tests::free_port()),
+        ),
+    ];
+    let second = |args: &[&str], env: &[(&str, String)]| {
         tokio::process::Command::new(orca_push_tests::binary())
-            .arg("serve")
+            .args(args)
             .env("ORCA_PUSH_DATA_DIR", gateway.data_dir())
             .env("PORT", orca_push_tests::free_port().to_string())
             .env("ORCA_PUSH_METRICS_ADDR", "127.0.0.1:0")
@@ -289,19 +302,25 @@ async fn a_second_process_on_a_sqlite_data_folder_is_refused() {
             .env_remove("ORCA_PUSH_PUBLIC_URL")
             .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
             .env_remove("ORCA_PUSH_INTERNAL_KEY")
+            .envs(env.iter().map(|(name, value)| (name, value)))
             .kill_on_drop(true)
             .output()
     };
-    let out = tokio::time::timeout(Duration::from_secs(30), second())
-        .await
-        .expect("refused at once")
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("another process serves the SQLite queue"),
-        "{stderr}"
-    );
+    for (args, env) in [
+        (&["serve"][..], &all_in_one[..]),
+        (&["serve", "--service", "queue"][..], &queue_alone[..]),
+    ] {
+        let out = tokio::time::timeout(Duration::from_secs(30), second(args, env))
+            .await
+            .expect("refused at once")
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} ran");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("another process serves the SQLite queue"),
+            "{args:?}: {stderr}"
+        );
+    }
     let (raw, auth, id) = host_with_device(&gateway, TOKEN).await;
     assert_eq!(send(&raw, &auth, &id, 1).await.status, 200);
     // SIGKILL: the kernel lets go of the lock with the process.
