@@ -30,6 +30,9 @@ const KEPT_BEFORE_WINDOW_MS: i64 = 60_000;
 /// How often hosts with nothing left in the window are dropped.
 const SWEEP_EVERY_MS: i64 = 60_000;
 
+/// Hosts' room the ledger's map keeps however few hosts are left (see `Kept::advance`).
+const HOSTS_ROOM_KEPT: usize = 64;
+
 /// The window's events, read at the writer's first round.
 pub(super) const LOAD_SQL: &str = "SELECT host_fingerprint, kind, accepted_at FROM push_events \
      WHERE accepted_at > $1 ORDER BY accepted_at";
@@ -81,7 +84,7 @@ impl Kept {
         Self {
             hosts: HashMap::new(),
             after: window_start(now) - KEPT_BEFORE_WINDOW_MS,
-            next_sweep: now + SWEEP_EVERY_MS,
+            next_sweep: now.saturating_add(SWEEP_EVERY_MS),
             unsure: None,
         }
     }
@@ -151,13 +154,17 @@ impl Kept {
         i64::try_from(inside).unwrap_or(i64::MAX)
     }
 
-    /// Moves the kept span up to `now`, and once a minute drops the hosts left with nothing.
+    /// Moves the kept span up to `now`, and once a minute drops the hosts left with nothing, and
+    /// gives back the room a spike of hosts left behind (a map keeps its largest size otherwise).
     fn advance(&mut self, now: i64) {
         self.after = self.after.max(window_start(now) - KEPT_BEFORE_WINDOW_MS);
         if now >= self.next_sweep {
             let after = self.after;
             self.hosts.retain(|_, per_host| per_host.trim(after));
-            self.next_sweep = now + SWEEP_EVERY_MS;
+            if self.hosts.capacity() > 4 * self.hosts.len().max(HOSTS_ROOM_KEPT) {
+                self.hosts.shrink_to(2 * self.hosts.len());
+            }
+            self.next_sweep = now.saturating_add(SWEEP_EVERY_MS);
         }
     }
 }
@@ -437,6 +444,25 @@ mod tests {
         let kept = ledger.lock();
         let hosts: Vec<&str> = kept.as_ref().unwrap().hosts.keys().map(|h| &**h).collect();
         assert_eq!(hosts, ["late"]);
+    }
+
+    #[test]
+    fn a_spike_of_hosts_gives_its_room_back_once_they_are_swept() {
+        let quota = loaded(T0);
+        let ledger = ledger_of(&quota);
+        let room = || ledger.lock().as_ref().unwrap().hosts.capacity();
+        for host in 0..10_000 {
+            commit_alerts(&ledger, &format!("h{host}"), 1, T0);
+        }
+        assert!(room() >= 10_000);
+        commit_alerts(&ledger, "late", 1, T0 + 20 * MINUTE);
+        assert!(
+            room() < 4 * HOSTS_ROOM_KEPT,
+            "room for {} hosts kept",
+            room()
+        );
+        // And a sweep scheduled at the clock's end does not overflow.
+        assert_eq!(Kept::new(i64::MAX).next_sweep, i64::MAX);
     }
 
     #[test]
