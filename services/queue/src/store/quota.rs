@@ -162,7 +162,8 @@ impl Kept {
             let after = self.after;
             self.hosts.retain(|_, per_host| per_host.trim(after));
             if self.hosts.capacity() > 4 * self.hosts.len().max(HOSTS_ROOM_KEPT) {
-                self.hosts.shrink_to(2 * self.hosts.len());
+                self.hosts
+                    .shrink_to((2 * self.hosts.len()).max(HOSTS_ROOM_KEPT));
             }
             self.next_sweep = now.saturating_add(SWEEP_EVERY_MS);
         }
