@@ -302,7 +302,7 @@ async fn a_second_process_on_a_sqlite_data_folder_is_refused() {
             .env_remove("ORCA_PUSH_PUBLIC_URL")
             .env_remove("ORCA_PUSH_TRUSTED_PROXY_HOPS")
             .env_remove("ORCA_PUSH_INTERNAL_KEY")
-            .envs(env.iter().map(|(name, value)| (name, value)))
+            .envs(env.iter().cloned())
             .kill_on_drop(true)
             .output()
     };
