@@ -211,6 +211,7 @@ pub async fn routes(
                                 deleted_events = c.deleted_events,
                                 deleted_batches = c.deleted_batches,
                                 deleted_fences = c.deleted_fences,
+                                deleted_quota_rows = c.deleted_quota_rows,
                                 past_retention_ms = c.past_retention_ms,
                                 "queue cleanup"
                             )

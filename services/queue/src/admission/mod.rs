@@ -23,8 +23,10 @@ use crate::model::{
 };
 use crate::store::{Enqueued, ordered_id};
 
+mod quota_rows;
 mod statements;
 
+pub use quota_rows::*;
 pub(crate) use statements::batched_admission;
 pub use statements::*;
 
@@ -37,6 +39,8 @@ pub struct Seen {
     pub used: i64,
     /// The dismissal fence of the notification: alerts below it are cancelled at once.
     pub fence: Option<i64>,
+    /// The host has a row of `push_quota_use` (PostgreSQL; `quota_rows`).
+    pub quota_row: bool,
 }
 
 /// An open coalescing window, as read before the group's writes.

@@ -8,11 +8,11 @@ pub const ROWS_PER_STATEMENT: usize = 1000;
 
 /// Before the rows of `read_seen`: each admission's index and identity.
 pub const READ_SEEN_HEAD: &str = "WITH a (i, host, kind, epoch, seq, nid) AS (";
-/// After them, then the quota use (`READ_SEEN_COUNT`, the window's start,
-/// `RoundQuota::by_time` and `)`; or `0` where the writer counts it, SQLite), then `READ_SEEN_TAIL`.
+/// After them, then the quota use (`push_quota_use`, or `0` where the writer counts it, SQLite),
+/// then `READ_SEEN_TAIL`, then `READ_SEEN_USE_JOIN` where the statement counts the use.
 pub const READ_SEEN_MIDDLE: &str = ") SELECT a.i AS i, e.event_id AS event_id, ";
-pub const READ_SEEN_COUNT: &str = "(SELECT COUNT(*) FROM push_events q \
-       WHERE q.host_fingerprint = a.host AND q.kind = a.kind AND q.accepted_at > ";
+
+/// After the quota use: the dismissal fence, and the event if stored.
 pub const READ_SEEN_TAIL: &str = " AS used, \
      (SELECT d.dismissed_seq FROM push_dismissed_events d \
        WHERE d.host_fingerprint = a.host AND d.notification_epoch = a.epoch \
@@ -199,8 +199,27 @@ macro_rules! batched_admission {
                         .push(Self::OR_FAIL)
                         .push(batch::UPDATE_WINDOWS_TAIL);
                 }
-                for chunk in plan.events.chunks(batch::ROWS_PER_STATEMENT) {
-                    let q = writes.statement("INSERT", chunk.len());
+                // The hosts' quota use after the round, its window starting where the seen read's
+                // did (`crate::admission::quota_rows`).
+                let quota_use = if Self::QUOTA_USE_ROWS {
+                    batch::rows_to_write(group, &seen, &plan.events)
+                } else {
+                    Vec::new()
+                };
+                for (i, chunk) in plan.events.chunks(batch::ROWS_PER_STATEMENT).enumerate() {
+                    let q = if i == 0 && !quota_use.is_empty() {
+                        let q = writes.statement(batch::QUOTA_USE_HEAD, chunk.len());
+                        q.push_values(&quota_use, |mut row, (host, used)| {
+                            row.push_bind(*host)
+                                .push_bind(Kind::Alert.as_str())
+                                .push_bind(now - QUOTA_WINDOW_MS)
+                                .push_bind(*used);
+                        });
+                        q.push(batch::QUOTA_USE_TAIL).push("INSERT");
+                        q
+                    } else {
+                        writes.statement("INSERT", chunk.len())
+                    };
                     q.push(Self::OR_FAIL).push(batch::INTO_EVENTS);
                     q.push_values(chunk, |mut row, e| {
                         let a = e.admission;
@@ -339,14 +358,17 @@ macro_rules! batched_admission {
                         .push_bind(a.content.notification_id.as_deref());
                 });
                 q.push(batch::READ_SEEN_MIDDLE);
-                if let Some(by_time) = quota.by_time() {
-                    q.push(batch::READ_SEEN_COUNT);
-                    q.push_bind(now - QUOTA_WINDOW_MS);
-                    q.push(by_time).push(")");
-                } else {
-                    q.push("0");
+                let by_time = quota.by_time();
+                match by_time {
+                    Some(by_time) => batch::push_quota_use(&mut q, now - QUOTA_WINDOW_MS, by_time),
+                    None => {
+                        q.push("0");
+                    }
                 }
                 q.push(batch::READ_SEEN_TAIL);
+                if by_time.is_some() {
+                    q.push(batch::READ_SEEN_USE_JOIN);
+                }
                 let rows = q
                     .persistent(Self::keep_statement(group.len()))
                     .fetch_all(tx)
@@ -367,6 +389,7 @@ macro_rules! batched_admission {
                             None => row.col("used")?,
                         },
                         fence: row.col("fence")?,
+                        quota_row: by_time.is_some() && row.col::<i32>("quota_row")? == 1,
                     };
                 }
                 Ok(seen)

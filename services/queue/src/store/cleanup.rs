@@ -17,6 +17,12 @@ pub(super) const DELETE_OLD_FENCES: &str = "DELETE FROM push_dismissed_events \
      WHERE created_at < $1 AND (host_fingerprint, notification_epoch, notification_id) IN \
      (SELECT host_fingerprint, notification_epoch, notification_id FROM push_dismissed_events \
       WHERE created_at < $1 ORDER BY created_at LIMIT $2)";
+/// Rows of `push_quota_use` (PostgreSQL's queue migration 0010) that start before `$1`: a seen
+/// read counts the whole window instead of reading one that old (`push_quota_use`), and the next
+/// insert of the host's events writes it again. One statement a pass: the rows are one per host
+/// and kind, and a pass finds those whose hosts stopped sending in the last minute.
+pub(super) const DELETE_OLD_QUOTA_USE: &str = "DELETE FROM push_quota_use WHERE counted_after < $1";
+
 /// The oldest row any retention applies to (each read walks an index from its low end).
 pub(super) const OLDEST_RETAINED: &str = "SELECT MIN(t) FROM (\
      SELECT MIN(accepted_at) AS t FROM push_events \
@@ -178,6 +184,15 @@ macro_rules! cleanup_statements {
                             break;
                         }
                     }
+                }
+                if Self::QUOTA_USE_ROWS {
+                    // Older than any seen read reads (`crate::admission::push_quota_use`).
+                    cleaned.deleted_quota_rows =
+                        sqlx::query($crate::store::cleanup::DELETE_OLD_QUOTA_USE)
+                            .bind(now - 2 * QUOTA_WINDOW_MS)
+                            .execute(self.writes())
+                            .await?
+                            .rows_affected();
                 }
                 let oldest: Option<i64> =
                     sqlx::query_scalar($crate::store::cleanup::OLDEST_RETAINED)

@@ -147,6 +147,8 @@ pub struct Cleaned {
     pub deleted_events: u64,
     pub deleted_batches: u64,
     pub deleted_fences: u64,
+    /// Rows of `push_quota_use` too old to be read again (PostgreSQL).
+    pub deleted_quota_rows: u64,
     /// How far past retention the oldest row still kept is (0 when cleanup is keeping up).
     pub past_retention_ms: i64,
 }

@@ -19,6 +19,7 @@ macro_rules! lock_hosts_head {
     () => {
         "SELECT \
          set_config('plan_cache_mode', 'force_generic_plan', true), \
+         set_config('orca_push.quota_use', 'written', true), \
          set_config('enable_seqscan', 'off', true), \
          set_config('enable_hashjoin', 'off', true), \
          set_config('enable_mergejoin', 'off', true), \
@@ -135,6 +136,12 @@ impl PgQueueStore {
     /// After the quota count's window start: the condition that opens `push_events_quota` to it
     /// (queue migration 0008), always true of a time.
     pub(in crate::store) const QUOTA_BY_TIME: &'static str = " AND q.accepted_at >= 0";
+    /// Each host's quota use is kept in `push_quota_use` (queue migration 0010): a round writes
+    /// its hosts' rows with their events, the table's trigger those of any other insert, and the
+    /// clean-up deletes the rows no admission reads any more. Counting a host's events in the
+    /// window instead visited each in the heap: a third of the admission writer's server time at 64
+    /// connections (round 51, docs/benchmarks.md).
+    pub(in crate::store) const QUOTA_USE_ROWS: bool = true;
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);
@@ -273,6 +280,10 @@ impl PgQueueStore {
     /// `set_config(.., true)` lasts until the transaction ends, so transactions begun otherwise
     /// on the same connection (claims, clean-up, reports outside the writer's rounds) plan as
     /// before.
+    ///
+    /// It also tells `push_quota_use`'s trigger (queue migration 0010) that the round writes its
+    /// hosts' rows itself, with its events (`crate::admission::QUOTA_USE_HEAD`,
+    /// `crate::store::admit::QUOTA_USE_ROW_SQL`): the trigger writes them for any other insert.
     const LOCK_HOSTS_SQL: &'static str = concat!(lock_hosts_head!(), "$1", lock_hosts_tail!());
 
     /// A round's transaction, its hosts locked (`LOCK_HOSTS_SQL`). Fingerprints as the contract

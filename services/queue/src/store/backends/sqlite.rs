@@ -95,6 +95,8 @@ impl SqliteQueueStore {
     pub(in crate::store) const WAKES_IN_WRITES: bool = false;
     /// One process owns a SQLite queue: no other replica to tell (`wake_replicas`).
     pub(in crate::store) const TELLS_REPLICAS: bool = false;
+    /// The writer counts the quota in memory (`crate::store::quota`): no `push_quota_use`.
+    pub(in crate::store) const QUOTA_USE_ROWS: bool = false;
     /// One writer: a second group could only wait for it.
     pub(in crate::store) const GROUP_WRITERS: usize = 1;
     /// Reports share the admission writer's rounds: one transaction and one sync for both, and
