@@ -516,14 +516,14 @@ pub enum Batched {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::Content;
 
     const NOW: i64 = 1_800_000_000_000;
     const WINDOW: i64 = 3000;
 
-    fn alert(host: &str, seq: i64, phones: &[&str]) -> Admission {
+    pub(crate) fn alert(host: &str, seq: i64, phones: &[&str]) -> Admission {
         Admission {
             host_fingerprint: host.into(),
             kind: Kind::Alert,

@@ -103,27 +103,7 @@ pub fn rows_to_write<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Content, Kind};
-
-    fn alert(host: &str, seq: i64) -> Admission {
-        Admission {
-            host_fingerprint: host.into(),
-            kind: Kind::Alert,
-            notification_epoch: "e".into(),
-            notification_seq: seq,
-            content: Content {
-                notification_id: Some(format!("n-{seq}")),
-                source: "agent".into(),
-                agent_state: None,
-                title: "t".into(),
-                body: "b".into(),
-                worktree_id: None,
-            },
-            expires_at_ms: None,
-            recipients: Vec::new(),
-            trace_parent: None,
-        }
-    }
+    use crate::admission::tests::alert;
 
     fn event(a: &Admission, admitted: usize) -> NewEvent<'_> {
         NewEvent {
@@ -137,7 +117,8 @@ mod tests {
 
     #[test]
     fn a_host_gets_a_row_from_its_32nd_event_and_keeps_it_while_it_sends() {
-        let (a1, a2, b, c) = (alert("a", 1), alert("a", 2), alert("b", 1), alert("c", 1));
+        let (a1, a2) = (alert("a", 1, &["p"]), alert("a", 2, &["p"]));
+        let (b, c) = (alert("b", 1, &["p"]), alert("c", 1, &["p"]));
         let group = [&a1, &a2, &b, &c];
         let read = |used, quota_row| Seen {
             used,
