@@ -6,8 +6,9 @@
 -- A row states that `used` events of the host and kind were accepted after `counted_after`. That
 -- stays true whatever `counted_after` is, so a count over a window that starts elsewhere reads only
 -- the events between the two (those that left the window since the row was written, a few for a
--- host that keeps sending). A missing row, or one so old that its events may have gone with
--- retention, means the events are counted as before.
+-- host that keeps sending). With no row, or one starting over a window before the window counted
+-- (whose events between would be more than the window's own), the window's events are counted as
+-- before.
 --
 -- The gateway writes a host's row in the statement that inserts its events (its rounds'
 -- transactions say so: the setting orca_push.quota_use is 'written' in them). Every other insert
@@ -16,8 +17,9 @@
 -- each of its hosts' rows to start a window before the newest event, counting from the old row and
 -- the events between (or all of them, where there is no row or it is old). Run on every insert it
 -- cost as much as it saved (round 51). Every writer of a host's events holds that host's advisory
--- lock, so no two write one row at once; a row the clean-up deletes is written again, whole, by the
--- next insert.
+-- lock (the gateway's rounds take it in their BEGIN, and the trigger takes it too, for an insert
+-- by hand), so no two write one row at once. A row the clean-up deletes is written again, whole,
+-- by the trigger's next insert or by a round once the host has 32 events in the window.
 CREATE TABLE push_quota_use (
     host_fingerprint TEXT NOT NULL,
     kind             TEXT NOT NULL,
@@ -32,8 +34,15 @@ CREATE FUNCTION push_quota_use_after_insert() RETURNS trigger
 LANGUAGE plpgsql
 -- Plans that find rows by key however small the tables were when they were made.
 SET enable_seqscan = off
+-- The queue's schema, as the migration runs in it, whatever the inserting session's search_path.
+SET search_path FROM CURRENT
 AS $$
 BEGIN
+    -- The hosts' locks, in the order the gateway's rounds take them (held already by a gateway's
+    -- own insert): the rows below are then read after any round of these hosts has committed.
+    PERFORM COUNT(pg_advisory_xact_lock(k)) FROM
+        (SELECT DISTINCT hashtextextended('push_events:' || host_fingerprint, 0) AS k
+         FROM inserted ORDER BY k) AS keys;
     UPDATE push_quota_use u SET
         counted_after = g.start,
         used = CASE

@@ -170,3 +170,76 @@ async fn postgresql_cleanup_deletes_quota_rows_no_read_takes() {
     give_a_row(&h, 100).await;
     assert_rows_true(&pg, 1, "written again").await;
 }
+
+/// A session of its own on the test database, on the server's default search path (not the
+/// queue's schema, as the gateway's connections are): an operator's psql, say.
+async fn plain_session(h: &Harness) -> sqlx::PgPool {
+    let orca_push_storage::DatabaseConfig::Postgres { url } = &h.config else {
+        unreachable!("a PostgreSQL harness")
+    };
+    use secrecy::ExposeSecret as _;
+    sqlx::PgPool::connect(url.expose_secret()).await.unwrap()
+}
+
+const HAND_INSERT: &str = "INSERT INTO push_queue.push_events (event_id, host_fingerprint, kind, \
+     notification_epoch, notification_seq, content_hash, accepted_at, expires_at) \
+     VALUES ('by-hand', $1, 'alert', 'epoch-by-hand', 1, 'hash', $2, $2 + 60000)";
+
+/// An insert by hand, from a session whose search path does not name the queue's schema, runs the
+/// trigger in that schema, and waits for the host's lock: a round of that host that has read its
+/// row commits first, so the trigger counts from what the round wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_an_insert_by_hand_keeps_the_rows_true_and_waits_for_the_hosts_round() {
+    let h = harness(Backend::Postgres).await;
+    let pg = postgres(&h).await;
+    give_a_row(&h, 0).await;
+    let mut round = pg.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('push_events:' || $1, 0))")
+        .bind(HOST)
+        .execute(&mut *round)
+        .await
+        .unwrap();
+    let session = plain_session(&h).await;
+    let by_hand = tokio::spawn(async move {
+        sqlx::query(HAND_INSERT)
+            .bind(HOST)
+            .bind(T0 as i64)
+            .execute(&session)
+            .await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(
+        !by_hand.is_finished(),
+        "the insert waits for the host's lock"
+    );
+    round.commit().await.unwrap();
+    by_hand.await.unwrap().unwrap();
+    assert_rows_true(&pg, 1, "after the insert by hand").await;
+    let used: i64 = sqlx::query_scalar("SELECT used FROM push_quota_use")
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    assert_eq!(used, 33);
+}
+
+/// The clean-up skips an old row that a round or an insert holds (it would otherwise wait, and,
+/// taking two such rows in the other order, could deadlock the round), and deletes it next pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgresql_cleanup_skips_quota_rows_a_round_holds() {
+    let h = harness(Backend::Postgres).await;
+    let pg = postgres(&h).await;
+    give_a_row(&h, 0).await;
+    h.clock.set(T0 + QUOTA_WINDOW_MS as u64 + 1);
+    let mut round = pg.begin().await.unwrap();
+    sqlx::query("SELECT used FROM push_quota_use FOR UPDATE")
+        .fetch_all(&mut *round)
+        .await
+        .unwrap();
+    let cleaned = tokio::time::timeout(std::time::Duration::from_secs(5), h.queue.cleanup())
+        .await
+        .expect("the clean-up does not wait for a held row")
+        .unwrap();
+    assert_eq!(cleaned.deleted_quota_rows, 0);
+    round.commit().await.unwrap();
+    assert_eq!(h.queue.cleanup().await.unwrap().deleted_quota_rows, 1);
+}

@@ -7,8 +7,10 @@
 //! in it in the heap (a fresh event's index entry is not known visible without its row): a third of
 //! the admission writer's server time at 64 connections (round 51, docs/benchmarks.md).
 
+use std::borrow::Cow;
+
 use crate::model::{Admission, QUOTA_WINDOW_MS};
-use crate::store::sql::Stmt;
+use crate::store::sql::{Arg, List, Stmt};
 
 use super::{NewEvent, Seen};
 
@@ -40,7 +42,8 @@ pub const READ_SEEN_USE_JOIN: &str = " LEFT JOIN push_quota_use u \
 /// `window_start`. They are its row's count, less the events between the row's start and the
 /// window's (those that left the window since the row was written) or, the row's start after the
 /// window's (a clock that went back), plus those. With no row, or one that starts over a window
-/// before this one (its events may be past retention), every event in the window is counted.
+/// before this one (its events between would be more than the window's own), every event in the
+/// window is counted.
 /// `by_time` follows each time bound on `q.accepted_at` (`RoundQuota::by_time`).
 pub fn push_quota_use(q: &mut Stmt<'_>, window_start: i64, by_time: &str) {
     q.push(USE_ROW)
@@ -61,13 +64,34 @@ pub fn push_quota_use(q: &mut Stmt<'_>, window_start: i64, by_time: &str) {
 }
 
 /// Before the events' insert where the statement counts the quota (PostgreSQL), the rows the
-/// round writes (`rows_to_write`): this, the rows (host, kind, the window's start, the events
-/// accepted after it with the round's own), `QUOTA_USE_TAIL`, then the insert. The round's
-/// transaction tells the table's trigger not to write them too (`PgQueueStore::LOCK_HOSTS_SQL`).
+/// round writes (`rows_to_write`): this, the window's start, `QUOTA_USE_HOSTS`, the hosts (an
+/// array), `QUOTA_USE_USED`, their use after the round (an array), `QUOTA_USE_TAIL`, then the
+/// insert. Arrays whatever the number of rows, so that the events' insert has a text or two more,
+/// not one for each number of rows up to `TUPLES_UP_TO`. The round's transaction tells the table's
+/// trigger not to write them too (`PgQueueStore::LOCK_HOSTS_SQL`).
 pub const QUOTA_USE_HEAD: &str = "WITH quota_use AS (INSERT INTO push_quota_use \
-     (host_fingerprint, kind, counted_after, used) ";
-pub const QUOTA_USE_TAIL: &str = " ON CONFLICT (host_fingerprint, kind) DO UPDATE \
+     (host_fingerprint, kind, counted_after, used) SELECT h, 'alert', ";
+pub const QUOTA_USE_HOSTS: &str = ", u FROM UNNEST(";
+pub const QUOTA_USE_USED: &str = "::text[], ";
+pub const QUOTA_USE_TAIL: &str = "::int8[]) AS t (h, u) \
+     ON CONFLICT (host_fingerprint, kind) DO UPDATE \
      SET counted_after = EXCLUDED.counted_after, used = EXCLUDED.used) ";
+
+/// Pushes the head of a batched round's events insert that writes `rows` (`rows_to_write`), all
+/// alerts, from `window_start`: up to and with `QUOTA_USE_TAIL`.
+pub fn push_quota_rows<'a>(q: &mut Stmt<'a>, window_start: i64, rows: &[(&'a str, i64)]) {
+    let hosts = rows
+        .iter()
+        .map(|(host, _)| Some(Cow::Borrowed(*host)))
+        .collect();
+    let used = rows.iter().map(|(_, used)| Some(*used)).collect();
+    q.push_bind(window_start)
+        .push(QUOTA_USE_HOSTS)
+        .push_bind(Arg::List(List::Text(hosts)))
+        .push(QUOTA_USE_USED)
+        .push_bind(Arg::List(List::Int(used)))
+        .push(QUOTA_USE_TAIL);
+}
 
 /// The rows of `push_quota_use` a batched round writes, each host once: its use after the round
 /// (what the seen read counted, and the round's events), for every host of `events` that has a
@@ -125,7 +149,8 @@ mod tests {
             quota_row,
             ..Seen::default()
         };
-        // a: 30 before, two more in the round; b: 31 before, refused (no event); c: a row.
+        // a: 30 before, two more in the round; b: 31 before, but no event of its in the round; c:
+        // a row.
         let seen = [
             read(30, false),
             read(30, false),

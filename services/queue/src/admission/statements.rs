@@ -209,13 +209,8 @@ macro_rules! batched_admission {
                 for (i, chunk) in plan.events.chunks(batch::ROWS_PER_STATEMENT).enumerate() {
                     let q = if i == 0 && !quota_use.is_empty() {
                         let q = writes.statement(batch::QUOTA_USE_HEAD, chunk.len());
-                        q.push_values(&quota_use, |mut row, (host, used)| {
-                            row.push_bind(*host)
-                                .push_bind(Kind::Alert.as_str())
-                                .push_bind(now - QUOTA_WINDOW_MS)
-                                .push_bind(*used);
-                        });
-                        q.push(batch::QUOTA_USE_TAIL).push("INSERT");
+                        batch::push_quota_rows(q, now - QUOTA_WINDOW_MS, &quota_use);
+                        q.push("INSERT");
                         q
                     } else {
                         writes.statement("INSERT", chunk.len())

@@ -33,7 +33,9 @@ pub(super) const INSERT_EVENT_SQL: &str = "INSERT INTO push_events (event_id, ho
 /// The host's quota use after a new event (PostgreSQL's `push_quota_use`, queue migration 0010
 /// there): host, kind, the window's start, the events accepted after it. Written by the round,
 /// whose transaction tells the table's trigger not to (`PgQueueStore::LOCK_HOSTS_SQL`): a row the
-/// host has (`QUOTA_USE_KEPT_SQL`), or a new one from `crate::admission::QUOTA_ROW_FROM` events.
+/// host has (`QUOTA_USE_KEPT_SQL`), or a new one from `crate::admission::QUOTA_ROW_FROM` alerts.
+/// Only the batched rounds read the rows (this path counts the window whole), and dismissals never
+/// take them: a dismissal's row, which only the trigger makes, is kept true, never made.
 pub(super) const QUOTA_USE_KEPT_SQL: &str = "UPDATE push_quota_use \
      SET counted_after = $3, used = $4 WHERE host_fingerprint = $1 AND kind = $2";
 pub(super) const QUOTA_USE_ROW_SQL: &str = "INSERT INTO push_quota_use \
@@ -249,7 +251,9 @@ macro_rules! row_by_row_admission {
                             .execute(tx)
                             .await?;
                         if Self::QUOTA_USE_ROWS {
-                            let write = if used + 1 >= $crate::admission::QUOTA_ROW_FROM {
+                            let write = if a.kind == Kind::Alert
+                                && used + 1 >= $crate::admission::QUOTA_ROW_FROM
+                            {
                                 $crate::store::admit::QUOTA_USE_ROW_SQL
                             } else {
                                 $crate::store::admit::QUOTA_USE_KEPT_SQL

@@ -18,10 +18,16 @@ pub(super) const DELETE_OLD_FENCES: &str = "DELETE FROM push_dismissed_events \
      (SELECT host_fingerprint, notification_epoch, notification_id FROM push_dismissed_events \
       WHERE created_at < $1 ORDER BY created_at LIMIT $2)";
 /// Rows of `push_quota_use` (PostgreSQL's queue migration 0010) that start before `$1`: a seen
-/// read counts the whole window instead of reading one that old (`push_quota_use`), and the next
-/// insert of the host's events writes it again. One statement a pass: the rows are one per host
-/// and kind, and a pass finds those whose hosts stopped sending in the last minute.
-pub(super) const DELETE_OLD_QUOTA_USE: &str = "DELETE FROM push_quota_use WHERE counted_after < $1";
+/// read counts the whole window instead of reading one that old (`push_quota_use`), and the
+/// trigger's next insert of the host's events, or a round once the host has
+/// `crate::admission::QUOTA_ROW_FROM` alerts in the window, writes it again. One statement a pass:
+/// the rows are one per host and kind, and a pass finds those whose hosts stopped sending in the
+/// last minute. Rows a round or an insert's trigger holds are skipped, not waited for: a round
+/// locks its hosts' rows in its own order, and a delete taking them in another could deadlock it.
+pub(super) const DELETE_OLD_QUOTA_USE: &str = "DELETE FROM push_quota_use \
+     WHERE counted_after < $1 AND (host_fingerprint, kind) IN \
+     (SELECT host_fingerprint, kind FROM push_quota_use WHERE counted_after < $1 \
+      FOR UPDATE SKIP LOCKED)";
 
 /// The oldest row any retention applies to (each read walks an index from its low end).
 pub(super) const OLDEST_RETAINED: &str = "SELECT MIN(t) FROM (\
