@@ -30,19 +30,6 @@ pub(super) const INSERT_EVENT_SQL: &str = "INSERT INTO push_events (event_id, ho
      trace_parent, accepted_at, expires_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
-/// The host's quota use after a new event (PostgreSQL's `push_quota_use`, queue migration 0010
-/// there): host, kind, the window's start, the events accepted after it. Written by the round,
-/// whose transaction tells the table's trigger not to (`PgQueueStore::LOCK_HOSTS_SQL`): a row the
-/// host has (`QUOTA_USE_KEPT_SQL`), or a new one from `crate::admission::QUOTA_ROW_FROM` alerts.
-/// Only the batched rounds read the rows (this path counts the window whole), and dismissals never
-/// take them: a dismissal's row, which only the trigger makes, is kept true, never made.
-pub(super) const QUOTA_USE_KEPT_SQL: &str = "UPDATE push_quota_use \
-     SET counted_after = $3, used = $4 WHERE host_fingerprint = $1 AND kind = $2";
-pub(super) const QUOTA_USE_ROW_SQL: &str = "INSERT INTO push_quota_use \
-     (host_fingerprint, kind, counted_after, used) VALUES ($1, $2, $3, $4) \
-     ON CONFLICT (host_fingerprint, kind) DO UPDATE \
-     SET counted_after = EXCLUDED.counted_after, used = EXCLUDED.used";
-
 /// Whether an event already has a recipient.
 pub(super) const RECIPIENT_SQL: &str =
     "SELECT status FROM push_event_recipients WHERE event_id = $1 AND registration_id = $2";
@@ -254,9 +241,9 @@ macro_rules! row_by_row_admission {
                             let write = if a.kind == Kind::Alert
                                 && used + 1 >= $crate::admission::QUOTA_ROW_FROM
                             {
-                                $crate::store::admit::QUOTA_USE_ROW_SQL
+                                $crate::admission::QUOTA_USE_ROW_SQL
                             } else {
-                                $crate::store::admit::QUOTA_USE_KEPT_SQL
+                                $crate::admission::QUOTA_USE_KEPT_SQL
                             };
                             Stmt::new(write)
                                 .bind(&a.host_fingerprint)
