@@ -93,12 +93,12 @@ pub fn push_quota_rows<'a>(q: &mut Stmt<'a>, window_start: i64, rows: &[(&'a str
         .push(QUOTA_USE_TAIL);
 }
 
-/// The host's quota use after a new event (PostgreSQL's `push_quota_use`, queue migration 0010
-/// there): host, kind, the window's start, the events accepted after it. Written by the round one admission at a time (`crate::store::admit`),
-/// whose transaction tells the table's trigger not to (`PgQueueStore::LOCK_HOSTS_SQL`): a row the
-/// host has (`QUOTA_USE_KEPT_SQL`), or a new one from `crate::admission::QUOTA_ROW_FROM` alerts.
-/// Only the batched rounds read the rows (this path counts the window whole), and dismissals never
-/// take them: a dismissal's row, which only the trigger makes, is kept true, never made.
+/// The host's quota use after a new event, admitted one at a time (`crate::store::admit`): host,
+/// kind, the window's start, the events accepted after it. The round's transaction tells the
+/// table's trigger not to write it (`PgQueueStore::LOCK_HOSTS_SQL`): a row the host has
+/// (`QUOTA_USE_KEPT_SQL`), or a new one from `QUOTA_ROW_FROM` alerts. Only the batched rounds read
+/// the rows (this path counts the window whole), and dismissals never take them: a dismissal's
+/// row, which only the trigger makes, is kept true, never made.
 pub const QUOTA_USE_KEPT_SQL: &str = "UPDATE push_quota_use \
      SET counted_after = $3, used = $4 WHERE host_fingerprint = $1 AND kind = $2";
 pub const QUOTA_USE_ROW_SQL: &str = "INSERT INTO push_quota_use \
