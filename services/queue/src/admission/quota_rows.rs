@@ -93,18 +93,19 @@ pub fn push_quota_rows<'a>(q: &mut Stmt<'a>, window_start: i64, rows: &[(&'a str
         .push(QUOTA_USE_TAIL);
 }
 
-/// The host's quota use after a new event, admitted one at a time (`crate::store::admit`): host,
-/// kind, the window's start, the events accepted after it. The round's transaction tells the
-/// table's trigger not to write it (`PgQueueStore::LOCK_HOSTS_SQL`): a row the host has
-/// (`QUOTA_USE_KEPT_SQL`), or a new one from `QUOTA_ROW_FROM` alerts. Only the batched rounds read
-/// the rows (this path counts the window whole), and dismissals never take them: a dismissal's
-/// row, which only the trigger makes, is kept true, never made.
-pub const QUOTA_USE_KEPT_SQL: &str = "UPDATE push_quota_use \
-     SET counted_after = $3, used = $4 WHERE host_fingerprint = $1 AND kind = $2";
-pub const QUOTA_USE_ROW_SQL: &str = "INSERT INTO push_quota_use \
-     (host_fingerprint, kind, counted_after, used) VALUES ($1, $2, $3, $4) \
+/// Before an event's insert admitted one at a time (`crate::store::admit`'s `INSERT_EVENT_SQL`,
+/// whose `$2` and `$3` are its host and kind), the host's quota use after it: `$12` the window's
+/// start, `$13` the events accepted after it. The round's transaction tells the table's trigger not
+/// to write it (`PgQueueStore::LOCK_HOSTS_SQL`): a row the host has (`QUOTA_USE_KEPT_HEAD`), or a
+/// new one from `QUOTA_ROW_FROM` alerts (`QUOTA_USE_ROW_HEAD`). Only the batched rounds read the
+/// rows (this path counts the window whole), and dismissals never take them: a dismissal's row,
+/// which only the trigger makes, is kept true, never made.
+pub const QUOTA_USE_KEPT_HEAD: &str = "WITH quota_use AS (UPDATE push_quota_use \
+     SET counted_after = $12, used = $13 WHERE host_fingerprint = $2 AND kind = $3) ";
+pub const QUOTA_USE_ROW_HEAD: &str = "WITH quota_use AS (INSERT INTO push_quota_use \
+     (host_fingerprint, kind, counted_after, used) VALUES ($2, $3, $12, $13) \
      ON CONFLICT (host_fingerprint, kind) DO UPDATE \
-     SET counted_after = EXCLUDED.counted_after, used = EXCLUDED.used";
+     SET counted_after = EXCLUDED.counted_after, used = EXCLUDED.used) ";
 
 /// The rows of `push_quota_use` a batched round writes, each host once: its use after the round
 /// (what the seen read counted, and the round's events), for every host of `events` that has a

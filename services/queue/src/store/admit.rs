@@ -223,7 +223,23 @@ macro_rules! row_by_row_admission {
                         let cap = now + MAX_LIFETIME_MS;
                         let deadline = a.expires_at_ms.map_or(cap, |at| at.min(cap));
                         let event_id = ordered_id();
-                        Stmt::new($crate::store::admit::INSERT_EVENT_SQL)
+                        // Where the host's quota use is kept (PostgreSQL), the event's insert
+                        // writes it too, in the same round trip.
+                        let quota_use = Self::QUOTA_USE_ROWS.then(|| {
+                            if a.kind == Kind::Alert
+                                && used + 1 >= $crate::admission::QUOTA_ROW_FROM
+                            {
+                                $crate::admission::QUOTA_USE_ROW_HEAD
+                            } else {
+                                $crate::admission::QUOTA_USE_KEPT_HEAD
+                            }
+                        });
+                        let mut insert = Stmt::new($crate::store::admit::INSERT_EVENT_SQL);
+                        if let Some(head) = quota_use {
+                            insert = Stmt::new(head);
+                            insert.push($crate::store::admit::INSERT_EVENT_SQL);
+                        }
+                        let mut insert = insert
                             .bind(&event_id)
                             .bind(&a.host_fingerprint)
                             .bind(a.kind.as_str())
@@ -234,25 +250,11 @@ macro_rules! row_by_row_admission {
                             .bind(a.content.to_json())
                             .bind(a.trace_parent.as_deref())
                             .bind(now)
-                            .bind(deadline)
-                            .execute(tx)
-                            .await?;
-                        if Self::QUOTA_USE_ROWS {
-                            let write = if a.kind == Kind::Alert
-                                && used + 1 >= $crate::admission::QUOTA_ROW_FROM
-                            {
-                                $crate::admission::QUOTA_USE_ROW_SQL
-                            } else {
-                                $crate::admission::QUOTA_USE_KEPT_SQL
-                            };
-                            Stmt::new(write)
-                                .bind(&a.host_fingerprint)
-                                .bind(a.kind.as_str())
-                                .bind(now - QUOTA_WINDOW_MS)
-                                .bind(used + 1)
-                                .execute(tx)
-                                .await?;
+                            .bind(deadline);
+                        if quota_use.is_some() {
+                            insert = insert.bind(now - QUOTA_WINDOW_MS).bind(used + 1);
                         }
+                        insert.execute(tx).await?;
                         quota.admitted(&a.host_fingerprint, a.kind, now);
                         (event_id, deadline)
                     }

@@ -283,7 +283,7 @@ impl PgQueueStore {
     ///
     /// It also tells `push_quota_use`'s trigger (queue migration 0010) that the round writes its
     /// hosts' rows itself, with its events (`crate::admission::QUOTA_USE_HEAD`,
-    /// `crate::admission::QUOTA_USE_ROW_SQL`): the trigger writes them for any other insert.
+    /// `crate::admission::QUOTA_USE_ROW_HEAD`): the trigger writes them for any other insert.
     const LOCK_HOSTS_SQL: &'static str = concat!(lock_hosts_head!(), "$1", lock_hosts_tail!());
 
     /// A round's transaction, its hosts locked (`LOCK_HOSTS_SQL`). Fingerprints as the contract
