@@ -34,6 +34,14 @@ async fn rows_and_untrue(pg: &sqlx::PgPool) -> (i64, i64) {
     .unwrap()
 }
 
+/// The use the table's one row holds.
+async fn the_one_rows_use(pg: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT used FROM push_quota_use")
+        .fetch_one(pg)
+        .await
+        .unwrap()
+}
+
 async fn assert_rows_true(pg: &sqlx::PgPool, rows: i64, when: &str) {
     assert_eq!(rows_and_untrue(pg).await, (rows, 0), "{when}");
 }
@@ -74,11 +82,7 @@ async fn postgresql_quota_rows_stay_true_on_every_path() {
             .all(|e| e.statuses[0].1 == AdmissionStatus::Queued)
     );
     assert_rows_true(&pg, 1, "batched rounds").await;
-    let used: i64 = sqlx::query_scalar("SELECT used FROM push_quota_use")
-        .fetch_one(&pg)
-        .await
-        .unwrap();
-    assert_eq!(used, 40);
+    assert_eq!(the_one_rows_use(&pg).await, 40);
 
     let one_at_a_time = AnyQueueStore::new(open_and_migrate(&h.config).await.unwrap()).row_by_row();
     let group: Vec<_> = (40..45).map(|seq| alert(seq, &["r2"])).collect();
@@ -215,11 +219,7 @@ async fn postgresql_an_insert_by_hand_keeps_the_rows_true_and_waits_for_the_host
     round.commit().await.unwrap();
     by_hand.await.unwrap().unwrap();
     assert_rows_true(&pg, 1, "after the insert by hand").await;
-    let used: i64 = sqlx::query_scalar("SELECT used FROM push_quota_use")
-        .fetch_one(&pg)
-        .await
-        .unwrap();
-    assert_eq!(used, 33);
+    assert_eq!(the_one_rows_use(&pg).await, 33);
 }
 
 /// The clean-up skips an old row that a round or an insert holds (it would otherwise wait, and,
