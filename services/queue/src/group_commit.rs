@@ -27,8 +27,10 @@ use crate::store::{ClaimAsk, ClaimedBatch, Completion, Enqueued, QueueStore};
 use crate::wake::Wake;
 
 mod answers;
+mod side_by_side;
 
 use answers::{Answers, Refused, ReportAnswer, answer_claims};
+use side_by_side::{Committing, Running};
 
 /// The most admissions one transaction carries.
 pub const MAX_GROUP: usize = 128;
@@ -45,18 +47,6 @@ const WAITING: usize = 4 * MAX_GROUP;
 /// next (`QueueStore::writers_busy`): a little longer than the gap between rounds under a steady
 /// load, which the timer's millisecond ticks round up.
 const IDLE_AFTER: std::time::Duration = std::time::Duration::from_millis(1);
-/// Work waiting from which, with writers side by side, a round starts while another commits;
-/// below it the round gathers until that one ends. Every round costs the server its round trips
-/// whatever its size: on PostgreSQL at 8 connections, rounds that each took what was there made
-/// groups of 1.45 admissions at 0.85 ms of server CPU per send; gathering, a third less
-/// (docs/benchmarks.md, round 27). Neither backend runs several writers since round 33
-/// (PostgreSQL's one writer on a thread of its own made larger rounds than two or four); this
-/// stays for a store that does.
-const SIDE_BY_SIDE_FROM: usize = 8;
-/// The longest a round gathers while another commits: a slow round (a row lock, a stalled
-/// connection) delays the next round by no more than this.
-const GATHER_AT_MOST: std::time::Duration = std::time::Duration::from_millis(10);
-
 /// What waits for a writer's round. Not boxed: the channel's slots are as large as an admission
 /// either way, and a box would cost every admission an allocation.
 #[allow(clippy::large_enum_variant)]
@@ -234,6 +224,16 @@ impl Batch {
             || self.report_rows >= MAX_ROUND_REPORTS
             || self.claims.len() >= MAX_ROUND_CLAIMS
     }
+
+    /// Whatever else is already waiting, up to a full round.
+    fn take_waiting(&mut self, queue: &mut mpsc::Receiver<Work>) {
+        while !self.full() {
+            match queue.try_recv() {
+                Ok(next) => self.add(next),
+                Err(_) => break,
+            }
+        }
+    }
 }
 
 /// Runs `writers` on a thread of their own, with a runtime of their own. Every statement of a
@@ -286,30 +286,6 @@ struct Writer<S> {
     groups: Arc<AtomicU64>,
     /// The rounds committing now, where writers run side by side (`SIDE_BY_SIDE_FROM`).
     running: Option<Arc<Running>>,
-}
-
-/// Rounds committing now, and a signal as each ends.
-#[derive(Default)]
-struct Running {
-    rounds: std::sync::atomic::AtomicUsize,
-    ended: tokio::sync::Notify,
-}
-
-/// Counts one round as committing until dropped (a panicking round included).
-struct Committing<'a>(&'a Running);
-
-impl<'a> Committing<'a> {
-    fn start(running: &'a Running) -> Self {
-        running.rounds.fetch_add(1, Ordering::SeqCst);
-        Self(running)
-    }
-}
-
-impl Drop for Committing<'_> {
-    fn drop(&mut self) {
-        self.0.rounds.fetch_sub(1, Ordering::SeqCst);
-        self.0.ended.notify_waiters();
-    }
 }
 
 /// Which of a round's callers its span goes under: the first that is sampled, else the first.
@@ -385,53 +361,13 @@ impl<S: QueueStore> Writer<S> {
             },
         };
         batch.add(first);
-        Self::take_waiting(&mut queue, &mut batch);
+        batch.take_waiting(&mut queue);
         if let Some(running) = &self.running {
-            Self::gather_while_another_commits(running, &mut queue, &mut batch).await;
+            side_by_side::gather_while_another_commits(running, &mut queue, &mut batch).await;
         }
         let committing = self.running.as_deref().map(Committing::start);
         drop(queue);
         Some((batch, committing))
-    }
-
-    /// Whatever else is already waiting, up to a full round.
-    fn take_waiting(queue: &mut mpsc::Receiver<Work>, batch: &mut Batch) {
-        while !batch.full() {
-            match queue.try_recv() {
-                Ok(next) => batch.add(next),
-                Err(_) => break,
-            }
-        }
-    }
-
-    /// With writers side by side, a small round waits while another commits, taking what arrives
-    /// meanwhile, until that one ends, `SIDE_BY_SIDE_FROM` wait or `GATHER_AT_MOST` has passed.
-    async fn gather_while_another_commits(
-        running: &Running,
-        queue: &mut mpsc::Receiver<Work>,
-        batch: &mut Batch,
-    ) {
-        let until = tokio::time::Instant::now() + GATHER_AT_MOST;
-        while !batch.full() && batch.len() < SIDE_BY_SIDE_FROM {
-            let ended = running.ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            if running.rounds.load(Ordering::SeqCst) == 0 {
-                return;
-            }
-            tokio::select! {
-                () = &mut ended => return,
-                () = tokio::time::sleep_until(until) => return,
-                work = queue.recv() => match work {
-                    Some(work) => {
-                        batch.add(work);
-                        Self::take_waiting(queue, batch);
-                    }
-                    // Stopping: this round goes as it is, and the next finds nothing.
-                    None => return,
-                },
-            }
-        }
     }
 
     /// Admissions and reports waiting for the next round (0 while another writer takes them).
@@ -543,6 +479,7 @@ mod tests {
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
+    use super::side_by_side::{GATHER_AT_MOST, SIDE_BY_SIDE_FROM};
     use super::*;
     use crate::model::{AdmissionRecipient, Content, Kind, Provider};
     use crate::store::{
