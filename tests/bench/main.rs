@@ -163,7 +163,7 @@ struct Args {
     /// setting or turn on `RUST_LOG=sqlx::query=debug` while profiling.
     #[arg(long = "gateway-env", value_parser = parse_env)]
     gateway_env: Vec<(String, String)>,
-    /// Writes each open loop's timeline into this folder, a file per mode and phase
+    /// Writes each open loop's and delivery phase's timeline into this folder, a file per mode and phase
     /// (`<dir>/<mode>/<scenario>-<phase>.txt`): every success's start (Unix microseconds) and
     /// latency (microseconds), a line each, to find when its stalls were.
     #[arg(long)]

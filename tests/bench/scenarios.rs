@@ -219,12 +219,12 @@ where
     F: FnOnce(Arc<Recorder>, Instant) -> Fut,
     Fut: Future<Output = BTreeMap<String, f64>>,
 {
-    // Open loops only: their latency counts from each send's scheduled start, so a stall shows
-    // at the time it happened.
+    // Open loops, whose latency counts from each send's scheduled start, so a stall shows at the
+    // time it happened; and deliveries, each flow's next send starting as its last one ends.
     let timeline = target
         .timeline
         .as_ref()
-        .filter(|_| phase.starts_with("open loop"));
+        .filter(|_| phase.starts_with("open loop") || scenario == "deliver");
     let recorder = Arc::new(match timeline {
         Some(_) => Recorder::with_timeline(),
         None => Recorder::new(),
