@@ -163,9 +163,9 @@ struct Args {
     /// setting or turn on `RUST_LOG=sqlx::query=debug` while profiling.
     #[arg(long = "gateway-env", value_parser = parse_env)]
     gateway_env: Vec<(String, String)>,
-    /// Writes each open loop's and delivery phase's timeline into this folder, a file per mode and phase
-    /// (`<dir>/<mode>/<scenario>-<phase>.txt`): every success's start (Unix microseconds) and
-    /// latency (microseconds), a line each, to find when its stalls were.
+    /// Writes each open loop's and delivery phase's timeline into this folder, a file per mode
+    /// and phase (`<dir>/<mode>/<scenario>-<phase>.txt`): every success's start (Unix
+    /// microseconds) and latency (microseconds), a line each, to find when its stalls were.
     #[arg(long)]
     timeline: Option<PathBuf>,
     /// Appends the gateway's log (its stderr) to this file after each gateway run.
