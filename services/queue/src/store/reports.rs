@@ -1,6 +1,8 @@
 //! What lanes report back: a batch finished (sent, dead, failed, expired), given back for a
 //! retry, or held and released with its provider's breaker.
 
+pub(super) mod call;
+
 /// Row locks on a list of batches (PostgreSQL): the list (`Stmt::push_in`), then `ORDER
 /// BY batch_id` and the lock.
 pub(super) const LOCK_BATCHES_HEAD: &str =
@@ -119,7 +121,7 @@ macro_rules! report_statements {
             /// also row-locks the batch on PostgreSQL. One flag per batch, in order.
             async fn finish_batches(
                 tx: &mut <$store as Backend>::Tx,
-                batches: &[(&str, Option<&str>, &str, &str, bool)],
+                batches: &[$crate::store::reports::call::Finish<'_>],
                 now: i64,
             ) -> Result<Vec<bool>, sqlx::Error> {
                 let mut finished = vec![false; batches.len()];
@@ -133,6 +135,15 @@ macro_rules! report_statements {
                 // them in too (see `enqueue`), so the two cannot deadlock.
                 rows.sort_unstable_by_key(|&i| batches[i].0);
                 if rows.is_empty() {
+                    return Ok(finished);
+                }
+                if Self::FINISHES_BY_CALL {
+                    let ended =
+                        $crate::store::reports::call::finish_by_call(tx, batches, &rows, now)
+                            .await?;
+                    for &i in &rows {
+                        finished[i] = ended.contains(batches[i].0);
+                    }
                     return Ok(finished);
                 }
                 if tx.joins() && Self::FOR_UPDATE.is_empty() {
@@ -212,7 +223,7 @@ macro_rules! report_statements {
             /// The batches' update of `finish_batches`, for the batches at `rows`: each ended only
             /// under its own lease, the ones ended returned.
             fn finish_batches_query<'a>(
-                batches: &[(&'a str, Option<&'a str>, &'a str, &'a str, bool)],
+                batches: &[$crate::store::reports::call::Finish<'a>],
                 rows: &[usize],
                 now: i64,
             ) -> Stmt<'a> {
@@ -259,7 +270,7 @@ macro_rules! report_statements {
             /// recipient waits for it, whichever batch names it.
             async fn finish_batches_joined(
                 tx: &mut <$store as Backend>::Tx,
-                batches: &[(&str, Option<&str>, &str, &str, bool)],
+                batches: &[$crate::store::reports::call::Finish<'_>],
                 rows: &[usize],
                 now: i64,
             ) -> Result<Vec<bool>, sqlx::Error> {
@@ -317,6 +328,17 @@ macro_rules! report_statements {
                 if completions.is_empty() {
                     return Ok(Vec::new());
                 }
+                // One call, a transaction of its own: one round trip where a transaction of the
+                // statements was seven.
+                if Self::FINISHES_BY_CALL && !in_round {
+                    use $crate::store::reports::call;
+                    let batches: Vec<_> = completions.iter().map(call::finish_of).collect();
+                    if let Some(rows) = call::each_once(&batches) {
+                        let mut conn = self.writes().acquire().await?;
+                        let ended = call::finish_by_call(&mut conn, &batches, &rows, now).await?;
+                        return Ok(batches.iter().map(|b| ended.contains(b.0)).collect());
+                    }
+                }
                 let mut tx = if in_round {
                     self.begin_group_write(&[]).await?
                 } else {
@@ -347,16 +369,7 @@ macro_rules! report_statements {
                         .partition(|&i| ids.insert(completions[i].batch_id.as_str()));
                     let batches: Vec<_> = now_round
                         .iter()
-                        .map(|&i| {
-                            let c = &completions[i];
-                            (
-                                c.batch_id.as_str(),
-                                Some(c.lease_token.as_str()),
-                                c.outcome.as_str(),
-                                c.reason.as_str(),
-                                c.answered,
-                            )
-                        })
+                        .map(|&i| $crate::store::reports::call::finish_of(&completions[i]))
                         .collect();
                     let finished = Self::finish_batches(tx, &batches, now).await?;
                     for (&i, done) in now_round.iter().zip(finished) {

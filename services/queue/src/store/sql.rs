@@ -320,7 +320,8 @@ impl Row for sqlx::postgres::PgRow {
     }
 }
 
-/// A transaction the queue's statements run in.
+/// A transaction the queue's statements run in (or, for a statement that is a transaction of its
+/// own, a connection outside any).
 pub trait Exec: Send {
     type Row: Row + Send;
 
@@ -375,10 +376,15 @@ macro_rules! sqlx_query {
     }};
 }
 
-/// Runs a statement in sqlx's transaction `$tx`.
+/// Runs a statement in one of sqlx's transactions on `$db`, or on a connection of its pool
+/// outside any (each statement then commits on its own).
 macro_rules! sqlx_exec {
     ($db:ty, $arguments:ty, $add_list:path, $row:ty, $joins:expr) => {
-        impl<'c> Exec for sqlx::Transaction<'c, $db> {
+        sqlx_exec!(@on sqlx::Transaction<'_, $db>, $db, $arguments, $add_list, $row, $joins);
+        sqlx_exec!(@on sqlx::pool::PoolConnection<$db>, $db, $arguments, $add_list, $row, $joins);
+    };
+    (@on $on:ty, $db:ty, $arguments:ty, $add_list:path, $row:ty, $joins:expr) => {
+        impl Exec for $on {
             type Row = $row;
 
             fn joins(&self) -> bool {

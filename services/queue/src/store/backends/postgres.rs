@@ -142,6 +142,9 @@ impl PgQueueStore {
     /// window instead visited each in the heap: a third of the admission writer's server time at 64
     /// connections (round 51, docs/benchmarks.md).
     pub(in crate::store) const QUOTA_USE_ROWS: bool = true;
+    /// Final answers in one call of `push_finish_batches` (queue migration 0011,
+    /// `crate::store::reports::call`): a report flush is one round trip, not seven.
+    pub(in crate::store) const FINISHES_BY_CALL: bool = true;
 
     pub fn new(pool: sqlx::PgPool) -> Self {
         let readers = orca_push_storage::ReadPool::readers(&pool);

@@ -97,6 +97,9 @@ impl SqliteQueueStore {
     pub(in crate::store) const TELLS_REPLICAS: bool = false;
     /// The writer counts the quota in memory (`crate::store::quota`): no `push_quota_use`.
     pub(in crate::store) const QUOTA_USE_ROWS: bool = false;
+    /// Final answers as the statements they are (no functions in SQLite): the writer's rounds
+    /// carry them, joined into one query (`finish_batches_joined`).
+    pub(in crate::store) const FINISHES_BY_CALL: bool = false;
     /// One writer: a second group could only wait for it.
     pub(in crate::store) const GROUP_WRITERS: usize = 1;
     /// Reports share the admission writer's rounds: one transaction and one sync for both, and
