@@ -39,7 +39,12 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 
 /// The text of every Rust source file of the gateway.
 fn gateway_sources() -> String {
-    let mut text = String::new();
+    gateway_source_files().concat()
+}
+
+/// Every Rust source file of the gateway, a text each.
+fn gateway_source_files() -> Vec<String> {
+    let mut texts = Vec::new();
     let mut dirs: Vec<PathBuf> = ["services", "gateway-facade", "crates"]
         .iter()
         .map(|d| repo().join(d))
@@ -50,11 +55,11 @@ fn gateway_sources() -> String {
             if path.is_dir() {
                 dirs.push(path);
             } else if path.extension().is_some_and(|e| e == "rs") {
-                text.push_str(&std::fs::read_to_string(&path).unwrap());
+                texts.push(std::fs::read_to_string(&path).unwrap());
             }
         }
     }
-    text
+    texts
 }
 
 /// Every `expr` of the dashboard's panels.
@@ -169,8 +174,11 @@ fn the_readme_environment_table_lists_every_variable_the_gateway_reads() {
         .collect::<Vec<_>>()
         .join("\n");
     let documented = variables(&rows, false);
-    let read_by_code: BTreeSet<String> = variables(&gateway_sources(), true)
-        .into_iter()
+    // File by file: a file whose quotes are odd in number (a `'"'`) would flip which pieces of
+    // the next file read as string literals.
+    let read_by_code: BTreeSet<String> = gateway_source_files()
+        .iter()
+        .flat_map(|text| variables(text, true))
         .filter(|v| !NOT_SETTINGS.contains(&v.as_str()))
         .collect();
     let undocumented: Vec<_> = read_by_code.difference(&documented).collect();
