@@ -5,8 +5,8 @@
 -- round trips the server answered; in one call, the gateway and the server spent a fifth less CPU
 -- a delivery (round 52, docs/benchmarks.md).
 --
--- The statements are the gateway's as they were (services/queue/src/store/reports.rs), in the
--- same order and with the same row locks: the batches locked in id order (a dismissal takes them
+-- The statements are those the gateway sent before (services/queue/src/store/reports.rs, round
+-- 51), in the same order and with the same row locks: the batches locked in id order (a dismissal takes them
 -- in that order too), each finished only under its own lease (the ones finished are returned),
 -- their pending recipients given their batch's state, then their events locked in id order and
 -- the payloads that no recipient waits for any more cleared. Each statement reads with a snapshot
@@ -14,7 +14,10 @@
 -- adding one to those events has committed.
 --
 -- A build before this one never calls it; one that does needs it, and its migrations add it
--- before it serves.
+-- before it serves. The function lives in the database, not in the build: a change of what it
+-- does goes in a function of another name (push_finish_batches_v2, its build calling that), this
+-- one kept until no build calls it. Replaced in place, the replicas of the build before would run
+-- the new statements mid-rollout, and a rollback would keep them.
 CREATE FUNCTION push_finish_batches(
     batch_ids TEXT[], new_states TEXT[], reasons TEXT[], leases TEXT[], answers INT[], at_ms BIGINT
 ) RETURNS SETOF TEXT

@@ -3,11 +3,6 @@
 
 pub(super) mod call;
 
-/// Row locks on a list of batches (PostgreSQL): the list (`Stmt::push_in`), then `ORDER
-/// BY batch_id` and the lock.
-pub(super) const LOCK_BATCHES_HEAD: &str =
-    "SELECT batch_id FROM push_delivery_batches WHERE batch_id";
-
 /// Before the rows of final answers: batch, state, reason, lease (NULL: no lease to check, as for
 /// an expiry) and whether the provider answered.
 pub(super) const FINISH_BATCHES_HEAD: &str = "WITH v (id, state, reason, lease, answered) AS (";
@@ -20,12 +15,6 @@ pub(super) const FINISH_BATCHES_TAIL: &str = " FROM v WHERE push_delivery_batche
      AND (v.lease IS NULL OR (push_delivery_batches.lease_token = v.lease \
        AND push_delivery_batches.state = 'leased')) \
      RETURNING push_delivery_batches.batch_id";
-
-/// The events with a payload of a list of batches: the list (`Stmt::push_in`), then `)
-/// ORDER BY` and the row locks.
-pub(super) const LOCK_FINISHED_EVENTS_HEAD: &str = "SELECT e.event_id FROM push_events e \
-     WHERE e.payload_json IS NOT NULL \
-     AND e.event_id IN (SELECT r.event_id FROM push_event_recipients r WHERE r.batch_id";
 
 /// Clears the payloads of a list of batches' events that no recipient waits for, after `UPDATE`
 /// and the backend's `OR_FAIL`: the list (`Stmt::push_in`), then `)`.
@@ -115,10 +104,11 @@ macro_rules! report_statements {
             }
 
             /// Ends each batch (id, lease, state, reason, provider answered) and its pending
-            /// recipients, then clears
-            /// the payloads no recipient waits for any more. A batch with a lease is ended only
-            /// while that lease still holds it: the check and the write are one statement, which
-            /// also row-locks the batch on PostgreSQL. One flag per batch, in order.
+            /// recipients, then clears the payloads no recipient waits for any more. A batch with
+            /// a lease is ended only while that lease still holds it: the check and the write are
+            /// one statement. One flag per batch, in order. On PostgreSQL all of it is one call
+            /// of `push_finish_batches` (`reports::call`), which also row-locks the batches and
+            /// then their events, each in id order.
             async fn finish_batches(
                 tx: &mut <$store as Backend>::Tx,
                 batches: &[$crate::store::reports::call::Finish<'_>],
@@ -146,18 +136,10 @@ macro_rules! report_statements {
                     }
                     return Ok(finished);
                 }
-                if tx.joins() && Self::FOR_UPDATE.is_empty() {
+                // SQLite from here: its one writer needs no row locks (PostgreSQL's, in the
+                // function above, keep the batches' and their events' order).
+                if tx.joins() {
                     return Self::finish_batches_joined(tx, batches, &rows, now).await;
-                }
-                if !Self::FOR_UPDATE.is_empty() {
-                    let mut lock =
-                        Stmt::build($crate::store::reports::LOCK_BATCHES_HEAD, Self::NUMBERED);
-                    lock.push_in(rows.iter().map(|&i| batches[i].0));
-                    lock.push(" ORDER BY batch_id");
-                    lock.push(Self::FOR_UPDATE);
-                    lock.persistent(Self::keep_statement(rows.len()))
-                        .fetch_all(tx)
-                        .await?;
                 }
                 // Every batch in one statement; each is finished only under its own lease.
                 let update = Self::finish_batches_query(batches, &rows, now);
@@ -193,19 +175,6 @@ macro_rules! report_statements {
                     return Ok(finished);
                 }
                 let ended = || by_state.iter().flat_map(|(_, ids)| ids.iter().copied());
-                if !Self::FOR_UPDATE.is_empty() {
-                    // Lock the events first (in id order): the clearing statement below then reads
-                    // the recipients after any admission that is adding one to these events (it
-                    // holds the event's row lock) has committed.
-                    let mut lock = Stmt::build(
-                        $crate::store::reports::LOCK_FINISHED_EVENTS_HEAD,
-                        Self::NUMBERED,
-                    );
-                    lock.push_in(ended());
-                    lock.push(") ORDER BY e.event_id");
-                    lock.push(Self::FOR_UPDATE);
-                    lock.fetch_all(tx).await?;
-                }
                 // A payload is kept while any recipient still waits for it.
                 let mut clear = Stmt::build("UPDATE", Self::NUMBERED);
                 clear
@@ -318,7 +287,9 @@ macro_rules! report_statements {
             }
 
             /// Records `completions` in a transaction of their own: a round's
-            /// (`begin_group_write`) or a claim's (`begin_claim`).
+            /// (`begin_group_write`), one call of `push_finish_batches` on a connection outside
+            /// any (PostgreSQL, each batch named once: `reports::call`), or a lane's
+            /// (`begin_claim`).
             async fn complete_with(
                 &self,
                 completions: &[Completion],

@@ -35,6 +35,14 @@ macro_rules! lock_hosts_tail {
     };
 }
 
+// A report's row locks (the batches', then their events', each in id order, which keep it from
+// deadlocking a dismissal or another report) are taken in `push_finish_batches` alone: the
+// statements `reports` would send instead take none.
+const _: () = assert!(
+    PgQueueStore::FINISHES_BY_CALL,
+    "PostgreSQL's reports must finish their batches through push_finish_batches"
+);
+
 // `PgQueueStore::end_failed_begin` ends an aborted transaction with a `ROLLBACK` on the rounds'
 // pool, which reaches the connection that failed only while that pool holds one connection.
 const _: () = assert!(
@@ -377,7 +385,9 @@ impl PgQueueStore {
         }
     }
 
-    /// A lane's transaction (a claim, a report outside the rounds, a retry, a provider's hold):
+    /// A lane's transaction (a claim, a retry, a provider's hold, a report flush naming a batch
+    /// twice; other flushes are one call of `push_finish_batches`, whose own settings plan as
+    /// these do):
     /// `BEGIN`, in the same round trip planning as a group's transaction does (`LOCK_HOSTS_SQL`),
     /// without sequential scans, hash joins or merge joins. Its statements find their rows by key
     /// (a batch, its recipients, their events), but PostgreSQL's own plan choice, made on the
